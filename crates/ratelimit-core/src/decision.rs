@@ -1,0 +1,102 @@
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+/// What happened to a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Every rule admitted it (possibly after [`Decision::delay`]).
+    Allowed,
+    /// At least one rule denied it; nothing was consumed.
+    Limited,
+    /// The key is blocked; no rule was consulted.
+    Blocked,
+}
+
+/// One rule's view of a check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RuleOutcome {
+    /// Whether this rule admits the request.
+    pub allowed: bool,
+    /// The rule's limit (units per period).
+    pub limit: u64,
+    /// Units still available after this check (for a denied or peeking check: available now).
+    pub remaining: u64,
+    /// Time until the rule's full quota is available again.
+    pub reset_after: Duration,
+    /// On a denial by this rule: the time after which the same request would be admitted.
+    pub retry_after: Option<Duration>,
+}
+
+/// The answer to a check: the verdict, the delay a shaping rule asks for, and each rule's
+/// limit, remaining quota and reset time.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Decision {
+    outcome: Outcome,
+    delay: Duration,
+    retry_after: Option<Duration>,
+    rules: SmallVec<[RuleOutcome; 2]>,
+}
+
+impl Decision {
+    /// A decision from each rule's outcome, in rule-set order: allowed when every rule
+    /// admits; otherwise limited, with `retry_after` the largest over the denying rules.
+    /// `delay` is kept only when allowed.
+    pub fn from_rules(rules: impl IntoIterator<Item = RuleOutcome>, delay: Duration) -> Self {
+        let rules: SmallVec<[RuleOutcome; 2]> = rules.into_iter().collect();
+        let allowed = rules.iter().all(|r| r.allowed);
+        if allowed {
+            Decision {
+                outcome: Outcome::Allowed,
+                delay,
+                retry_after: None,
+                rules,
+            }
+        } else {
+            let retry_after = rules.iter().filter_map(|r| r.retry_after).max();
+            Decision {
+                outcome: Outcome::Limited,
+                delay: Duration::ZERO,
+                retry_after,
+                rules,
+            }
+        }
+    }
+
+    /// A denial because the key is blocked; `retry_after` is the time left on the block,
+    /// `None` for a block without end.
+    pub fn blocked(retry_after: Option<Duration>) -> Self {
+        Decision {
+            outcome: Outcome::Blocked,
+            delay: Duration::ZERO,
+            retry_after,
+            rules: SmallVec::new(),
+        }
+    }
+
+    /// The verdict.
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+
+    /// True when the request may proceed (after [`Decision::delay`]).
+    pub fn is_allowed(&self) -> bool {
+        self.outcome == Outcome::Allowed
+    }
+
+    /// How long a shaping rule asks the admitted request to wait; zero otherwise.
+    pub fn delay(&self) -> Duration {
+        self.delay
+    }
+
+    /// For a denial: when the same request would be admitted (the largest over the denying
+    /// rules, or the time left on a block). `None` when allowed or blocked without end.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// Each rule's outcome, in rule-set order (empty when blocked).
+    pub fn rules(&self) -> &[RuleOutcome] {
+        &self.rules
+    }
+}

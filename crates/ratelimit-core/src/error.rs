@@ -1,0 +1,110 @@
+use std::time::Duration;
+
+/// A rule or rule set that cannot be built, with what to change.
+///
+/// Every variant names the offending field and its `Display` text says how to fix it, so
+/// a bad configuration file fails at start-up with a message an operator can act on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `limit` was 0.
+    #[error("`limit` must be at least 1 (got 0); to refuse all traffic, block the key instead")]
+    ZeroLimit,
+    /// `period` was zero or shorter than one microsecond.
+    #[error("`period` must be at least 1 microsecond (got {0:?})")]
+    ZeroPeriod(Duration),
+    /// `period` was not a whole number of microseconds.
+    #[error(
+        "`period` must be a whole number of microseconds (got {0:?}); round it to microseconds"
+    )]
+    SubMicrosecondPeriod(Duration),
+    /// A burst, capacity or queue size was 0 where at least 1 is needed.
+    #[error("`{field}` must be at least 1 (got 0); use 1 for no burst beyond a single request")]
+    ZeroBurst {
+        /// The field: `burst` or `capacity`.
+        field: &'static str,
+    },
+    /// The sliding window precision was 0, too large, or does not divide the period.
+    #[error(
+        "`precision` {precision} must be between 1 and {max} and divide the period ({period_us} µs) \
+         into whole microseconds; pick a divisor of the period such as 1, 2, 4, 6, 10 or 60"
+    )]
+    BadPrecision {
+        /// The precision asked for.
+        precision: u64,
+        /// The rule's period in microseconds.
+        period_us: u64,
+        /// The largest precision accepted.
+        max: u64,
+    },
+    /// The shaper's no-delay allowance was larger than its queue.
+    #[error("`delay` ({delay}) must not exceed `burst` ({burst}); use delay = burst for nginx's `nodelay`")]
+    DelayExceedsBurst {
+        /// The no-delay allowance.
+        delay: u64,
+        /// The queue size.
+        burst: u64,
+    },
+    /// capacity × period is outside the range where the shared integer arithmetic is exact.
+    #[error(
+        "capacity {capacity} × period {period_us} µs exceeds {max}, the bound within which decisions \
+         are exact in both Rust and Redis Lua; use a shorter period with a proportional limit \
+         (e.g. 1000/hour instead of 24000/day)"
+    )]
+    OutOfExactRange {
+        /// The rule's capacity: the largest of limit, burst and queue.
+        capacity: u64,
+        /// The rule's period in microseconds.
+        period_us: u64,
+        /// The largest accepted product.
+        max: u64,
+    },
+    /// A sliding log would keep too many timestamps per key.
+    #[error(
+        "sliding log `limit` {limit} exceeds {max} timestamps per key; use a sliding window counter \
+         (O(1) memory) for large limits"
+    )]
+    LogTooLong {
+        /// The limit asked for.
+        limit: u64,
+        /// The largest accepted limit.
+        max: u64,
+    },
+    /// A rule set had no rules.
+    #[error("a rule set needs at least one rule")]
+    EmptyRuleSet,
+    /// A rule set held too many rules.
+    #[error("a rule set holds at most {max} rules (got {got}); split them across layers")]
+    TooManyRules {
+        /// Rules given.
+        got: usize,
+        /// The largest accepted count.
+        max: usize,
+    },
+    /// A rule name contains characters that cannot appear in a header or store key.
+    #[error("rule name {0:?} must be 1-64 characters of [A-Za-z0-9_.-]")]
+    BadName(String),
+    /// A rule string could not be parsed.
+    #[error("cannot parse rule {input:?}: {reason}")]
+    Parse {
+        /// The text given.
+        input: String,
+        /// What is wrong and the accepted form.
+        reason: String,
+    },
+}
+
+/// A check asked for more units than a rule can ever grant at once.
+///
+/// Such a request could never be admitted, however long the client waits, so it is
+/// reported as an error rather than as a denial with a meaningless retry time.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cost {cost} exceeds the capacity {capacity} of rule #{rule}; it can never be admitted")]
+pub struct CapacityError {
+    /// The cost asked for.
+    pub cost: u64,
+    /// The most the rule grants at once.
+    pub capacity: u64,
+    /// Index of the rule in its rule set.
+    pub rule: usize,
+}

@@ -1,0 +1,638 @@
+use std::fmt;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{CapacityError, ConfigError};
+
+/// The largest `capacity × period_us` accepted. Every intermediate product of the
+/// algorithms stays below 2^53, so Rust's `u64` and Redis Lua's doubles compute the very
+/// same integers.
+pub const MAX_EXACT_PRODUCT: u64 = 1 << 51;
+/// The most timestamps a sliding log keeps per key.
+pub const MAX_LOG_LIMIT: u64 = 10_000;
+/// The finest sliding window counter precision accepted.
+pub const MAX_PRECISION: u64 = 1_000;
+/// The most rules one rule set may hold.
+pub const MAX_RULES: usize = 16;
+
+/// How a leaky bucket treats a request that finds the bucket non-empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeakyMode {
+    /// Admit while the bucket has room for the request, reject otherwise; never delay.
+    Meter {
+        /// Bucket size: units admitted at once from idle.
+        capacity: u64,
+    },
+    /// Admit with a delay so that admitted requests leave at the leak rate, as nginx
+    /// `limit_req` does: up to `burst` requests wait in the queue, the first `delay` of
+    /// them pass at once (`delay = burst` is nginx's `nodelay`), a request that finds the
+    /// queue full is rejected.
+    Shaper {
+        /// Queue length beyond the request being served (nginx `burst`).
+        burst: u64,
+        /// Queued requests forwarded without delay (nginx `delay=N`).
+        delay: u64,
+    },
+}
+
+/// The algorithm of a [`Rule`], with its algorithm-specific parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// One counter per window aligned to the epoch. Cheapest; admits up to twice the limit
+    /// across a window boundary.
+    FixedWindow,
+    /// Counters per sub-window (`precision` of them per period); the oldest one weighted by
+    /// the part of it still inside the sliding window.
+    SlidingWindow {
+        /// Sub-windows per period; 1 is the classic two-counter scheme.
+        precision: u64,
+    },
+    /// Exact: the timestamps of the last `limit` admitted units.
+    SlidingLog,
+    /// Tokens refilled at `limit` per `period`, up to `capacity`.
+    TokenBucket {
+        /// Bucket size: units admitted at once from idle.
+        capacity: u64,
+    },
+    /// A bucket leaking at `limit` per `period`.
+    LeakyBucket(LeakyMode),
+    /// Generic cell rate algorithm: one theoretical arrival time per key.
+    Gcra {
+        /// Requests admitted at once from idle (governor's and redis_rate's meaning; the
+        /// classic "burst of 5 on top of the regular request" is `burst = 6`).
+        burst: u64,
+    },
+}
+
+/// One limit: an algorithm, a number of units per period, and an optional name.
+///
+/// Built through constructors that refuse nonsense with an error naming the field, or
+/// parsed from text:
+///
+/// ```
+/// use ratelimit_core::Rule;
+/// use std::time::Duration;
+///
+/// let a = Rule::gcra(100, Duration::from_secs(1), 6).unwrap();
+/// let b: Rule = "100/second gcra burst=6".parse().unwrap();
+/// assert_eq!(a, b);
+/// assert_eq!(b.to_string(), "100/1s gcra burst=6");
+///
+/// let err = Rule::fixed_window(0, Duration::from_secs(1)).unwrap_err();
+/// assert!(err.to_string().contains("`limit` must be at least 1"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Rule {
+    algorithm: Algorithm,
+    limit: u64,
+    period_us: u64,
+    name: Option<Arc<str>>,
+}
+
+fn period_us(period: Duration) -> Result<u64, ConfigError> {
+    if period.as_micros() == 0 {
+        return Err(ConfigError::ZeroPeriod(period));
+    }
+    if period.subsec_nanos() % 1_000 != 0 {
+        return Err(ConfigError::SubMicrosecondPeriod(period));
+    }
+    u64::try_from(period.as_micros()).map_err(|_| ConfigError::OutOfExactRange {
+        capacity: 1,
+        period_us: u64::MAX,
+        max: MAX_EXACT_PRODUCT,
+    })
+}
+
+impl Rule {
+    fn build(algorithm: Algorithm, limit: u64, period: Duration) -> Result<Self, ConfigError> {
+        if limit == 0 {
+            return Err(ConfigError::ZeroLimit);
+        }
+        let period_us = period_us(period)?;
+        let rule = Rule {
+            algorithm,
+            limit,
+            period_us,
+            name: None,
+        };
+        match algorithm {
+            Algorithm::SlidingWindow { precision } => {
+                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 {
+                    return Err(ConfigError::BadPrecision {
+                        precision,
+                        period_us,
+                        max: MAX_PRECISION,
+                    });
+                }
+            }
+            Algorithm::SlidingLog if limit > MAX_LOG_LIMIT => {
+                return Err(ConfigError::LogTooLong {
+                    limit,
+                    max: MAX_LOG_LIMIT,
+                })
+            }
+            Algorithm::TokenBucket { capacity: 0 }
+            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity: 0 }) => {
+                return Err(ConfigError::ZeroBurst { field: "capacity" })
+            }
+            Algorithm::Gcra { burst: 0 } => return Err(ConfigError::ZeroBurst { field: "burst" }),
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) if delay > burst => {
+                return Err(ConfigError::DelayExceedsBurst { delay, burst })
+            }
+            _ => {}
+        }
+        let capacity = rule.capacity().max(limit);
+        if capacity
+            .checked_mul(period_us)
+            .is_none_or(|p| p > MAX_EXACT_PRODUCT)
+        {
+            return Err(ConfigError::OutOfExactRange {
+                capacity,
+                period_us,
+                max: MAX_EXACT_PRODUCT,
+            });
+        }
+        Ok(rule)
+    }
+
+    /// A fixed window: at most `limit` units per window of `period`, windows aligned to
+    /// the Unix epoch.
+    pub fn fixed_window(limit: u64, period: Duration) -> Result<Self, ConfigError> {
+        Self::build(Algorithm::FixedWindow, limit, period)
+    }
+
+    /// A sliding window counter with `precision` sub-windows per period (1 = the classic
+    /// previous/current pair; must divide the period).
+    pub fn sliding_window(
+        limit: u64,
+        period: Duration,
+        precision: u64,
+    ) -> Result<Self, ConfigError> {
+        Self::build(Algorithm::SlidingWindow { precision }, limit, period)
+    }
+
+    /// An exact sliding log: never more than `limit` units in any window of `period`.
+    pub fn sliding_log(limit: u64, period: Duration) -> Result<Self, ConfigError> {
+        Self::build(Algorithm::SlidingLog, limit, period)
+    }
+
+    /// A token bucket refilled with `limit` tokens per `period`, holding up to `capacity`.
+    pub fn token_bucket(limit: u64, period: Duration, capacity: u64) -> Result<Self, ConfigError> {
+        Self::build(Algorithm::TokenBucket { capacity }, limit, period)
+    }
+
+    /// A leaky bucket meter leaking `limit` per `period`, holding up to `capacity`.
+    pub fn leaky_meter(limit: u64, period: Duration, capacity: u64) -> Result<Self, ConfigError> {
+        Self::build(
+            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }),
+            limit,
+            period,
+        )
+    }
+
+    /// A leaky bucket shaper leaking `limit` per `period` with nginx's `burst` and `delay`.
+    pub fn leaky_shaper(
+        limit: u64,
+        period: Duration,
+        burst: u64,
+        delay: u64,
+    ) -> Result<Self, ConfigError> {
+        Self::build(
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }),
+            limit,
+            period,
+        )
+    }
+
+    /// GCRA at `limit` per `period`, admitting `burst` requests at once from idle.
+    pub fn gcra(limit: u64, period: Duration, burst: u64) -> Result<Self, ConfigError> {
+        Self::build(Algorithm::Gcra { burst }, limit, period)
+    }
+
+    /// Names the rule (shown in `RateLimit-Policy`; part of the rule's identity).
+    pub fn named(mut self, name: &str) -> Result<Self, ConfigError> {
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+        if !ok {
+            return Err(ConfigError::BadName(name.to_owned()));
+        }
+        self.name = Some(name.into());
+        Ok(self)
+    }
+
+    /// The algorithm and its parameters.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Units per period.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The period.
+    pub fn period(&self) -> Duration {
+        Duration::from_micros(self.period_us)
+    }
+
+    /// The period in microseconds.
+    pub fn period_us(&self) -> u64 {
+        self.period_us
+    }
+
+    /// The name, if one was given.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The most units a single check can be granted: larger costs can never be admitted.
+    pub fn capacity(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+                self.limit
+            }
+            Algorithm::TokenBucket { capacity }
+            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst + 1,
+            Algorithm::Gcra { burst } => burst,
+        }
+    }
+}
+
+fn fmt_period(us: u64) -> String {
+    const UNITS: [(u64, &str); 5] = [
+        (86_400_000_000, "d"),
+        (3_600_000_000, "h"),
+        (60_000_000, "m"),
+        (1_000_000, "s"),
+        (1_000, "ms"),
+    ];
+    for (size, unit) in UNITS {
+        if us % size == 0 {
+            return format!("{}{unit}", us / size);
+        }
+    }
+    format!("{us}us")
+}
+
+impl fmt::Display for Rule {
+    /// The canonical text form; parsing it gives the same rule back.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.limit, fmt_period(self.period_us))?;
+        match self.algorithm {
+            Algorithm::FixedWindow => write!(f, " fixed-window")?,
+            Algorithm::SlidingWindow { precision } => {
+                write!(f, " sliding-window precision={precision}")?
+            }
+            Algorithm::SlidingLog => write!(f, " sliding-log")?,
+            Algorithm::TokenBucket { capacity } => write!(f, " token-bucket capacity={capacity}")?,
+            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
+                write!(f, " leaky-bucket mode=meter capacity={capacity}")?
+            }
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+                write!(f, " leaky-bucket mode=shaper burst={burst} delay={delay}")?
+            }
+            Algorithm::Gcra { burst } => write!(f, " gcra burst={burst}")?,
+        }
+        if let Some(name) = &self.name {
+            write!(f, " name={name}")?;
+        }
+        Ok(())
+    }
+}
+
+const RULE_SYNTAX: &str = "expected `<limit>/<period> [algorithm] [option=value ...]`, \
+e.g. `10/second`, `100 per minute`, `5/2 seconds`, `20/min sliding-window precision=4`, \
+`100/s gcra burst=6`, `2/s leaky-bucket mode=shaper burst=10 delay=2`; algorithms: \
+fixed-window, sliding-window, sliding-log, token-bucket, leaky-bucket, gcra (the default)";
+
+fn unit_us(unit: &str) -> Option<u64> {
+    Some(match unit.to_ascii_lowercase().as_str() {
+        "us" | "µs" | "micro" | "micros" | "microsecond" | "microseconds" => 1,
+        "ms" | "milli" | "millis" | "millisecond" | "milliseconds" => 1_000,
+        "s" | "sec" | "secs" | "second" | "seconds" => 1_000_000,
+        "m" | "min" | "mins" | "minute" | "minutes" => 60_000_000,
+        "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000_000,
+        "d" | "day" | "days" => 86_400_000_000,
+        _ => return None,
+    })
+}
+
+fn parse_rule(input: &str) -> Result<Rule, String> {
+    let spaced = input.replace('/', " / ");
+    let mut tokens = spaced.split_whitespace().peekable();
+    let limit: u64 = tokens
+        .next()
+        .ok_or("empty rule")?
+        .parse()
+        .map_err(|_| "the limit must be a whole number")?;
+    match tokens.next() {
+        Some("/") => {}
+        Some(t) if t.eq_ignore_ascii_case("per") => {}
+        _ => return Err("expected `/` or `per` after the limit".into()),
+    }
+    let period_token = tokens.next().ok_or("missing period")?;
+    let split = period_token
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(period_token.len());
+    let (count, unit) = period_token.split_at(split);
+    let (count, unit) = if unit.is_empty() {
+        let unit = tokens.next().ok_or("missing period unit")?;
+        (count, unit)
+    } else {
+        (count, unit)
+    };
+    let count: u64 = if count.is_empty() {
+        1
+    } else {
+        count.parse().map_err(|_| "bad period count")?
+    };
+    let unit = unit_us(unit).ok_or_else(|| format!("unknown time unit {unit:?}"))?;
+    let period_us = count.checked_mul(unit).ok_or("period too long")?;
+    let period = Duration::from_micros(period_us);
+
+    let mut algorithm: Option<&str> = None;
+    let mut options: Vec<(&str, &str)> = Vec::new();
+    for token in tokens {
+        if let Some((k, v)) = token.split_once('=') {
+            options.push((k, v));
+        } else if algorithm.is_none() {
+            algorithm = Some(token);
+        } else {
+            return Err(format!("unexpected {token:?}"));
+        }
+    }
+    fn take<'a>(options: &mut Vec<(&'a str, &'a str)>, key: &str) -> Option<&'a str> {
+        let pos = options
+            .iter()
+            .position(|(k, _)| k.eq_ignore_ascii_case(key));
+        pos.map(|i| options.remove(i).1)
+    }
+    fn num<'a>(
+        options: &mut Vec<(&'a str, &'a str)>,
+        key: &str,
+        default: u64,
+    ) -> Result<u64, String> {
+        match take(options, key) {
+            Some(v) => v
+                .parse()
+                .map_err(|_| format!("`{key}` must be a whole number")),
+            None => Ok(default),
+        }
+    }
+    let o = &mut options;
+    let algo = algorithm.unwrap_or("gcra").to_ascii_lowercase();
+    let built = match algo.as_str() {
+        "fixed-window" | "fixed" => Rule::fixed_window(limit, period),
+        "sliding-window" | "sliding-counter" | "sliding" => {
+            Rule::sliding_window(limit, period, num(o, "precision", 1)?)
+        }
+        "sliding-log" | "log" => Rule::sliding_log(limit, period),
+        "token-bucket" | "token" => Rule::token_bucket(limit, period, num(o, "capacity", limit)?),
+        "gcra" => Rule::gcra(limit, period, num(o, "burst", limit)?),
+        "leaky-bucket" | "leaky" => {
+            let mode = take(o, "mode").unwrap_or("meter").to_ascii_lowercase();
+            match mode.as_str() {
+                "meter" => Rule::leaky_meter(limit, period, num(o, "capacity", limit)?),
+                "shaper" => {
+                    let burst = num(o, "burst", 0)?;
+                    Rule::leaky_shaper(limit, period, burst, num(o, "delay", 0)?)
+                }
+                other => {
+                    return Err(format!(
+                        "unknown leaky-bucket mode {other:?}: meter or shaper"
+                    ))
+                }
+            }
+        }
+        other => return Err(format!("unknown algorithm {other:?}")),
+    };
+    let mut rule = built.map_err(|e| e.to_string())?;
+    if let Some(name) = take(o, "name") {
+        rule = rule.named(name).map_err(|e| e.to_string())?;
+    }
+    if let Some((k, _)) = options.first() {
+        return Err(format!("option `{k}` does not apply to {algo}"));
+    }
+    Ok(rule)
+}
+
+impl FromStr for Rule {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_rule(s).map_err(|reason| ConfigError::Parse {
+            input: s.to_owned(),
+            reason: format!("{reason}; {RULE_SYNTAX}"),
+        })
+    }
+}
+
+/// The rules checked together on one key: a request is admitted only if every rule admits
+/// it, and a denied request consumes nothing.
+///
+/// A key's state belongs to the pair (key, rule set): two layers with different rule sets
+/// keep separate counts for the same client, two routes sharing one rule set share one
+/// budget. Cheap to clone.
+///
+/// ```
+/// use ratelimit_core::RuleSet;
+///
+/// let rules: RuleSet = "1/s sliding-log; 20/min sliding-log; 200/h sliding-log; 800/day sliding-log"
+///     .parse()
+///     .unwrap();
+/// assert_eq!(rules.len(), 4);
+/// ```
+#[derive(Debug, Clone)]
+pub struct RuleSet {
+    inner: Arc<RuleSetInner>,
+}
+
+#[derive(Debug)]
+struct RuleSetInner {
+    rules: Box<[Rule]>,
+    id: String,
+    fingerprint: u64,
+    log_limit: u64,
+    log_period_us: u64,
+}
+
+impl PartialEq for RuleSet {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.id == other.inner.id
+    }
+}
+impl Eq for RuleSet {}
+
+impl RuleSet {
+    /// A rule set from one or more rules.
+    pub fn new(rules: impl IntoIterator<Item = Rule>) -> Result<Self, ConfigError> {
+        let rules: Box<[Rule]> = rules.into_iter().collect();
+        if rules.is_empty() {
+            return Err(ConfigError::EmptyRuleSet);
+        }
+        if rules.len() > MAX_RULES {
+            return Err(ConfigError::TooManyRules {
+                got: rules.len(),
+                max: MAX_RULES,
+            });
+        }
+        let id = rules
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        let mut hasher = foldhash::quality::FixedState::with_seed(0x5eed).build_hasher();
+        id.hash(&mut hasher);
+        let logs = rules
+            .iter()
+            .filter(|r| r.algorithm == Algorithm::SlidingLog);
+        let log_limit = logs.clone().map(|r| r.limit).max().unwrap_or(0);
+        let log_period_us = logs.map(|r| r.period_us).max().unwrap_or(0);
+        Ok(Self {
+            inner: Arc::new(RuleSetInner {
+                rules,
+                id,
+                fingerprint: hasher.finish(),
+                log_limit,
+                log_period_us,
+            }),
+        })
+    }
+
+    /// Parses `"1/s; 20/min; 200/h; 800/day"`: rules separated by `;`.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        text.parse()
+    }
+
+    /// The rules, in the order given.
+    pub fn rules(&self) -> &[Rule] {
+        &self.inner.rules
+    }
+
+    /// Number of rules.
+    pub fn len(&self) -> usize {
+        self.inner.rules.len()
+    }
+
+    /// Always false: a rule set holds at least one rule.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The canonical text of the whole set; identifies its state in a store.
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// A stable 64-bit hash of [`RuleSet::id`].
+    pub fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint
+    }
+
+    /// Entries the shared sliding log keeps (the largest sliding-log limit), 0 if none.
+    pub fn log_limit(&self) -> u64 {
+        self.inner.log_limit
+    }
+
+    /// The longest sliding-log period in microseconds, 0 if none.
+    pub fn log_period_us(&self) -> u64 {
+        self.inner.log_period_us
+    }
+
+    /// Refuses a cost that some rule could never grant. Stores call this before deciding.
+    pub fn check_cost(&self, cost: u64) -> Result<(), CapacityError> {
+        for (i, rule) in self.rules().iter().enumerate() {
+            if cost > rule.capacity() {
+                return Err(CapacityError {
+                    cost,
+                    capacity: rule.capacity(),
+                    rule: i,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl From<Rule> for RuleSet {
+    fn from(rule: Rule) -> Self {
+        RuleSet::new([rule]).expect("one valid rule is a valid rule set")
+    }
+}
+
+impl FromStr for RuleSet {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let rules = s
+            .split(';')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::parse)
+            .collect::<Result<Vec<Rule>, _>>()?;
+        RuleSet::new(rules)
+    }
+}
+
+impl fmt::Display for RuleSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.id())
+    }
+}
+
+#[cfg(feature = "serde")]
+mod serde_impls {
+    use super::{Rule, RuleSet};
+    use serde::de::{Error, SeqAccess, Visitor};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::fmt;
+
+    impl Serialize for Rule {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_str(self)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Rule {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let text = String::deserialize(d)?;
+            text.parse().map_err(D::Error::custom)
+        }
+    }
+
+    impl Serialize for RuleSet {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_str(self)
+        }
+    }
+
+    /// A rule set deserializes from `"1/s; 20/min"` or from a list of rule strings.
+    impl<'de> Deserialize<'de> for RuleSet {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = RuleSet;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a rule string such as \"1/s; 20/min\" or a list of rule strings")
+                }
+                fn visit_str<E: Error>(self, v: &str) -> Result<RuleSet, E> {
+                    v.parse().map_err(E::custom)
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RuleSet, A::Error> {
+                    let mut rules = Vec::new();
+                    while let Some(rule) = seq.next_element::<Rule>()? {
+                        rules.push(rule);
+                    }
+                    RuleSet::new(rules).map_err(A::Error::custom)
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+}

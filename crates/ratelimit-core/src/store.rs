@@ -1,0 +1,82 @@
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::rule::RuleSet;
+
+/// Where rate-limit state lives: process memory ([`MemoryStore`](crate::MemoryStore)),
+/// Redis, or anything else that can apply the core's transitions atomically per key.
+///
+/// The trait is generic (its methods return `impl Future + Send`) rather than object safe:
+/// the middleware is generic over its store, so a check through [`MemoryStore`]
+/// (crate::MemoryStore) costs no allocation and no dynamic call. Wrap a store in an
+/// [`Arc`] to share it between layers; `Arc<S>` is a store too.
+///
+/// Keys are arbitrary bytes (an IP, an API key, a user id). A key's state belongs to the
+/// pair (key, rule set); blocks belong to the key alone and stop every rule set.
+pub trait Store: Send + Sync + 'static {
+    /// What can go wrong: an unreachable backend, a timeout, a cost no rule can grant.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Decides a request of `cost` units for `key` against every rule of `rules` in one
+    /// atomic step: admitted only if every rule admits, and a denial consumes nothing.
+    /// `cost == 0` peeks without consuming.
+    fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send;
+
+    /// Blocks `key` for `duration`, or until [`Store::unblock`] when `None`. A block
+    /// replaces any earlier one.
+    fn block(
+        &self,
+        key: &[u8],
+        duration: Option<Duration>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Lifts a block on `key` (no-op when not blocked).
+    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Forgets what `key` consumed under `rules`, as if it had never been seen.
+    fn reset(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+}
+
+impl<S: Store> Store for Arc<S> {
+    type Error = S::Error;
+
+    fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
+        (**self).check(key, rules, cost)
+    }
+
+    fn block(
+        &self,
+        key: &[u8],
+        duration: Option<Duration>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        (**self).block(key, duration)
+    }
+
+    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        (**self).unblock(key)
+    }
+
+    fn reset(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        (**self).reset(key, rules)
+    }
+}

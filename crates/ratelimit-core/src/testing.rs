@@ -1,0 +1,712 @@
+//! The store conformance suite: the same traces, with the same injected times, must give
+//! the same decisions from every [`Store`].
+//!
+//! [`conformance`] runs every algorithm, multi-rule, cost, peek, block and key-isolation
+//! case against stores made by a factory, asserting exact decisions. [`run_trace`] and
+//! the [`strategy`] module drive random traces, so a test can require identical answers
+//! from two stores.
+//!
+//! ```
+//! use ratelimit_core::{testing, MemoryStore};
+//!
+//! # futures::executor::block_on(async {
+//! testing::conformance(|clock| async move { MemoryStore::builder().clock(clock).build() }).await;
+//! # });
+//! ```
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::{Decision, ManualClock, Outcome, RuleSet, Store};
+
+/// The conformance suite's start time: midnight UTC, so windows of up to a day align.
+pub const T0_US: u64 = 1_699_920_000_000_000;
+
+const MS: u64 = 1_000;
+const S: u64 = 1_000_000;
+
+struct Case<'a, St> {
+    name: &'static str,
+    store: &'a St,
+    clock: &'a ManualClock,
+}
+
+impl<St: Store> Case<'_, St> {
+    fn rules(&self, text: &str) -> RuleSet {
+        text.parse()
+            .unwrap_or_else(|e| panic!("[{}] bad rules {text:?}: {e}", self.name))
+    }
+
+    async fn check(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Decision {
+        self.store
+            .check(key, rules, cost)
+            .await
+            .unwrap_or_else(|e| panic!("[{}] check failed: {e}", self.name))
+    }
+
+    async fn allowed(&self, key: &[u8], rules: &RuleSet, n: usize, what: &str) {
+        for i in 0..n {
+            let d = self.check(key, rules, 1).await;
+            assert!(
+                d.is_allowed(),
+                "[{}] {what}: request {} of {n} should be allowed, got {d:?}",
+                self.name,
+                i + 1
+            );
+        }
+    }
+
+    async fn count_allowed(&self, key: &[u8], rules: &RuleSet, tries: usize) -> usize {
+        let mut n = 0;
+        for _ in 0..tries {
+            if self.check(key, rules, 1).await.is_allowed() {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    async fn denied(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        retry: Duration,
+        what: &str,
+    ) -> Decision {
+        let d = self.check(key, rules, cost).await;
+        assert_eq!(
+            d.outcome(),
+            Outcome::Limited,
+            "[{}] {what}: {d:?}",
+            self.name
+        );
+        assert_eq!(
+            d.retry_after(),
+            Some(retry),
+            "[{}] {what}: retry_after of {d:?}",
+            self.name
+        );
+        d
+    }
+
+    fn at(&self, offset_us: u64) {
+        self.clock.set(T0_US + offset_us);
+    }
+
+    async fn block(&self, key: &[u8], d: Option<Duration>) {
+        self.store
+            .block(key, d)
+            .await
+            .unwrap_or_else(|e| panic!("[{}] block failed: {e}", self.name));
+    }
+}
+
+/// Runs every conformance case, each against a fresh store made by `make` with a manual
+/// clock; panics with the case's name and the differing decision on the first mismatch.
+///
+/// Stores made by successive calls must not share state (use a fresh key prefix or
+/// database per call when the backend is shared).
+pub async fn conformance<St, F, Fut>(mut make: F)
+where
+    St: Store,
+    F: FnMut(ManualClock) -> Fut,
+    Fut: Future<Output = St>,
+{
+    macro_rules! case {
+        ($name:literal, |$c:ident| $body:block) => {{
+            let clock = ManualClock::new(T0_US);
+            let store = make(clock.clone()).await;
+            let $c = Case {
+                name: $name,
+                store: &store,
+                clock: &clock,
+            };
+            $body
+        }};
+    }
+
+    case!("fixed window: limit, remaining, reset, retry", |c| {
+        let r = c.rules("3/min fixed-window");
+        c.at(10 * S);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(d.rules()[0].remaining, 2, "[{}] {d:?}", c.name);
+        assert_eq!(
+            d.rules()[0].reset_after,
+            Duration::from_secs(50),
+            "[{}] {d:?}",
+            c.name
+        );
+        c.allowed(b"k", &r, 2, "rest of the window").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(50), "fourth in the window")
+            .await;
+        c.at(60 * S);
+        c.allowed(b"k", &r, 3, "next window").await;
+    });
+
+    case!(
+        "fixed window: double burst across a boundary (documented weakness)",
+        |c| {
+            let r = c.rules("100/min fixed-window");
+            c.at(55 * S);
+            assert_eq!(
+                c.count_allowed(b"k", &r, 150).await,
+                100,
+                "[{}] before boundary",
+                c.name
+            );
+            c.at(61 * S);
+            assert_eq!(
+                c.count_allowed(b"k", &r, 150).await,
+                100,
+                "[{}] after boundary",
+                c.name
+            );
+        }
+    );
+
+    case!("sliding log: no double burst across a boundary", |c| {
+        let r = c.rules("100/min sliding-log");
+        c.at(55 * S);
+        assert_eq!(
+            c.count_allowed(b"k", &r, 150).await,
+            100,
+            "[{}] before boundary",
+            c.name
+        );
+        c.at(61 * S);
+        assert_eq!(
+            c.count_allowed(b"k", &r, 150).await,
+            0,
+            "[{}] after boundary",
+            c.name
+        );
+        c.at(115 * S);
+        assert_eq!(
+            c.count_allowed(b"k", &r, 150).await,
+            100,
+            "[{}] a minute later",
+            c.name
+        );
+    });
+
+    case!(
+        "sliding window counter, precision 1: 25 at 1.25 min, 75 at 1.75 min",
+        |c| {
+            let r = c.rules("100/min sliding-window precision=1");
+            c.at(0);
+            c.allowed(b"a", &r, 100, "first quarter minute").await;
+            c.allowed(b"b", &r, 100, "first quarter minute").await;
+            c.at(75 * S);
+            assert_eq!(
+                c.count_allowed(b"a", &r, 200).await,
+                25,
+                "[{}] at 1.25 min",
+                c.name
+            );
+            c.at(105 * S);
+            assert_eq!(
+                c.count_allowed(b"b", &r, 200).await,
+                75,
+                "[{}] at 1.75 min",
+                c.name
+            );
+        }
+    );
+
+    case!("sliding window counter, precision 2: 50 at 1.25 min", |c| {
+        let r = c.rules("100/min sliding-window precision=2");
+        c.at(0);
+        c.allowed(b"a", &r, 100, "first quarter minute").await;
+        c.at(75 * S);
+        assert_eq!(
+            c.count_allowed(b"a", &r, 200).await,
+            50,
+            "[{}] at 1.25 min",
+            c.name
+        );
+    });
+
+    case!(
+        "sliding window counter: retry_after is the exact first admitting instant",
+        |c| {
+            let r = c.rules("10/min sliding-window precision=4");
+            c.at(S);
+            c.allowed(b"k", &r, 10, "burst").await;
+            c.at(20 * S);
+            let d = c.check(b"k", &r, 1).await;
+            let retry = d.retry_after().expect("denied");
+            c.at(20 * S + retry.as_micros() as u64 - 1);
+            assert!(
+                !c.check(b"k", &r, 1).await.is_allowed(),
+                "[{}] just before retry_after",
+                c.name
+            );
+            c.at(20 * S + retry.as_micros() as u64);
+            assert!(
+                c.check(b"k", &r, 1).await.is_allowed(),
+                "[{}] at retry_after {retry:?}",
+                c.name
+            );
+        }
+    );
+
+    case!(
+        "sliding log: 1/s and 5/min share one log (the four-second wait)",
+        |c| {
+            let r = c.rules("1/s sliding-log; 5/min sliding-log");
+            let hms = |m: u64, s: u64| (12 * 3600 + m * 60 + s) * S;
+            for (m, s) in [(33, 35), (33, 37), (34, 14), (34, 26), (34, 28)] {
+                c.at(hms(m, s));
+                c.allowed(b"k", &r, 1, "the five logged requests").await;
+            }
+            c.at(hms(34, 31));
+            let d = c
+                .denied(b"k", &r, 1, Duration::from_secs(4), "at 12:34:31")
+                .await;
+            assert!(
+                d.rules()[0].allowed && !d.rules()[1].allowed,
+                "[{}] {d:?}",
+                c.name
+            );
+            c.at(hms(34, 40));
+            c.allowed(b"k", &r, 1, "at 12:34:40").await;
+            c.denied(b"k", &r, 1, Duration::from_secs(1), "right after")
+                .await;
+        }
+    );
+
+    case!("token bucket: capacity then refill", |c| {
+        let r = c.rules("1/s token-bucket capacity=5");
+        c.at(0);
+        c.allowed(b"k", &r, 5, "full bucket").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "empty bucket")
+            .await;
+        c.at(2_500 * MS);
+        c.allowed(b"k", &r, 2, "2.5 tokens").await;
+        c.denied(b"k", &r, 1, Duration::from_millis(500), "half a token")
+            .await;
+    });
+
+    case!(
+        "GCRA: 100/s with burst 6 (the seed's burst of 5 on top of one)",
+        |c| {
+            let r = c.rules("100/s gcra burst=6");
+            c.at(500 * MS);
+            for left in (0..6).rev() {
+                let d = c.check(b"k", &r, 1).await;
+                assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+                assert_eq!(d.rules()[0].remaining, left, "[{}] {d:?}", c.name);
+            }
+            c.denied(b"k", &r, 1, Duration::from_millis(10), "seventh")
+                .await;
+            c.at(510 * MS);
+            c.allowed(b"k", &r, 1, "one emission interval later").await;
+            c.denied(b"k", &r, 1, Duration::from_millis(10), "again")
+                .await;
+            c.at(10 * S);
+            c.allowed(b"k", &r, 6, "idle again").await;
+        }
+    );
+
+    case!(
+        "GCRA: emission interval that is not a whole microsecond",
+        |c| {
+            let r = c.rules("3/10us gcra burst=1");
+            c.at(0);
+            let mut admitted = 0;
+            for _ in 0..30 {
+                admitted += c.count_allowed(b"k", &r, 2).await;
+                c.clock.advance(Duration::from_micros(1));
+            }
+            // The emission interval is 3⅓ µs and requests arrive on whole microseconds, so each
+            // admission lands on the first whole microsecond at or after its theoretical time:
+            // 0, 4, 8, ..., 28. Rounding the interval to 3 µs would admit 10, to 4 µs 8 at
+            // other instants; the exact fraction is what both stores must agree on.
+            assert_eq!(admitted, 8, "[{}] 3 per 10 µs over 30 µs", c.name);
+        }
+    );
+
+    case!("leaky bucket meter admits like GCRA", |c| {
+        let r = c.rules("100/s leaky-bucket mode=meter capacity=6");
+        c.at(0);
+        c.allowed(b"k", &r, 6, "bucket").await;
+        c.denied(b"k", &r, 1, Duration::from_millis(10), "full")
+            .await;
+    });
+
+    case!("leaky bucket shaper: nginx burst and delay", |c| {
+        let r = c.rules("10/s leaky-bucket mode=shaper burst=3 delay=0");
+        c.at(0);
+        for want in [0, 100, 200, 300] {
+            let d = c.check(b"a", &r, 1).await;
+            assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+            assert_eq!(d.delay(), Duration::from_millis(want), "[{}] {d:?}", c.name);
+        }
+        c.denied(b"a", &r, 1, Duration::from_millis(100), "queue full")
+            .await;
+        let r = c.rules("10/s leaky-bucket mode=shaper burst=3 delay=2");
+        for want in [0, 0, 0, 100] {
+            let d = c.check(b"b", &r, 1).await;
+            assert_eq!(d.delay(), Duration::from_millis(want), "[{}] {d:?}", c.name);
+        }
+        c.at(1_000 * MS);
+        let d = c.check(b"b", &r, 1).await;
+        assert_eq!(d.delay(), Duration::ZERO, "[{}] drained: {d:?}", c.name);
+    });
+
+    case!("multi-rule: all or nothing", |c| {
+        let r = c.rules("10/min fixed-window; 1/s gcra burst=1");
+        c.at(0);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(d.rules()[0].remaining, 9, "[{}] {d:?}", c.name);
+        let d = c
+            .denied(
+                b"k",
+                &r,
+                1,
+                Duration::from_secs(1),
+                "second in the same second",
+            )
+            .await;
+        assert!(d.rules()[0].allowed, "[{}] {d:?}", c.name);
+        assert_eq!(
+            d.rules()[0].remaining,
+            9,
+            "[{}] nothing consumed: {d:?}",
+            c.name
+        );
+        c.at(S);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(d.rules()[0].remaining, 8, "[{}] {d:?}", c.name);
+    });
+
+    case!(
+        "multi-rule: retry_after is the largest over denying rules",
+        |c| {
+            let r = c.rules("2/min fixed-window; 1/s fixed-window");
+            c.at(0);
+            c.allowed(b"k", &r, 1, "first").await;
+            c.denied(b"k", &r, 1, Duration::from_secs(1), "second, same second")
+                .await;
+            c.at(S);
+            c.allowed(b"k", &r, 1, "second").await;
+            c.denied(b"k", &r, 1, Duration::from_secs(59), "both deny")
+                .await;
+        }
+    );
+
+    case!(
+        "cost: consumes several units; too large a cost is an error",
+        |c| {
+            let r = c.rules("10/s gcra burst=10");
+            c.at(0);
+            let d = c.check(b"k", &r, 4).await;
+            assert_eq!(d.rules()[0].remaining, 6, "[{}] {d:?}", c.name);
+            c.denied(
+                b"k",
+                &r,
+                7,
+                Duration::from_millis(100),
+                "cost 7 with 6 left",
+            )
+            .await;
+            let d = c.check(b"k", &r, 6).await;
+            assert!(
+                d.is_allowed() && d.rules()[0].remaining == 0,
+                "[{}] {d:?}",
+                c.name
+            );
+            assert!(
+                c.store.check(b"k", &r, 11).await.is_err(),
+                "[{}] cost 11 > burst 10",
+                c.name
+            );
+            let log = c.rules("5/min sliding-log");
+            let d = c.check(b"log", &log, 3).await;
+            assert_eq!(d.rules()[0].remaining, 2, "[{}] {d:?}", c.name);
+            c.denied(
+                b"log",
+                &log,
+                3,
+                Duration::from_secs(60),
+                "cost 3 with 2 left",
+            )
+            .await;
+        }
+    );
+
+    case!(
+        "peek: cost 0 consumes nothing and predicts a request of cost 1",
+        |c| {
+            let r = c.rules("3/min fixed-window; 5/min sliding-window precision=2");
+            c.at(0);
+            for _ in 0..3 {
+                let d = c.check(b"k", &r, 0).await;
+                assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+                assert_eq!(d.rules()[0].remaining, 3, "[{}] {d:?}", c.name);
+            }
+            c.allowed(b"k", &r, 3, "after peeks").await;
+            let d = c.check(b"k", &r, 0).await;
+            assert_eq!(d.outcome(), Outcome::Limited, "[{}] {d:?}", c.name);
+            assert_eq!(d.rules()[0].remaining, 0, "[{}] {d:?}", c.name);
+            assert_eq!(d.rules()[1].remaining, 2, "[{}] {d:?}", c.name);
+            let g = c.rules("1/s gcra burst=2");
+            assert_eq!(
+                c.check(b"g", &g, 0).await.rules()[0].remaining,
+                2,
+                "[{}]",
+                c.name
+            );
+            c.allowed(b"g", &g, 2, "peek left the burst").await;
+        }
+    );
+
+    case!("blocks: with a duration, without end, lifted", |c| {
+        let r = c.rules("100/s gcra burst=100");
+        c.at(0);
+        c.block(b"k", Some(Duration::from_secs(30))).await;
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(d.outcome(), Outcome::Blocked, "[{}] {d:?}", c.name);
+        assert_eq!(
+            d.retry_after(),
+            Some(Duration::from_secs(30)),
+            "[{}] {d:?}",
+            c.name
+        );
+        c.allowed(b"other", &r, 1, "another key").await;
+        c.at(10 * S);
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(
+            d.retry_after(),
+            Some(Duration::from_secs(20)),
+            "[{}] peek while blocked {d:?}",
+            c.name
+        );
+        c.at(30 * S);
+        c.allowed(b"k", &r, 1, "block over").await;
+        c.block(b"k", None).await;
+        c.at(86_400 * S);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(
+            (d.outcome(), d.retry_after()),
+            (Outcome::Blocked, None),
+            "[{}] {d:?}",
+            c.name
+        );
+        c.store
+            .unblock(b"k")
+            .await
+            .unwrap_or_else(|e| panic!("unblock: {e}"));
+        c.allowed(b"k", &r, 1, "unblocked").await;
+    });
+
+    case!("reset forgets a key's state for one rule set", |c| {
+        let r = c.rules("2/min fixed-window");
+        let other = c.rules("2/min fixed-window name=other");
+        c.at(0);
+        c.allowed(b"k", &r, 2, "quota").await;
+        c.allowed(b"k", &other, 2, "quota").await;
+        c.store
+            .reset(b"k", &r)
+            .await
+            .unwrap_or_else(|e| panic!("reset: {e}"));
+        c.allowed(b"k", &r, 2, "after reset").await;
+        c.denied(
+            b"k",
+            &other,
+            1,
+            Duration::from_secs(60),
+            "other rule set untouched",
+        )
+        .await;
+    });
+
+    case!(
+        "keys are data: no collisions between awkward keys or rule sets",
+        |c| {
+            let long = vec![b'x'; 10 * 1024];
+            let keys: [&[u8]; 10] = [
+                b"",
+                b"a",
+                b"a:b",
+                b"a:",
+                b":b",
+                b"{a}",
+                b"a}",
+                b"{",
+                b"\r\n*1\r\n$4\r\nPING\r\n",
+                &long,
+            ];
+            let binary: &[u8] = &[0xff, 0xfe, 0x00, 0x7b, 0x7d];
+            let r = c.rules("1/min fixed-window");
+            let r2 = c.rules("1/min sliding-log");
+            c.at(0);
+            for key in keys.iter().copied().chain([binary]) {
+                c.allowed(key, &r, 1, "first use of each key").await;
+                c.allowed(key, &r2, 1, "same key, other rule set").await;
+            }
+            for key in keys.iter().copied().chain([binary]) {
+                c.denied(key, &r, 1, Duration::from_secs(60), "second use")
+                    .await;
+            }
+        }
+    );
+
+    case!("state expires: a long-idle key starts fresh", |c| {
+        let r = c.rules(
+            "2/h sliding-window precision=6; 3/day sliding-log; 1/min token-bucket capacity=1",
+        );
+        c.at(0);
+        c.allowed(b"k", &r, 1, "first").await;
+        c.at(86_400 * S * 3);
+        let d = c.check(b"k", &r, 1).await;
+        assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+        assert_eq!(d.rules()[1].remaining, 2, "[{}] {d:?}", c.name);
+    });
+}
+
+/// One step of a trace for [`run_trace`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Move the clock forward by this many microseconds.
+    Advance(u64),
+    /// Check `key` against rule set number `rules` with `cost`.
+    Check {
+        /// Key number (the key is the prefix plus this byte).
+        key: u8,
+        /// Index into the trace's rule sets.
+        rules: usize,
+        /// Units; 0 peeks.
+        cost: u64,
+    },
+    /// Block `key` for this many milliseconds, or without end.
+    Block {
+        /// Key number.
+        key: u8,
+        /// Block length in milliseconds; `None` blocks until lifted.
+        ms: Option<u64>,
+    },
+    /// Lift a block.
+    Unblock {
+        /// Key number.
+        key: u8,
+    },
+    /// Forget a key's state under rule set number `rules`.
+    Reset {
+        /// Key number.
+        key: u8,
+        /// Index into the trace's rule sets.
+        rules: usize,
+    },
+}
+
+/// What a step produced: the decision of a check (or its error text), nothing otherwise.
+pub type StepResult = Option<Result<Decision, String>>;
+
+/// Replays `steps` against `store`, moving `clock` (which the store must read), with keys
+/// `prefix + [key number]`. Two stores that agree give equal result vectors.
+pub async fn run_trace<St: Store>(
+    store: &St,
+    clock: &ManualClock,
+    prefix: &[u8],
+    rulesets: &[RuleSet],
+    steps: &[Step],
+) -> Vec<StepResult> {
+    let key = |k: u8| {
+        let mut key = prefix.to_vec();
+        key.push(k);
+        key
+    };
+    let mut out = Vec::with_capacity(steps.len());
+    for step in steps {
+        out.push(match step {
+            Step::Advance(us) => {
+                clock.advance(Duration::from_micros(*us));
+                None
+            }
+            Step::Check {
+                key: k,
+                rules,
+                cost,
+            } => Some(
+                store
+                    .check(&key(*k), &rulesets[*rules], *cost)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+            Step::Block { key: k, ms } => {
+                let res = store.block(&key(*k), ms.map(Duration::from_millis)).await;
+                res.err().map(|e| Err(e.to_string()))
+            }
+            Step::Unblock { key: k } => store
+                .unblock(&key(*k))
+                .await
+                .err()
+                .map(|e| Err(e.to_string())),
+            Step::Reset { key: k, rules } => store
+                .reset(&key(*k), &rulesets[*rules])
+                .await
+                .err()
+                .map(|e| Err(e.to_string())),
+        });
+    }
+    out
+}
+
+/// proptest strategies for rules, rule sets and traces.
+pub mod strategy {
+    use super::Step;
+    use crate::{Rule, RuleSet};
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    /// A valid rule of any algorithm with small limits and periods from 1 ms to 1 min.
+    pub fn rule() -> impl Strategy<Value = Rule> {
+        let period = prop_oneof![
+            Just(1_000u64),
+            Just(7_000),
+            Just(100_000),
+            Just(1_000_000),
+            Just(60_000_000)
+        ];
+        (1u64..=12, period, 0u8..7, 1u64..=6, 0u64..=4).prop_map(
+            |(limit, period_us, algo, p, extra)| {
+                let period = Duration::from_micros(period_us);
+                match algo {
+                    0 => Rule::fixed_window(limit, period),
+                    1 => {
+                        let precision = [1, 2, 4, 5, 10, 1][p as usize - 1];
+                        Rule::sliding_window(limit, period, precision)
+                    }
+                    2 => Rule::sliding_log(limit, period),
+                    3 => Rule::token_bucket(limit, period, limit + extra),
+                    4 => Rule::leaky_meter(limit, period, p),
+                    5 => Rule::leaky_shaper(limit, period, extra, extra.min(p - 1)),
+                    _ => Rule::gcra(limit, period, p),
+                }
+                .expect("generated rules are valid")
+            },
+        )
+    }
+
+    /// A rule set of one to four rules.
+    pub fn rule_set() -> impl Strategy<Value = RuleSet> {
+        proptest::collection::vec(rule(), 1..=4)
+            .prop_map(|rules| RuleSet::new(rules).expect("valid"))
+    }
+
+    /// A trace over `rulesets` rule sets and three keys: mostly checks (cost 0 to 3, so
+    /// some exceed small capacities), clock steps from 0 to ~2 periods, and blocks.
+    pub fn steps(rulesets: usize, len: usize) -> impl Strategy<Value = Vec<Step>> {
+        let step = prop_oneof![
+            8 => (0u8..3, 0..rulesets, prop_oneof![4 => Just(1u64), 1 => Just(0), 1 => 2u64..=3])
+                .prop_map(|(key, rules, cost)| Step::Check { key, rules, cost }),
+            4 => prop_oneof![0u64..2_000, 0u64..200_000, 0u64..2_000_000, Just(60_000_000)].prop_map(Step::Advance),
+            1 => (0u8..3, proptest::option::of(1u64..3_000)).prop_map(|(key, ms)| Step::Block { key, ms }),
+            1 => (0u8..3).prop_map(|key| Step::Unblock { key }),
+            1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Reset { key, rules }),
+        ];
+        proptest::collection::vec(step, 1..len)
+    }
+}
