@@ -266,14 +266,11 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
                         continue;
                     };
                     let x = room * sub;
-                    let start = if old_j == 0 {
-                        0
-                    } else {
-                        let q = x / old_j;
-                        if q == 0 {
-                            continue;
-                        }
-                        sub.saturating_sub(q)
+                    // With no weighted sub-window left, the window's start admits.
+                    let start = match x.checked_div(old_j) {
+                        None => 0,
+                        Some(0) => continue,
+                        Some(q) => sub.saturating_sub(q),
                     };
                     let t = w * sub + start;
                     if t > now {

@@ -45,14 +45,16 @@ pub enum ConfigError {
         /// The queue size.
         burst: u64,
     },
-    /// capacity × period is outside the range where the shared integer arithmetic is exact.
+    /// capacity × period (or limit × sub-window) is outside the range where the shared
+    /// integer arithmetic is exact.
     #[error(
         "capacity {capacity} × period {period_us} µs exceeds {max}, the bound within which decisions \
-         are exact in both Rust and Redis Lua; use a shorter period with a proportional limit \
-         (e.g. 1000/hour instead of 24000/day)"
+         are exact in both Rust and Redis Lua; use a smaller burst or capacity, a shorter period \
+         with a proportional limit (1000/hour instead of 24000/day), or a sliding window with a \
+         higher precision"
     )]
     OutOfExactRange {
-        /// The rule's capacity: the largest of limit, burst and queue.
+        /// The count multiplied: the burst or capacity (bucket algorithms) or the limit.
         capacity: u64,
         /// The rule's period in microseconds.
         period_us: u64,

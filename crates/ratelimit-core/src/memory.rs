@@ -100,10 +100,22 @@ impl Shard {
         self.sweep(now);
         if self.table.len() > cap - cap / 8 {
             let mut expiries: Vec<u64> = self.table.iter().map(|e| e.expires_at).collect();
-            let nth = (cap / 8).max(1).min(expiries.len()) - 1;
-            let (_, threshold, _) = expiries.select_nth_unstable(nth);
+            let evict = (cap / 8).max(1).min(expiries.len());
+            let (below, threshold, _) = expiries.select_nth_unstable(evict - 1);
             let threshold = *threshold;
-            self.table.retain(|e| e.expires_at > threshold);
+            // Entries sharing the threshold expiry are dropped only as far as needed, so
+            // a flood of keys seen at the same instant loses an eighth, not all of them.
+            let mut ties = evict - below.iter().filter(|&&x| x < threshold).count();
+            self.table.retain(|e| {
+                if e.expires_at < threshold {
+                    false
+                } else if e.expires_at == threshold && ties > 0 {
+                    ties -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
         }
     }
 }

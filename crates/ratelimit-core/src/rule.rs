@@ -1,5 +1,4 @@
 use std::fmt;
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,14 +117,14 @@ impl Rule {
             name: None,
         };
         match algorithm {
-            Algorithm::SlidingWindow { precision } => {
-                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 {
-                    return Err(ConfigError::BadPrecision {
-                        precision,
-                        period_us,
-                        max: MAX_PRECISION,
-                    });
-                }
+            Algorithm::SlidingWindow { precision }
+                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 =>
+            {
+                return Err(ConfigError::BadPrecision {
+                    precision,
+                    period_us,
+                    max: MAX_PRECISION,
+                });
             }
             Algorithm::SlidingLog if limit > MAX_LOG_LIMIT => {
                 return Err(ConfigError::LogTooLong {
@@ -143,10 +142,17 @@ impl Rule {
             }
             _ => {}
         }
-        let capacity = rule.capacity().max(limit);
-        if capacity
-            .checked_mul(period_us)
-            .is_none_or(|p| p > MAX_EXACT_PRODUCT)
+        // Fixed windows and logs only compare counts; the others multiply a count by a
+        // (sub-)period, which must stay exact in Lua's doubles.
+        let (capacity, span_us) = match algorithm {
+            Algorithm::FixedWindow | Algorithm::SlidingLog => (limit, 1),
+            Algorithm::SlidingWindow { precision } => (limit, period_us / precision),
+            _ => (rule.capacity().max(1), period_us),
+        };
+        if limit > MAX_EXACT_PRODUCT
+            || capacity
+                .checked_mul(span_us)
+                .is_none_or(|p| p > MAX_EXACT_PRODUCT)
         {
             return Err(ConfigError::OutOfExactRange {
                 capacity,
@@ -323,7 +329,7 @@ fn unit_us(unit: &str) -> Option<u64> {
     })
 }
 
-fn parse_rule(input: &str) -> Result<Rule, String> {
+fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
     let spaced = input.replace('/', " / ");
     let mut tokens = spaced.split_whitespace().peekable();
     let limit: u64 = tokens
@@ -364,7 +370,7 @@ fn parse_rule(input: &str) -> Result<Rule, String> {
         } else if algorithm.is_none() {
             algorithm = Some(token);
         } else {
-            return Err(format!("unexpected {token:?}"));
+            return Err(format!("unexpected {token:?}").into());
         }
     }
     fn take<'a>(options: &mut Vec<(&'a str, &'a str)>, key: &str) -> Option<&'a str> {
@@ -404,33 +410,56 @@ fn parse_rule(input: &str) -> Result<Rule, String> {
                     Rule::leaky_shaper(limit, period, burst, num(o, "delay", 0)?)
                 }
                 other => {
-                    return Err(format!(
-                        "unknown leaky-bucket mode {other:?}: meter or shaper"
-                    ))
+                    return Err(
+                        format!("unknown leaky-bucket mode {other:?}: meter or shaper").into(),
+                    )
                 }
             }
         }
-        other => return Err(format!("unknown algorithm {other:?}")),
+        other => return Err(format!("unknown algorithm {other:?}").into()),
     };
-    let mut rule = built.map_err(|e| e.to_string())?;
+    let mut rule = built.map_err(ParseFailure::Invalid)?;
     if let Some(name) = take(o, "name") {
-        rule = rule.named(name).map_err(|e| e.to_string())?;
+        rule = rule.named(name).map_err(ParseFailure::Invalid)?;
     }
     if let Some((k, _)) = options.first() {
-        return Err(format!("option `{k}` does not apply to {algo}"));
+        return Err(format!("option `{k}` does not apply to {algo}").into());
     }
     Ok(rule)
+}
+
+/// Why a rule string was refused: bad syntax, or well-formed but invalid values.
+enum ParseFailure {
+    Syntax(String),
+    Invalid(ConfigError),
+}
+
+impl<T: Into<String>> From<T> for ParseFailure {
+    fn from(reason: T) -> Self {
+        ParseFailure::Syntax(reason.into())
+    }
 }
 
 impl FromStr for Rule {
     type Err = ConfigError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        parse_rule(s).map_err(|reason| ConfigError::Parse {
-            input: s.to_owned(),
-            reason: format!("{reason}; {RULE_SYNTAX}"),
+        parse_rule(s).map_err(|failure| match failure {
+            ParseFailure::Invalid(e) => e,
+            ParseFailure::Syntax(reason) => ConfigError::Parse {
+                input: s.to_owned(),
+                reason: format!("{reason}; {RULE_SYNTAX}"),
+            },
         })
     }
+}
+
+/// 64-bit FNV-1a: fixed by its specification, so fingerprints (which may name state in a
+/// shared store) never change with a dependency's version.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// The rules checked together on one key: a request is admitted only if every rule admits
@@ -487,8 +516,7 @@ impl RuleSet {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join("; ");
-        let mut hasher = foldhash::quality::FixedState::with_seed(0x5eed).build_hasher();
-        id.hash(&mut hasher);
+        let fingerprint = fnv1a(id.as_bytes());
         let logs = rules
             .iter()
             .filter(|r| r.algorithm == Algorithm::SlidingLog);
@@ -498,7 +526,7 @@ impl RuleSet {
             inner: Arc::new(RuleSetInner {
                 rules,
                 id,
-                fingerprint: hasher.finish(),
+                fingerprint,
                 log_limit,
                 log_period_us,
             }),
@@ -530,7 +558,7 @@ impl RuleSet {
         &self.inner.id
     }
 
-    /// A stable 64-bit hash of [`RuleSet::id`].
+    /// A 64-bit hash (FNV-1a) of [`RuleSet::id`], stable across versions and processes.
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }

@@ -1,0 +1,195 @@
+//! Invariants each algorithm promises, over random arrival traces.
+
+use proptest::prelude::*;
+use ratelimit_core::algo::{decide, RuleState};
+use ratelimit_core::testing::strategy;
+use ratelimit_core::{Rule, RuleSet};
+use std::time::Duration;
+
+/// Arrival times (µs, non-decreasing) with gaps from 0 to ~3 periods of `period_us`.
+fn arrivals(period_us: u64, n: usize) -> impl Strategy<Value = Vec<u64>> {
+    let gap = prop_oneof![
+        4 => Just(0u64),
+        4 => 0..period_us / 10 + 1,
+        2 => 0..period_us,
+        1 => 0..3 * period_us,
+    ];
+    proptest::collection::vec(gap, 1..n).prop_map(|gaps| {
+        let mut t = 1_700_000_000_000_000u64;
+        gaps.into_iter()
+            .map(|g| {
+                t += g;
+                t
+            })
+            .collect()
+    })
+}
+
+/// Replays `times` (each a request of cost 1) and returns the admitted times, each paired
+/// with its delay.
+fn admitted(rules: &RuleSet, times: &[u64]) -> Vec<(u64, u64)> {
+    let mut states = vec![RuleState::Fresh; rules.len()];
+    times
+        .iter()
+        .filter_map(|&t| {
+            let tr = decide(rules, &mut states, t, 1);
+            tr.decision
+                .is_allowed()
+                .then(|| (t, tr.decision.delay().as_micros() as u64))
+        })
+        .collect()
+}
+
+/// The most admitted times in any half-open window `[t, t + period)`.
+fn max_in_window(times: &[u64], period: u64) -> usize {
+    let mut best = 0;
+    let mut lo = 0;
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= period {
+            lo += 1;
+        }
+        best = best.max(hi - lo + 1);
+    }
+    best
+}
+
+const PERIODS: [u64; 4] = [1_000, 10_000, 1_000_000, 60_000_000];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn sliding_log_never_exceeds_limit_in_any_window(
+        limit in 1u64..20, p in 0usize..4, seed in arrivals(1_000_000, 300)
+    ) {
+        let period = PERIODS[p];
+        let times: Vec<u64> = seed.iter().map(|t| t / (1_000_000 / period.min(1_000_000))).collect();
+        let rules = RuleSet::from(Rule::sliding_log(limit, Duration::from_micros(period)).unwrap());
+        let ok: Vec<u64> = admitted(&rules, &times).into_iter().map(|(t, _)| t).collect();
+        prop_assert!(max_in_window(&ok, period) as u64 <= limit);
+    }
+
+    #[test]
+    fn fixed_window_admits_at_most_twice_the_limit_in_any_window(
+        limit in 1u64..20, times in arrivals(1_000_000, 300)
+    ) {
+        let rules = RuleSet::from(Rule::fixed_window(limit, Duration::from_secs(1)).unwrap());
+        let ok: Vec<u64> = admitted(&rules, &times).into_iter().map(|(t, _)| t).collect();
+        prop_assert!(max_in_window(&ok, 1_000_000) as u64 <= 2 * limit);
+    }
+
+    #[test]
+    fn buckets_admit_at_most_burst_plus_rate_times_span(
+        limit in 1u64..20, burst in 1u64..10, algo in 0u8..3, times in arrivals(1_000_000, 250)
+    ) {
+        let period = Duration::from_secs(1);
+        let rule = match algo {
+            0 => Rule::gcra(limit, period, burst),
+            1 => Rule::token_bucket(limit, period, burst),
+            _ => Rule::leaky_meter(limit, period, burst),
+        }.unwrap();
+        let ok: Vec<u64> = admitted(&RuleSet::from(rule), &times).into_iter().map(|(t, _)| t).collect();
+        for i in 0..ok.len() {
+            for j in i..ok.len() {
+                let span = ok[j] - ok[i];
+                let bound = burst + span * limit / 1_000_000;
+                prop_assert!((j - i + 1) as u64 <= bound, "{} admitted within {span} µs", j - i + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn gcra_token_bucket_and_leaky_meter_decide_alike(
+        limit in 1u64..20, burst in 1u64..10, p in 0usize..4, seed in arrivals(1_000_000, 200)
+    ) {
+        let period = Duration::from_micros(PERIODS[p]);
+        let sets = [
+            RuleSet::from(Rule::gcra(limit, period, burst).unwrap()),
+            RuleSet::from(Rule::token_bucket(limit, period, burst).unwrap()),
+            RuleSet::from(Rule::leaky_meter(limit, period, burst).unwrap()),
+        ];
+        let runs: Vec<_> = sets.iter().map(|r| admitted(r, &seed)).collect();
+        prop_assert_eq!(&runs[0], &runs[1]);
+        prop_assert_eq!(&runs[0], &runs[2]);
+    }
+
+    #[test]
+    fn shaper_output_never_exceeds_the_leak_rate(
+        limit in 1u64..20, burst in 0u64..8, nodelay in 0u64..8, p in 0usize..4,
+        seed in arrivals(1_000_000, 200)
+    ) {
+        let period = PERIODS[p];
+        let delay = nodelay.min(burst);
+        let rule = Rule::leaky_shaper(limit, Duration::from_micros(period), burst, delay).unwrap();
+        let mut out: Vec<u64> = admitted(&RuleSet::from(rule), &seed)
+            .into_iter()
+            .map(|(t, d)| t + d)
+            .collect();
+        out.sort_unstable();
+        for i in 0..out.len() {
+            for j in i + 1..out.len() {
+                // Beyond the `delay` requests let through early, outputs leave one emission
+                // interval apart; each is rounded up to a whole microsecond, hence the + 1.
+                let n = (j - i) as u64;
+                prop_assert!(
+                    n.saturating_sub(delay) * period <= (out[j] - out[i] + 1) * limit,
+                    "{n} outputs in {} µs", out[j] - out[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_denied_check_changes_no_state_and_a_peek_never_does(
+        sets in strategy::rule_set(), seed in arrivals(1_000_000, 120), costs in proptest::collection::vec(0u64..4, 120)
+    ) {
+        let mut states = vec![RuleState::Fresh; sets.len()];
+        for (i, t) in seed.iter().enumerate() {
+            let cost = costs[i % costs.len()];
+            if sets.check_cost(cost).is_err() {
+                continue;
+            }
+            let before = states.clone();
+            let tr = decide(&sets, &mut states, *t, cost);
+            if !tr.decision.is_allowed() || cost == 0 {
+                prop_assert_eq!(&states, &before, "cost {} changed state: {:?}", cost, tr.decision);
+                prop_assert!(!tr.committed);
+            } else {
+                prop_assert!(tr.committed);
+            }
+        }
+    }
+
+    #[test]
+    fn rules_round_trip_through_their_text(rule in strategy::rule()) {
+        let text = rule.to_string();
+        let back: Rule = text.parse().unwrap();
+        prop_assert_eq!(back, rule);
+    }
+
+    #[test]
+    fn retry_after_is_exact_for_every_algorithm(
+        sets in strategy::rule_set(), seed in arrivals(1_000_000, 80)
+    ) {
+        // Whenever a check is denied, waiting exactly `retry_after` (with nothing else
+        // happening) admits that rule, and waiting one microsecond less does not, for the
+        // rule that determines the overall `retry_after`.
+        let mut states = vec![RuleState::Fresh; sets.len()];
+        for t in seed {
+            let tr = decide(&sets, &mut states, t, 1);
+            if let Some(retry) = tr.decision.retry_after() {
+                let retry = retry.as_micros() as u64;
+                let mut probe = states.clone();
+                let later = decide(&sets, &mut probe, t + retry, 0);
+                let worst = tr.decision.rules().iter().enumerate()
+                    .max_by_key(|(_, r)| r.retry_after).map(|(i, _)| i).unwrap();
+                prop_assert!(later.decision.rules()[worst].allowed, "not admitted at retry_after");
+                if retry > 0 {
+                    let mut probe = states.clone();
+                    let early = decide(&sets, &mut probe, t + retry - 1, 0);
+                    prop_assert!(!early.decision.rules()[worst].allowed, "admitted before retry_after");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! The rule model: constructors refuse nonsense, text parses, serde reads config files.
+
+use ratelimit_core::{Algorithm, ConfigError, LeakyMode, Rule, RuleSet};
+use std::time::Duration;
+
+#[test]
+fn familiar_forms_parse() {
+    let cases = [
+        ("10/second", 10, 1_000_000),
+        ("100 per minute", 100, 60_000_000),
+        ("5/2 seconds", 5, 2_000_000),
+        ("5/2s", 5, 2_000_000),
+        ("1/s", 1, 1_000_000),
+        ("20/min", 20, 60_000_000),
+        ("200/h", 200, 3_600_000_000),
+        ("800/day", 800, 86_400_000_000),
+        ("3 / 500ms", 3, 500_000),
+    ];
+    for (text, limit, period_us) in cases {
+        let rule: Rule = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(
+            (rule.limit(), rule.period_us()),
+            (limit, period_us),
+            "{text}"
+        );
+        assert_eq!(
+            rule.algorithm(),
+            Algorithm::Gcra { burst: limit },
+            "{text}: GCRA by default"
+        );
+    }
+    let set: RuleSet = "1/s; 20/min; 200/h; 800/day".parse().unwrap();
+    assert_eq!(set.len(), 4);
+    assert_eq!(
+        set.id(),
+        "1/1s gcra burst=1; 20/1m gcra burst=20; 200/1h gcra burst=200; 800/1d gcra burst=800"
+    );
+}
+
+#[test]
+fn algorithms_and_options_parse() {
+    let r: Rule = "2/s leaky-bucket mode=shaper burst=10 delay=2 name=api"
+        .parse()
+        .unwrap();
+    assert_eq!(
+        r.algorithm(),
+        Algorithm::LeakyBucket(LeakyMode::Shaper {
+            burst: 10,
+            delay: 2
+        })
+    );
+    assert_eq!(r.name(), Some("api"));
+    let r: Rule = "100/min sliding-window precision=4".parse().unwrap();
+    assert_eq!(r.algorithm(), Algorithm::SlidingWindow { precision: 4 });
+    let r: Rule = "10/s token-bucket capacity=50".parse().unwrap();
+    assert_eq!(r.capacity(), 50);
+}
+
+#[test]
+fn nonsense_is_refused_with_the_field_and_the_fix() {
+    let sec = Duration::from_secs(1);
+    let cases: Vec<(Result<Rule, ConfigError>, &str)> = vec![
+        (Rule::fixed_window(0, sec), "`limit` must be at least 1"),
+        (
+            Rule::fixed_window(1, Duration::ZERO),
+            "`period` must be at least 1 microsecond",
+        ),
+        (
+            Rule::fixed_window(1, Duration::from_nanos(1_500)),
+            "whole number of microseconds",
+        ),
+        (Rule::gcra(1, sec, 0), "`burst` must be at least 1"),
+        (
+            Rule::token_bucket(1, sec, 0),
+            "`capacity` must be at least 1",
+        ),
+        (Rule::sliding_window(10, sec, 0), "`precision` 0"),
+        (
+            Rule::sliding_window(10, Duration::from_micros(1_000_001), 2),
+            "divide the period",
+        ),
+        (
+            Rule::leaky_shaper(1, sec, 2, 3),
+            "`delay` (3) must not exceed `burst` (2)",
+        ),
+        (
+            Rule::sliding_log(20_000, sec),
+            "use a sliding window counter",
+        ),
+        (
+            Rule::gcra(1_000_000, Duration::from_secs(86_400), 1_000_000),
+            "use a smaller burst",
+        ),
+        ("10/fortnight".parse(), "unknown time unit"),
+        ("ten/second".parse(), "whole number"),
+        ("10/s bogus".parse(), "unknown algorithm"),
+        (
+            "10/s gcra precision=2".parse(),
+            "option `precision` does not apply",
+        ),
+        ("10/s gcra extra".parse(), "unexpected \"extra\""),
+        (
+            Rule::gcra(1, sec, 1).and_then(|r| r.named("no spaces")),
+            "[A-Za-z0-9_.-]",
+        ),
+    ];
+    for (result, needle) in cases {
+        let err = result.expect_err(needle).to_string();
+        assert!(err.contains(needle), "{err:?} should contain {needle:?}");
+    }
+    assert_eq!(RuleSet::new([]).unwrap_err(), ConfigError::EmptyRuleSet);
+    assert!(matches!(
+        "".parse::<RuleSet>(),
+        Err(ConfigError::EmptyRuleSet)
+    ));
+}
+
+#[test]
+fn rule_sets_deserialize_from_config_files() {
+    #[derive(Debug, serde::Deserialize)]
+    struct Config {
+        login: RuleSet,
+        api: RuleSet,
+    }
+    let json = r#"{ "login": "1/s sliding-log; 5/min sliding-log",
+                    "api": ["100/s gcra burst=20", "10000/day fixed-window"] }"#;
+    let config: Config = serde_json::from_str(json).unwrap();
+    assert_eq!(config.login.len(), 2);
+    assert_eq!(config.api.rules()[0].capacity(), 20);
+    let bad = serde_json::from_str::<Config>(r#"{ "login": "0/s", "api": "1/s" }"#);
+    assert!(bad
+        .unwrap_err()
+        .to_string()
+        .contains("`limit` must be at least 1"));
+    let text = serde_json::to_string(&config.login).unwrap();
+    assert_eq!(text, r#""1/1s sliding-log; 5/1m sliding-log""#);
+}
+
+#[test]
+fn the_exactness_bound_admits_everyday_quotas() {
+    for text in [
+        "800/day sliding-log",
+        "20000/day fixed-window",
+        "1000000/h fixed-window",
+        "1000000/h sliding-window precision=60",
+        "100000/min gcra",
+        "1000000/h gcra burst=500",
+    ] {
+        text.parse::<Rule>()
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+    }
+}
