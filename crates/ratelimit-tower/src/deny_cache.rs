@@ -1,0 +1,210 @@
+//! Recent denials kept in process, so that a key hammering the service after its denial is
+//! answered without asking the store until its retry time has passed.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use ratelimit_core::Decision;
+use tokio::time::Instant;
+
+/// Settings of the local deny cache; see
+/// [`RateLimitLayerBuilder::deny_cache`](crate::RateLimitLayerBuilder::deny_cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenyCacheConfig {
+    pub(crate) max_keys: usize,
+    pub(crate) max_ttl: Duration,
+}
+
+impl Default for DenyCacheConfig {
+    fn default() -> Self {
+        Self {
+            max_keys: 10_000,
+            max_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+impl DenyCacheConfig {
+    /// Keeps at most `max_keys` denied keys (10,000 by default); when full, new denials
+    /// are not cached until old ones expire.
+    #[must_use]
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys.max(1);
+        self
+    }
+
+    /// Keeps a denial at most `max_ttl` (10 s by default) even when its retry time is
+    /// later: an unblock or reset done in the store is seen within this time.
+    #[must_use]
+    pub fn max_ttl(mut self, max_ttl: Duration) -> Self {
+        self.max_ttl = max_ttl;
+        self
+    }
+}
+
+struct Denial {
+    at: Instant,
+    until: Instant,
+    cost: u64,
+    decision: Decision,
+}
+
+type Shard = HashMap<Box<[u8]>, Denial, foldhash::fast::RandomState>;
+
+pub(crate) struct DenyCache {
+    shards: Box<[Mutex<Shard>]>,
+    shard_cap: usize,
+    hasher: foldhash::fast::RandomState,
+    len: AtomicUsize,
+    max_ttl: Duration,
+}
+
+const SHARDS: usize = 16;
+
+/// A cached denial: the decision as the store gave it, and how long ago.
+pub(crate) struct Hit {
+    pub(crate) decision: Decision,
+    pub(crate) elapsed: Duration,
+    pub(crate) retry_after: Duration,
+}
+
+impl DenyCache {
+    pub(crate) fn new(config: DenyCacheConfig) -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shard_cap: config.max_keys.div_ceil(SHARDS),
+            hasher: foldhash::fast::RandomState::default(),
+            len: AtomicUsize::new(0),
+            max_ttl: config.max_ttl,
+        }
+    }
+
+    fn shard(&self, key: &[u8]) -> &Mutex<Shard> {
+        let h = self.hasher.hash_one(key);
+        &self.shards[(h >> 60) as usize % SHARDS]
+    }
+
+    /// A denial of `key` still in force for a request of `cost` (a denial at some cost
+    /// says nothing about a cheaper request). Peeks (`cost == 0`) always go to the store.
+    pub(crate) fn get(&self, key: &[u8], cost: u64) -> Option<Hit> {
+        // The common case, nobody denied lately, costs one atomic load.
+        if cost == 0 || self.len.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let mut shard = self.shard(key).lock();
+        let denial = shard.get(key)?;
+        if now >= denial.until {
+            shard.remove(key);
+            self.len.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        if cost < denial.cost {
+            return None;
+        }
+        Some(Hit {
+            decision: denial.decision.clone(),
+            elapsed: now - denial.at,
+            retry_after: denial.until - now,
+        })
+    }
+
+    /// Remembers a denial of a request of `cost` for `key` until its retry time (at most
+    /// the configured maximum).
+    pub(crate) fn insert(&self, key: &[u8], cost: u64, decision: &Decision) {
+        if cost == 0 {
+            return;
+        }
+        let ttl = decision
+            .retry_after()
+            .map_or(self.max_ttl, |d| d.min(self.max_ttl));
+        if ttl.is_zero() {
+            return;
+        }
+        let now = Instant::now();
+        let mut shard = self.shard(key).lock();
+        if shard.len() >= self.shard_cap && !shard.contains_key(key) {
+            let before = shard.len();
+            shard.retain(|_, d| d.until > now);
+            self.len.fetch_sub(before - shard.len(), Ordering::Relaxed);
+            if shard.len() >= self.shard_cap {
+                return;
+            }
+        }
+        let denial = Denial {
+            at: now,
+            until: now + ttl,
+            cost,
+            decision: decision.clone(),
+        };
+        if shard.insert(key.into(), denial).is_none() {
+            self.len.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratelimit_core::RuleOutcome;
+
+    fn denial(retry: Duration) -> Decision {
+        Decision::from_rules(
+            [RuleOutcome {
+                allowed: false,
+                limit: 1,
+                remaining: 0,
+                reset_after: retry,
+                retry_after: Some(retry),
+            }],
+            Duration::ZERO,
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expires_and_respects_cost() {
+        let cache = DenyCache::new(DenyCacheConfig::default());
+        cache.insert(b"k", 2, &denial(Duration::from_secs(3)));
+        assert!(cache.get(b"k", 1).is_none(), "cheaper request may pass");
+        assert!(cache.get(b"k", 0).is_none(), "peeks go to the store");
+        let hit = cache.get(b"k", 2).unwrap();
+        assert_eq!(hit.retry_after, Duration::from_secs(3));
+        tokio::time::advance(Duration::from_millis(2500)).await;
+        let hit = cache.get(b"k", 5).unwrap();
+        assert_eq!(hit.elapsed, Duration::from_millis(2500));
+        assert_eq!(hit.retry_after, Duration::from_millis(500));
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(cache.get(b"k", 2).is_none());
+        assert_eq!(cache.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bounded_and_capped_ttl() {
+        let cache = DenyCache::new(
+            DenyCacheConfig::default()
+                .max_keys(32)
+                .max_ttl(Duration::from_secs(1)),
+        );
+        for i in 0..1000u32 {
+            cache.insert(&i.to_be_bytes(), 1, &denial(Duration::from_secs(60)));
+        }
+        assert!(cache.len() <= 32, "{}", cache.len());
+        let key = 0u32.to_be_bytes();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(
+            cache.get(&key, 1).is_none(),
+            "max_ttl caps a long retry time"
+        );
+        // Once entries expired, a full shard takes new ones again.
+        cache.insert(b"new", 1, &denial(Duration::from_secs(60)));
+        assert!(cache.get(b"new", 1).is_some());
+    }
+}

@@ -1,0 +1,157 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tower_service::Service;
+
+use crate::service::{AddHeaders, CheckFuture, Plan};
+
+pin_project! {
+    /// The response future of [`RateLimit`](crate::RateLimit): waits for the store (when
+    /// it does not answer at once), then for a shaping delay, then for the inner service,
+    /// and adds the rate-limit fields to its response.
+    pub struct ResponseFuture<Svc, ReqBody, ResBody>
+    where
+        Svc: Service<Request<ReqBody>>,
+    {
+        #[pin]
+        state: State<Svc, Svc::Future, ReqBody, ResBody>,
+        headers: Option<AddHeaders>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<Svc, Fut, ReqBody, ResBody> {
+        Checking {
+            check: CheckFuture<ResBody>,
+            call: Option<(Svc, Request<ReqBody>)>,
+        },
+        Delaying {
+            #[pin]
+            sleep: Sleep,
+            call: Option<(Svc, Request<ReqBody>)>,
+        },
+        Calling {
+            #[pin]
+            future: Fut,
+        },
+        Replied {
+            response: Option<Response<ResBody>>,
+        },
+    }
+}
+
+impl<Svc, ReqBody, ResBody> ResponseFuture<Svc, ReqBody, ResBody>
+where
+    Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    pub(crate) fn forward(
+        mut inner: Svc,
+        req: Request<ReqBody>,
+        delay: Duration,
+        headers: Option<AddHeaders>,
+    ) -> Self {
+        let state = if delay.is_zero() {
+            State::Calling {
+                future: inner.call(req),
+            }
+        } else {
+            State::Delaying {
+                sleep: tokio::time::sleep(delay),
+                call: Some((inner, req)),
+            }
+        };
+        Self { state, headers }
+    }
+
+    pub(crate) fn reply(response: Response<ResBody>) -> Self {
+        Self {
+            state: State::Replied {
+                response: Some(response),
+            },
+            headers: None,
+        }
+    }
+
+    pub(crate) fn checking(check: CheckFuture<ResBody>, inner: Svc, req: Request<ReqBody>) -> Self {
+        Self {
+            state: State::Checking {
+                check,
+                call: Some((inner, req)),
+            },
+            headers: None,
+        }
+    }
+}
+
+impl<Svc, ReqBody, ResBody> Future for ResponseFuture<Svc, ReqBody, ResBody>
+where
+    Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    type Output = Result<Response<ResBody>, Svc::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Checking { check, call } => match ready!(check.as_mut().poll(cx)) {
+                    Plan::Forward { delay, headers } => {
+                        *this.headers = headers;
+                        let (mut inner, req) = call.take().expect("polled after completion");
+                        if delay.is_zero() {
+                            this.state.set(State::Calling {
+                                future: inner.call(req),
+                            });
+                        } else {
+                            this.state.set(State::Delaying {
+                                sleep: tokio::time::sleep(delay),
+                                call: Some((inner, req)),
+                            });
+                        }
+                    }
+                    Plan::Reply(response) => return Poll::Ready(Ok(response)),
+                },
+                StateProj::Delaying { sleep, call } => {
+                    ready!(sleep.poll(cx));
+                    let (mut inner, req) = call.take().expect("polled after completion");
+                    this.state.set(State::Calling {
+                        future: inner.call(req),
+                    });
+                }
+                StateProj::Calling { future } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    if let Some(headers) = this.headers.take() {
+                        headers.apply(&mut response);
+                    }
+                    return Poll::Ready(Ok(response));
+                }
+                StateProj::Replied { response } => {
+                    return Poll::Ready(Ok(response.take().expect("polled after completion")))
+                }
+            }
+        }
+    }
+}
+
+impl<Svc, ReqBody, ResBody> fmt::Debug for ResponseFuture<Svc, ReqBody, ResBody>
+where
+    Svc: Service<Request<ReqBody>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Checking { .. } => "checking",
+            State::Delaying { .. } => "delaying",
+            State::Calling { .. } => "calling",
+            State::Replied { .. } => "replied",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,87 @@
+//! Counters (feature `metrics`), registered once per layer so that counting a request is
+//! an atomic add, not a lookup.
+//!
+//! | counter | labels |
+//! |---|---|
+//! | `ratelimit_admitted_total` | `rule` (each rule of the layer) |
+//! | `ratelimit_limited_total` | `rule` (each rule that denied) |
+//! | `ratelimit_blocked_total` | `rules` (the layer's rule names, comma-separated) |
+//! | `ratelimit_store_errors_total` | `rules`, `policy` (`fail_open`, `fail_closed`, `fallback`) |
+//!
+//! Install the recorder before building the layer: handles are taken at build time.
+
+#[cfg(feature = "metrics")]
+mod enabled {
+    use metrics::{counter, Counter};
+    use ratelimit_core::Decision;
+
+    use crate::policy::FailurePolicy;
+
+    pub(crate) struct Metrics {
+        admitted: Box<[Counter]>,
+        limited: Box<[Counter]>,
+        blocked: Counter,
+        store_errors: Counter,
+    }
+
+    impl Metrics {
+        pub(crate) fn new(names: &[String], policy: FailurePolicy) -> Self {
+            let all = names.join(",");
+            Self {
+                admitted: names
+                    .iter()
+                    .map(|n| counter!("ratelimit_admitted_total", "rule" => n.clone()))
+                    .collect(),
+                limited: names
+                    .iter()
+                    .map(|n| counter!("ratelimit_limited_total", "rule" => n.clone()))
+                    .collect(),
+                blocked: counter!("ratelimit_blocked_total", "rules" => all.clone()),
+                store_errors: counter!(
+                    "ratelimit_store_errors_total",
+                    "rules" => all,
+                    "policy" => policy.label()
+                ),
+            }
+        }
+
+        pub(crate) fn decision(&self, decision: &Decision) {
+            match decision.outcome() {
+                ratelimit_core::Outcome::Allowed => {
+                    self.admitted.iter().for_each(|c| c.increment(1))
+                }
+                ratelimit_core::Outcome::Limited => {
+                    for (c, r) in self.limited.iter().zip(decision.rules()) {
+                        if !r.allowed {
+                            c.increment(1);
+                        }
+                    }
+                }
+                ratelimit_core::Outcome::Blocked => self.blocked.increment(1),
+            }
+        }
+
+        pub(crate) fn store_error(&self) {
+            self.store_errors.increment(1);
+        }
+    }
+}
+
+#[cfg(feature = "metrics")]
+pub(crate) use enabled::Metrics;
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) struct Metrics;
+
+#[cfg(not(feature = "metrics"))]
+impl Metrics {
+    pub(crate) fn new(_: &[String], _: crate::policy::FailurePolicy) -> Self {
+        Metrics
+    }
+
+    #[inline]
+    pub(crate) fn decision(&self, _: &ratelimit_core::Decision) {}
+
+    #[inline]
+    pub(crate) fn store_error(&self) {}
+}
