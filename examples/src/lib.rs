@@ -1,1 +1,6 @@
+//! Examples of the ratelimit crates, and the library behind them.
+//!
+//! [`explore`] replays traffic through every algorithm and charts the difference; the
+//! `explore` example is its command line.
 
+pub mod explore;
