@@ -858,11 +858,14 @@ impl Exploration {
         let p = &self.pattern;
         let mut out = String::new();
         let _ = writeln!(out, "pattern {}: {}", p.name, p.description);
+        let at =
+            |t: Option<&u64>| fmt_secs(Duration::from_micros(t.map_or(0, |t| t - p.origin_us)));
         let _ = writeln!(
             out,
-            "{} requests offered over {}\n",
+            "{} requests offered, from {} to {}\n",
             p.times_us.len(),
-            fmt_secs(Duration::from_micros(p.end_us - p.start_us))
+            at(p.times_us.first()),
+            at(p.times_us.last())
         );
         out.push_str(&line(header));
         for row in &rows {
@@ -963,8 +966,8 @@ impl Exploration {
                 .map_err(chart_error)?;
             header
                 .draw(&Text::new(
-                    "admitted (a delayed one when its delay ends)  ·  x: seconds  ·  vertical \
-                     lines: period boundaries",
+                    "admitted, a colour per row (a delayed request when its delay ends)  ·  x: \
+                     seconds  ·  vertical lines: period boundaries",
                     (208, 37),
                     legend_style,
                 ))
@@ -1108,17 +1111,27 @@ fn fmt_period(us: u64) -> String {
         .unwrap_or_else(|| format!("{us}us"))
 }
 
-/// A duration in seconds without trailing zeros, to the millisecond from one second up
-/// and to the microsecond below: `4s`, `50.05s`, `0.0025s`.
+/// A duration without trailing zeros, to the millisecond from one second up and to the
+/// microsecond below: `0.0025s`, `4s`, `50.05s`, `2m 30s`, `11h 5m 1.779s`.
 fn fmt_secs(d: Duration) -> String {
     let mut us = d.as_micros();
     if us >= 1_000_000 {
         us = (us + 500) / 1_000 * 1_000;
     }
     let (secs, frac) = (us / 1_000_000, us % 1_000_000);
-    if frac == 0 {
-        format!("{secs}s")
-    } else {
-        format!("{secs}.{}s", format!("{frac:06}").trim_end_matches('0'))
+    let (hours, minutes, secs) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let mut parts = Vec::new();
+    if hours > 0 {
+        parts.push(format!("{hours}h"));
     }
+    if minutes > 0 {
+        parts.push(format!("{minutes}m"));
+    }
+    if frac > 0 {
+        let frac = format!("{frac:06}");
+        parts.push(format!("{secs}.{}s", frac.trim_end_matches('0')));
+    } else if secs > 0 || parts.is_empty() {
+        parts.push(format!("{secs}s"));
+    }
+    parts.join(" ")
 }

@@ -150,7 +150,7 @@ fn boundary_double_burst() {
     assert_eq!(shaper.longest_wait, Some(Duration::from_millis(109_450)));
     assert_eq!(
         table_row(&run, "leaky bucket shaper")[2..],
-        ["116 (115 late)", "84", "100/1m", "109.45s"]
+        ["116 (115 late)", "84", "100/1m", "1m 49.45s"]
     );
 }
 
@@ -379,4 +379,30 @@ fn most_in_any_window_is_half_open() {
     assert_eq!(most_in_any_window(&[0, 10, 20], 10), 1);
     assert_eq!(most_in_any_window(&[0, 10, 20], 11), 2);
     assert_eq!(most_in_any_window(&[5, 5, 5, 30], 1), 3);
+}
+
+#[test]
+fn checked_in_chart_and_readme_table_are_current() {
+    let run = builtin(Builtin::Boundary);
+    let regenerate = "regenerate with `cargo run -p ratelimit-examples --example explore -- \
+                      --pattern boundary --svg docs/explore-boundary.svg` and paste the table \
+                      into README.md";
+    let chart = include_str!("../../docs/explore-boundary.svg");
+    assert!(
+        chart == run.svg().unwrap(),
+        "docs/explore-boundary.svg is stale: {regenerate}"
+    );
+    let readme = include_str!("../../README.md");
+    let table = run.table();
+    let rows: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("algorithm "))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(rows.len(), 9);
+    let block = rows.join("\n");
+    assert!(
+        readme.contains(&block),
+        "README.md's table is stale: {regenerate}"
+    );
 }
