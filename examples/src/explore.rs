@@ -26,7 +26,17 @@
 //!   `retry_after` later, until admitted. A request's wait is the time from its offered
 //!   time to its admission, plus the delay a shaping rule gives it. The longest wait is
 //!   the largest over all requests (zero when nothing is ever denied or delayed). It runs
-//!   on its own fresh store, so it does not change the other columns.
+//!   on its own fresh store, so it does not change the other columns. Under traffic that
+//!   stays over the limit (`steady`), the client's backlog grows for as long as the
+//!   pattern lasts, and so does the wait: it then says how far behind the client ends up.
+//!
+//! # What is compared
+//!
+//! [`lanes_for_quota`] builds one rule per algorithm from a rate such as `100/min`;
+//! [`Lane::parse`] takes any rule set in the core's syntax. The traffic is a [`Builtin`]
+//! pattern (the articles' worked scenarios and the shapes they argue about) or a file of
+//! timestamps ([`Pattern::from_timestamps`]). The chart has one row per lane on the same
+//! axes: requests offered (grey) and admitted (coloured) per time bin.
 //!
 //! ```
 //! use ratelimit_examples::explore::{lanes_for_quota, Builtin, Exploration, LaneOptions};
