@@ -1,0 +1,368 @@
+//! Throwaway Redis servers for tests: a `redis-server` on a free port, or a 3-master
+//! Redis Cluster, each killed when dropped.
+//!
+//! `redis-server` and `redis-cli` must be on `PATH` (Debian: `redis-server` and
+//! `redis-tools`). When they are missing or cannot start, [`RedisServer::start`] and
+//! [`RedisCluster::start`] panic with the reason: a test that needs Redis fails, it never
+//! skips. Servers keep nothing on disk (no RDB, no AOF) and log to a temporary directory,
+//! whose log tail is part of any startup error.
+//!
+//! ```no_run
+//! use ratelimit_redis::testing::RedisServer;
+//! use ratelimit_redis::RedisStore;
+//!
+//! # async fn run() {
+//! let server = RedisServer::start();
+//! let store = RedisStore::connect(&server.url()).await.unwrap();
+//! # let _ = store;
+//! # }
+//! ```
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+/// How long a server or cluster may take to come up.
+const STARTUP: Duration = Duration::from_secs(20);
+
+static DIRS: AtomicU64 = AtomicU64::new(0);
+
+fn scratch_dir(tag: &str) -> io::Result<PathBuf> {
+    let n = DIRS.fetch_add(1, Ordering::Relaxed);
+    let dir =
+        std::env::temp_dir().join(format!("ratelimit-redis-{tag}-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// A port nobody listens on; for a cluster node also its bus port (`port + 10000`).
+fn free_port(with_bus: bool) -> io::Result<u16> {
+    for _ in 0..100 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if !with_bus {
+            return Ok(port);
+        }
+        if port <= 55_535 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        "no free port pair for a cluster node",
+    ))
+}
+
+/// Sends one inline command and returns the raw reply (enough for PING and INFO).
+fn raw_command(port: u16, command: &str) -> io::Result<String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(200))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.write_all(format!("{command}\r\n").as_bytes())?;
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        if complete_reply(&reply) {
+            break;
+        }
+    }
+    Ok(String::from_utf8_lossy(&reply).into_owned())
+}
+
+/// Whether `reply` holds one whole simple, error, integer or bulk reply.
+fn complete_reply(reply: &[u8]) -> bool {
+    let Some(line_end) = reply.windows(2).position(|w| w == b"\r\n") else {
+        return false;
+    };
+    match reply[0] {
+        b'$' => {
+            let len: i64 = std::str::from_utf8(&reply[1..line_end])
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(-1);
+            len < 0 || reply.len() >= line_end + 2 + len as usize + 2
+        }
+        _ => true,
+    }
+}
+
+fn log_tail(dir: &Path) -> String {
+    let log = std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// A `redis-server` process on `127.0.0.1` and a free port; killed on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    dir: PathBuf,
+    extra_args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// Starts a server on a free port and waits until it answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed or does not start; the message says why.
+    pub fn start() -> Self {
+        Self::try_start().unwrap_or_else(|e| {
+            panic!(
+                "cannot start redis-server: {e} (install `redis-server` and `redis-tools`, \
+                 e.g. `apt-get install redis-server redis-tools`)"
+            )
+        })
+    }
+
+    /// Like [`start`](Self::start), returning the error instead of panicking.
+    pub fn try_start() -> io::Result<Self> {
+        Self::try_start_with(&[], false)
+    }
+
+    fn try_start_with(extra_args: &[&str], cluster: bool) -> io::Result<Self> {
+        let dir = scratch_dir(if cluster { "node" } else { "server" })?;
+        let mut last_error = None;
+        // Another process may take the port between picking and binding it: retry.
+        for _ in 0..5 {
+            let mut server = RedisServer {
+                port: free_port(cluster)?,
+                dir: dir.clone(),
+                extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
+                child: None,
+            };
+            match server.launch() {
+                Ok(()) => return Ok(server),
+                Err(e) => {
+                    // Keep the directory for the next attempt.
+                    server.dir = PathBuf::new();
+                    last_error = Some(e);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        Err(last_error.unwrap_or_else(|| io::Error::other("redis-server did not start")))
+    }
+
+    fn launch(&mut self) -> io::Result<()> {
+        let port = self.port.to_string();
+        let log = self.dir.join("redis.log");
+        let _ = std::fs::remove_file(&log);
+        let mut child = Command::new("redis-server")
+            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(&log)
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
+        let deadline = Instant::now() + STARTUP;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Err(io::Error::other(format!(
+                    "redis-server on port {port} exited with {status}; log:\n{}",
+                    log_tail(&self.dir)
+                )));
+            }
+            if raw_command(self.port, "PING").is_ok_and(|r| r.starts_with("+PONG")) {
+                self.child = Some(child);
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "redis-server on port {port} did not answer PING within {STARTUP:?}; log:\n{}",
+                        log_tail(&self.dir)
+                    ),
+                ));
+            }
+            sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Whether the process is running.
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Kills the server (SIGKILL: no goodbye to clients, as a crash); its data is lost.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty (stopping it first if running),
+    /// and waits until it answers.
+    ///
+    /// # Panics
+    ///
+    /// When it does not come back (e.g. the port was taken meanwhile).
+    pub fn restart(&mut self) {
+        self.stop();
+        if let Err(e) = self.launch() {
+            panic!("cannot restart redis-server on port {}: {e}", self.port);
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open but nothing is answered, as
+    /// with a hung host or a network black hole. [`resume`](Self::resume) undoes it.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Resumes a [`pause`](Self::pause)d server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the server is not running");
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run kill {signal} {pid}: {e}"));
+        assert!(status.success(), "kill {signal} {pid} failed: {status}");
+    }
+
+    /// Runs a command given as inline text (`"INFO commandstats"`) and returns the raw
+    /// RESP reply; for quick inspection in tests without a client.
+    pub fn command(&self, command: &str) -> io::Result<String> {
+        raw_command(self.port, command)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // SIGKILL ends a paused (stopped) process too.
+        self.stop();
+        if !self.dir.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A Redis Cluster of 3 masters (no replicas) on free ports, made with
+/// `redis-server --cluster-enabled yes` and `redis-cli --cluster create`; killed on drop.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts 3 nodes, joins them into a cluster covering all 16384 slots and waits until
+    /// every node reports `cluster_state:ok`.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` or `redis-cli` is missing or the cluster does not form.
+    pub fn start() -> Self {
+        Self::try_start().unwrap_or_else(|e| {
+            panic!(
+                "cannot start a Redis Cluster: {e} (install `redis-server` and `redis-tools`, \
+                 e.g. `apt-get install redis-server redis-tools`)"
+            )
+        })
+    }
+
+    /// Like [`start`](Self::start), returning the error instead of panicking.
+    pub fn try_start() -> io::Result<Self> {
+        let mut nodes = Vec::with_capacity(3);
+        for _ in 0..3 {
+            nodes.push(RedisServer::try_start_with(
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                ],
+                true,
+            )?);
+        }
+        let cluster = RedisCluster { nodes };
+        let output = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(
+                cluster
+                    .nodes
+                    .iter()
+                    .map(|n| format!("127.0.0.1:{}", n.port)),
+            )
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-cli: {e}")))?;
+        if !output.status.success() {
+            return Err(io::Error::other(format!(
+                "redis-cli --cluster create failed ({}): {}{}",
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            )));
+        }
+        let deadline = Instant::now() + STARTUP;
+        for node in &cluster.nodes {
+            loop {
+                let info = node.command("CLUSTER INFO").unwrap_or_default();
+                if info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("node {} did not reach cluster_state:ok: {info}", node.port),
+                    ));
+                }
+                sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// The nodes' URLs, `redis://127.0.0.1:<port>/`.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+}

@@ -1,0 +1,171 @@
+//! The core conformance suite and random traces: RedisStore and RedisClusterStore must
+//! make exactly the decisions MemoryStore makes.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
+use ratelimit_core::{ManualClock, MemoryStore, Rule, RuleSet, Store};
+use ratelimit_redis::testing::{RedisCluster, RedisServer};
+use ratelimit_redis::{RedisClusterStore, RedisStore};
+use tokio::runtime::Runtime;
+
+static PREFIXES: AtomicU64 = AtomicU64::new(0);
+
+fn fresh_prefix(tag: &str) -> String {
+    format!("{tag}{}", PREFIXES.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Generous: a loaded CI machine must not turn a slow reply into a failed case.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn single(
+    url: String,
+    tag: &'static str,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
+    move |clock| {
+        let url = url.clone();
+        Box::pin(async move {
+            RedisStore::builder()
+                .prefix(&fresh_prefix(tag))
+                .clock(clock)
+                .timeout(TIMEOUT)
+                .build(&url)
+                .await
+                .expect("store")
+        })
+    }
+}
+
+fn clustered(
+    urls: Vec<String>,
+    tag: &'static str,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisClusterStore>>> {
+    move |clock| {
+        let urls = urls.clone();
+        Box::pin(async move {
+            RedisClusterStore::builder()
+                .prefix(&fresh_prefix(tag))
+                .clock(clock)
+                .timeout(TIMEOUT)
+                .build(&urls)
+                .await
+                .expect("cluster store")
+        })
+    }
+}
+
+/// Replays random traces against MemoryStore and against a store made by `make` (a
+/// fresh one per trace), requiring identical results step by step; proptest shrinks a
+/// failing trace to a minimal one.
+fn traces_agree<St, F>(
+    rt: &Runtime,
+    cases: u32,
+    traces: impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)>,
+    make: F,
+) where
+    St: Store,
+    F: FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = St>>>,
+{
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(cases);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    // proptest wants a `Fn` test; each case builds its store through the cell.
+    let make = std::cell::RefCell::new(make);
+    let result = runner.run(&traces, |(sets, steps)| {
+        let (want, got) = rt.block_on(async {
+            let mem_clock = ManualClock::new(T0_US);
+            let memory = MemoryStore::builder().clock(mem_clock.clone()).build();
+            let want = run_trace(&memory, &mem_clock, b"k", &sets, &steps).await;
+            let clock = ManualClock::new(T0_US);
+            let pending = (make.borrow_mut())(clock.clone());
+            let store = pending.await;
+            let got = run_trace(&store, &clock, b"k", &sets, &steps).await;
+            (want, got)
+        });
+        prop_assert_eq!(
+            want,
+            got,
+            "rule sets: {:?}",
+            sets.iter().map(ToString::to_string).collect::<Vec<_>>()
+        );
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+/// Up to three rule sets of one to four rules of any algorithm, with a random trace.
+fn traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
+    proptest::collection::vec(strategy::rule_set(), 1..=3).prop_flat_map(|sets| {
+        let n = sets.len();
+        (Just(sets), strategy::steps(n, 60))
+    })
+}
+
+/// Sliding window counters with hundreds of sub-windows next to other rules: the
+/// script's O(precision) retry search against the core's direct one.
+fn fine_sliding_windows() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
+    let fine = (
+        1u64..=40,
+        prop_oneof![Just(1u64), Just(60)],
+        prop_oneof![Just(100u64), Just(250), Just(1_000)],
+    )
+        .prop_map(|(limit, secs, precision)| {
+            Rule::sliding_window(limit, Duration::from_secs(secs), precision).expect("valid")
+        });
+    (fine, proptest::option::of(strategy::rule()))
+        .prop_map(|(fine, other)| {
+            vec![RuleSet::new(std::iter::once(fine).chain(other)).expect("valid")]
+        })
+        .prop_flat_map(|sets| (Just(sets), strategy::steps(1, 80)))
+}
+
+#[test]
+fn redis_store_passes_the_conformance_suite() {
+    let server = RedisServer::start();
+    runtime().block_on(testing::conformance(single(server.url(), "conf")));
+}
+
+#[test]
+fn random_traces_agree_with_memory_store() {
+    let server = RedisServer::start();
+    traces_agree(&runtime(), 256, traces(), single(server.url(), "trace"));
+}
+
+#[test]
+fn fine_sliding_windows_agree_with_memory_store() {
+    let server = RedisServer::start();
+    traces_agree(
+        &runtime(),
+        48,
+        fine_sliding_windows(),
+        single(server.url(), "fine"),
+    );
+}
+
+#[test]
+fn cluster_store_passes_the_conformance_suite_and_random_traces() {
+    let cluster = RedisCluster::start();
+    let rt = runtime();
+    rt.block_on(testing::conformance(clustered(cluster.urls(), "conf")));
+    // Fewer traces: the cluster adds routing, not arithmetic.
+    traces_agree(&rt, 32, traces(), clustered(cluster.urls(), "trace"));
+}
