@@ -91,9 +91,10 @@ impl RedisStoreBuilder {
             // Report a refused connection at once rather than retrying until the timeout.
             .retry_connection(false)
             .connection_timeout(self.options.connect_timeout)
+            .error_sink(Box::new(TracingSink))
             .build_unchecked(manager);
         let store = RedisStore { pool, shared };
-        store.load_scripts(self.options.connect_timeout).await?;
+        store.seed(self.options.connect_timeout).await?;
         Ok(store)
     }
 
@@ -114,6 +115,20 @@ impl RedisStoreBuilder {
             .shared()
             .unwrap_or_else(|e| panic!("RedisStoreBuilder::build_with_pool: {e}"));
         RedisStore { pool, shared }
+    }
+}
+
+/// Logs the connection errors bb8 meets while filling the pool in the background.
+#[derive(Debug, Clone, Copy)]
+struct TracingSink;
+
+impl bb8::ErrorSink<redis::RedisError> for TracingSink {
+    fn sink(&self, error: redis::RedisError) {
+        tracing::warn!(%error, "cannot open a Redis connection for the rate-limit pool");
+    }
+
+    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<redis::RedisError>> {
+        Box::new(*self)
     }
 }
 
@@ -164,19 +179,27 @@ impl RedisStore {
         &self.shared.prefix
     }
 
-    async fn load_scripts(&self, timeout: Duration) -> Result<(), RedisStoreError> {
-        let load = async {
-            let mut conn = self.pool.get().await.map_err(|e| pool_error(e, timeout))?;
+    /// Opens the first connection directly (bb8 would only report a refused connection
+    /// as a timeout), loads the scripts on it and hands it to the pool.
+    async fn seed(&self, timeout: Duration) -> Result<(), RedisStoreError> {
+        let seed = async {
+            let mut conn = self
+                .pool
+                .dedicated_connection()
+                .await
+                .map_err(|e| classify(e, timeout))?;
             for script in [&*CHECK, &*BLOCK] {
                 let _: String = script
                     .load_cmd()
-                    .query_async(&mut *conn)
+                    .query_async(&mut conn)
                     .await
                     .map_err(|e| classify(e, timeout))?;
             }
+            // A full pool (impossible here) would just drop the connection.
+            let _ = self.pool.add(conn);
             Ok(())
         };
-        tokio::time::timeout(timeout, load)
+        tokio::time::timeout(timeout, seed)
             .await
             .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
     }

@@ -1,0 +1,272 @@
+//! Faults: Redis killed, frozen, restarted, its script cache flushed, a key overwritten
+//! with another type. Every failure is a typed error within the timeout, never a panic,
+//! and the same store recovers.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ratelimit_core::{RuleSet, Store};
+use ratelimit_redis::redis;
+use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::{RedisStore, RedisStoreError};
+use tokio::sync::Barrier;
+
+const TIMEOUT: Duration = Duration::from_millis(200);
+/// Scheduling jitter on a loaded 2-core CI machine, on top of the timeout.
+const SLACK: Duration = Duration::from_millis(150);
+
+fn rules() -> RuleSet {
+    "1000/s gcra burst=1000; 10000/h sliding-log"
+        .parse()
+        .unwrap()
+}
+
+async fn store(server: &RedisServer) -> RedisStore {
+    RedisStore::builder()
+        .timeout(TIMEOUT)
+        .build(&server.url())
+        .await
+        .expect("store")
+}
+
+/// Checks `n` times; every check must fail with a connection or timeout error in time.
+async fn all_fail_fast(store: &RedisStore, n: usize, what: &str) {
+    for i in 0..n {
+        let started = Instant::now();
+        let result = store.check(b"k", &rules(), 1).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(
+                result,
+                Err(RedisStoreError::Connection(_) | RedisStoreError::Timeout(_))
+            ),
+            "{what}, check {i}: {result:?}"
+        );
+        assert!(took <= TIMEOUT + SLACK, "{what}, check {i} took {took:?}");
+    }
+}
+
+#[tokio::test]
+async fn killed_redis_gives_typed_errors_in_time_and_a_restart_recovers() {
+    let mut server = RedisServer::start();
+    let store = store(&server).await;
+    for _ in 0..10 {
+        assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+    }
+    server.stop();
+    all_fail_fast(&store, 8, "Redis killed").await;
+    let err = store.check(b"k", &rules(), 1).await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    assert!(
+        store.block(b"k", None).await.unwrap_err().is_unavailable()
+            && store.unblock(b"k").await.unwrap_err().is_unavailable()
+            && store
+                .reset(b"k", &rules())
+                .await
+                .unwrap_err()
+                .is_unavailable()
+    );
+
+    server.restart();
+    // The very first check after the restart succeeds: dead pooled connections are
+    // replaced on the spot, and the empty script cache is refilled.
+    for i in 0..20 {
+        let d = store.check(b"k", &rules(), 1).await;
+        assert!(
+            d.as_ref().is_ok_and(|d| d.is_allowed()),
+            "check {i} after restart: {d:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load() {
+    let mut server = RedisServer::start();
+    let store = store(&server).await;
+    let warm = Arc::new(Barrier::new(9));
+    // 8 tasks check in a loop: warm up, then keep going until each has seen 3 errors.
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, warm) = (store.clone(), warm.clone());
+            tokio::spawn(async move {
+                let mut outcomes = Vec::new();
+                for _ in 0..5 {
+                    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+                }
+                warm.wait().await;
+                let mut errors = 0;
+                while errors < 3 {
+                    let started = Instant::now();
+                    let result = store.check(b"k", &rules(), 1).await;
+                    errors += usize::from(result.is_err());
+                    outcomes.push((result.map(|d| d.is_allowed()), started.elapsed()));
+                }
+                outcomes
+            })
+        })
+        .collect();
+    warm.wait().await;
+    server.stop();
+    for task in tasks {
+        for (result, took) in task.await.expect("no panic in any task") {
+            match result {
+                Ok(allowed) => assert!(allowed),
+                Err(e) => assert!(e.is_unavailable(), "{e}"),
+            }
+            assert!(took <= TIMEOUT + SLACK, "a check took {took:?}");
+        }
+    }
+    server.restart();
+    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+}
+
+#[tokio::test]
+async fn a_frozen_redis_times_out_within_the_timeout() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+    server.pause();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let result = store.check(b"k", &rules(), 1).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(result, Err(RedisStoreError::Timeout(t)) if t == TIMEOUT),
+            "{result:?}"
+        );
+        assert!(took >= TIMEOUT && took <= TIMEOUT + SLACK, "took {took:?}");
+    }
+    server.resume();
+    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+}
+
+#[tokio::test]
+async fn an_unreachable_redis_fails_the_build_with_a_typed_error() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    server.stop();
+    let started = Instant::now();
+    let err = RedisStore::connect(&url).await.unwrap_err();
+    assert!(matches!(err, RedisStoreError::Connection(_)), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(err.to_string().contains("cannot reach Redis"), "{err}");
+
+    let err = RedisStore::connect("http://example.invalid/")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RedisStoreError::InvalidConfig(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn script_flush_is_transparent() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let mut con = common::conn(&server.url());
+    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut con).unwrap();
+    common::reset_stats(&mut con);
+    for _ in 0..5 {
+        assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+    }
+    store
+        .block(b"b", Some(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let stats = common::commandstats(&mut con);
+    // Every call starts with EVALSHA; the first of each script finds nothing and the body
+    // is sent once with EVAL, which caches it again.
+    assert_eq!(stats.get("eval").map(|s| s.0), Some(2), "{stats:?}");
+    assert_eq!(stats.get("evalsha").map(|s| s.0), Some(6), "{stats:?}");
+    let d = store.check(b"b", &rules(), 1).await.unwrap();
+    assert_eq!(d.outcome(), ratelimit_core::Outcome::Blocked);
+}
+
+#[tokio::test]
+async fn keys_of_the_wrong_type_give_a_clear_error() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder()
+        .prefix("wt")
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let mut con = common::conn(&server.url());
+    let rules = rules();
+    let fp = format!("{:016x}", rules.fingerprint());
+    // The documented layout: "wt:{k<hex of b"k">}:...".
+    let (block, state, log) = (
+        "wt:{k6b}:b".to_owned(),
+        format!("wt:{{k6b}}:s:{fp}"),
+        format!("wt:{{k6b}}:l:{fp}"),
+    );
+    assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    let exists: (bool, bool) = redis::pipe()
+        .exists(&state)
+        .exists(&log)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(exists, (true, true), "the layout the crate documents");
+
+    let mut expect_wrong_type = async |setup: &dyn Fn(&mut redis::Connection), fragment: &str| {
+        setup(&mut con);
+        let err = store.check(b"k", &rules, 1).await.unwrap_err();
+        assert!(matches!(err, RedisStoreError::WrongType(_)), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains(fragment) && text.contains("prefix"), "{text}");
+        let _: () = redis::cmd("DEL")
+            .arg(&block)
+            .arg(&state)
+            .arg(&log)
+            .query(&mut con)
+            .unwrap();
+        assert!(
+            store.check(b"k", &rules, 1).await.unwrap().is_allowed(),
+            "recovers once the key is gone"
+        );
+    };
+    expect_wrong_type(
+        &|c| redis::cmd("SET").arg(&state).arg("x").exec(c).unwrap(),
+        "WRONGTYPE",
+    )
+    .await;
+    expect_wrong_type(
+        &|c| {
+            redis::cmd("HSET")
+                .arg(&state)
+                .arg("1")
+                .arg("12 x")
+                .exec(c)
+                .unwrap()
+        },
+        "RLSTATE",
+    )
+    .await;
+    expect_wrong_type(
+        &|c| redis::cmd("RPUSH").arg(&block).arg("x").exec(c).unwrap(),
+        "WRONGTYPE",
+    )
+    .await;
+    expect_wrong_type(
+        &|c| redis::cmd("SET").arg(&block).arg("soon").exec(c).unwrap(),
+        "RLSTATE",
+    )
+    .await;
+    expect_wrong_type(
+        &|c| redis::cmd("SET").arg(&log).arg("x").exec(c).unwrap(),
+        "WRONGTYPE",
+    )
+    .await;
+    expect_wrong_type(
+        &|c| {
+            redis::cmd("LPUSH")
+                .arg(&log)
+                .arg("yesterday")
+                .exec(c)
+                .unwrap()
+        },
+        "RLSTATE",
+    )
+    .await;
+}

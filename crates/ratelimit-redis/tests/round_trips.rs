@@ -1,0 +1,66 @@
+//! One round trip per check: `INFO commandstats` counts exactly one EVALSHA per check,
+//! for 1, 2 and 4 rules, and nothing else sent by the store.
+
+mod common;
+
+use std::time::Duration;
+
+use ratelimit_core::{RuleSet, Store};
+use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::RedisStore;
+
+#[tokio::test]
+async fn one_evalsha_per_check_whatever_the_number_of_rules() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let mut con = common::conn(&server.url());
+    let sets = [
+        "10/s gcra burst=10",
+        "10/s gcra burst=10; 100/min sliding-window precision=6",
+        "1/s sliding-log; 20/min sliding-log; 200/h sliding-log; 800/day sliding-log",
+        "5/s fixed-window; 50/min token-bucket capacity=60; 10/s leaky-bucket mode=shaper burst=5 delay=2; 500/h sliding-log",
+    ];
+    for text in sets {
+        let rules: RuleSet = text.parse().unwrap();
+        common::reset_stats(&mut con);
+        let checks = 40;
+        for i in 0..checks {
+            // Admitted, denied and peeking checks alike; several client keys.
+            let key = format!("client-{}", i % 3);
+            let _ = store.check(key.as_bytes(), &rules, i % 2).await.unwrap();
+        }
+        let stats = common::commandstats(&mut con);
+        assert_eq!(
+            stats.get("evalsha").map(|s| s.0),
+            Some(checks),
+            "{} rules: {stats:?}",
+            rules.len()
+        );
+        // TIME runs inside the script, once per check (the store's clock is Redis's).
+        assert_eq!(stats.get("time").map(|s| s.0), Some(checks), "{stats:?}");
+        // Everything else counted was run by the script itself (or is this test's own
+        // CONFIG RESETSTAT): the store sent no EVAL, PING, SCRIPT, MULTI or plain reads.
+        assert!(
+            stats.keys().all(|cmd| [
+                "evalsha",
+                "config|resetstat",
+                "time",
+                "get",
+                "del",
+                "hmget",
+                "hset",
+                "pexpireat",
+                "llen",
+                "lindex",
+                "lpush",
+                "ltrim",
+            ]
+            .contains(&cmd.as_str())),
+            "{stats:?}"
+        );
+    }
+}
