@@ -68,7 +68,9 @@ const SHARDS: usize = 16;
 pub(crate) struct Hit {
     pub(crate) decision: Decision,
     pub(crate) elapsed: Duration,
-    pub(crate) retry_after: Duration,
+    /// The decision's retry time, counted down (not the cache entry's lifetime, which
+    /// may be shorter).
+    pub(crate) retry_after: Option<Duration>,
 }
 
 impl DenyCache {
@@ -105,10 +107,14 @@ impl DenyCache {
         if cost < denial.cost {
             return None;
         }
+        let elapsed = now - denial.at;
         Some(Hit {
             decision: denial.decision.clone(),
-            elapsed: now - denial.at,
-            retry_after: denial.until - now,
+            elapsed,
+            retry_after: denial
+                .decision
+                .retry_after()
+                .map(|r| r.saturating_sub(elapsed)),
         })
     }
 
@@ -176,11 +182,11 @@ mod tests {
         assert!(cache.get(b"k", 1).is_none(), "cheaper request may pass");
         assert!(cache.get(b"k", 0).is_none(), "peeks go to the store");
         let hit = cache.get(b"k", 2).unwrap();
-        assert_eq!(hit.retry_after, Duration::from_secs(3));
+        assert_eq!(hit.retry_after, Some(Duration::from_secs(3)));
         tokio::time::advance(Duration::from_millis(2500)).await;
         let hit = cache.get(b"k", 5).unwrap();
         assert_eq!(hit.elapsed, Duration::from_millis(2500));
-        assert_eq!(hit.retry_after, Duration::from_millis(500));
+        assert_eq!(hit.retry_after, Some(Duration::from_millis(500)));
         tokio::time::advance(Duration::from_millis(500)).await;
         assert!(cache.get(b"k", 2).is_none());
         assert_eq!(cache.len(), 0);
@@ -198,6 +204,12 @@ mod tests {
         }
         assert!(cache.len() <= 32, "{}", cache.len());
         let key = 0u32.to_be_bytes();
+        let hit = cache.get(&key, 1).unwrap();
+        assert_eq!(
+            hit.retry_after,
+            Some(Duration::from_secs(60)),
+            "the real retry time"
+        );
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(
             cache.get(&key, 1).is_none(),

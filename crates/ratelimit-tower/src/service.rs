@@ -297,8 +297,7 @@ where
         tracing::trace!(key = %KeyDisplay(key), "rate limit: denied from the local deny cache");
         self.metrics.decision(&hit.decision);
         let ratelimit = ratelimit_value_of(hit.decision.rules(), &self.names, hit.elapsed);
-        let retry_after = hit.decision.retry_after().map(|_| hit.retry_after);
-        self.denial(key, hit.decision, retry_after, ratelimit)
+        self.denial(key, hit.decision, hit.retry_after, ratelimit)
     }
 
     fn denial<ResBody>(
