@@ -62,17 +62,29 @@ pub struct Transition {
     pub decision: Decision,
     /// Whether the states were changed (an admitted check with cost > 0).
     pub committed: bool,
-    /// The time from which the key's state is equivalent to a fresh one: the moment its
-    /// store entry may be dropped (or its Redis key expire).
+    /// When committed: the time from which the key's state is equivalent to a fresh one,
+    /// the moment its store entry may be dropped (or its Redis key expire). 0 otherwise.
     pub expires_at_us: u64,
 }
 
+/// One rule's verdict, with the state it writes if the whole check commits. Values only
+/// a denial needs (`retry_us`) are computed only on denial: 64-bit divisions dominate the
+/// cost of a decision.
 struct Eval {
     allowed: bool,
     remaining_before: u64,
-    reset_before_us: u64,
     retry_us: u64,
     delay_us: u64,
+    next: Next,
+}
+
+/// The state a rule writes on commit.
+enum Next {
+    Window { index: u64, count: u64 },
+    Counters { cur: u64 },
+    Log,
+    Tokens { level: u64, last: u64 },
+    Tat { us: u64, frac: u64 },
 }
 
 #[inline]
@@ -93,81 +105,130 @@ fn us(d: u64) -> Duration {
 pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {
     debug_assert_eq!(states.len(), rules.len());
     let c = cost.max(1);
-    let log_slot = states.iter().position(|s| matches!(s, RuleState::Log(_)));
-    let evals: SmallVec<[Eval; 4]> = {
-        let log = log_slot.and_then(|i| match &states[i] {
-            RuleState::Log(log) => Some(&**log),
-            _ => None,
-        });
-        rules
-            .rules()
-            .iter()
-            .zip(states.iter())
-            .map(|(rule, state)| eval(rule, state, log, now, c))
-            .collect()
-    };
-    let allowed = evals.iter().all(|e| e.allowed);
-    let commit = allowed && cost > 0;
-    if commit {
-        let mut log_done = false;
-        for (i, rule) in rules.rules().iter().enumerate() {
-            if rule.algorithm() == Algorithm::SlidingLog {
-                // The log lives in the first sliding-log rule's slot and is shared.
-                if !log_done {
-                    log_done = true;
-                    apply_log(&mut states[i], rules.log_limit() as usize, now, cost);
-                }
-            } else {
-                apply(rule, &mut states[i], now, cost);
-            }
+    if let ([rule], [state]) = (rules.rules(), &mut *states) {
+        return decide_one(rule, state, rules.log_limit(), now, cost);
+    }
+    // Plain loops and pushes: iterator adaptors collecting into SmallVec cost more than
+    // the arithmetic of a decision.
+    let mut evals: SmallVec<[Eval; 4]> = SmallVec::new();
+    let mut allowed = true;
+    let mut delay = 0;
+    {
+        let log = shared_log(states);
+        for (rule, state) in rules.rules().iter().zip(states.iter()) {
+            let e = eval(rule, state, log, now, c);
+            allowed &= e.allowed;
+            delay = delay.max(e.delay_us);
+            evals.push(e);
         }
     }
-    let log = states.iter().find_map(|s| match s {
-        RuleState::Log(log) => Some(&**log),
-        _ => None,
-    });
-    let delay = evals.iter().map(|e| e.delay_us).max().unwrap_or(0);
-    let outcomes = rules
-        .rules()
-        .iter()
-        .zip(states.iter())
-        .zip(evals.iter())
-        .map(|((rule, state), e)| {
-            if commit {
-                RuleOutcome {
-                    allowed: true,
-                    limit: rule.limit(),
-                    remaining: e.remaining_before.saturating_sub(cost),
-                    reset_after: us(reset_us(rule, state, log, now)),
-                    retry_after: None,
-                }
-            } else {
-                RuleOutcome {
-                    allowed: e.allowed,
-                    limit: rule.limit(),
-                    remaining: e.remaining_before,
-                    reset_after: us(e.reset_before_us),
-                    retry_after: (!e.allowed).then(|| us(e.retry_us)),
-                }
+    let mut outcomes: SmallVec<[RuleOutcome; 2]> = SmallVec::new();
+    if cost == 0 || !allowed {
+        let log = shared_log(states);
+        for ((rule, state), e) in rules.rules().iter().zip(states.iter()).zip(&evals) {
+            outcomes.push(RuleOutcome {
+                allowed: e.allowed,
+                limit: rule.limit(),
+                remaining: e.remaining_before,
+                reset_after: us(expires_at(rule, state, log).saturating_sub(now)),
+                retry_after: (!e.allowed).then(|| us(e.retry_us)),
+            });
+        }
+        return Transition {
+            decision: Decision::from_outcomes(outcomes, us(delay)),
+            committed: false,
+            expires_at_us: 0,
+        };
+    }
+    let mut log_done = false;
+    for ((rule, state), e) in rules.rules().iter().zip(states.iter_mut()).zip(&evals) {
+        match e.next {
+            // The log lives in the first sliding-log rule's slot and is shared.
+            Next::Log if !log_done => {
+                log_done = true;
+                apply_log(state, rules.log_limit() as usize, now, cost);
             }
+            Next::Log => {}
+            Next::Counters { cur } => apply_counters(rule, state, cur, cost),
+            Next::Window { index, count } => *state = RuleState::Window { index, count },
+            Next::Tokens { level, last } => *state = RuleState::Tokens { level, last },
+            Next::Tat { us, frac } => *state = RuleState::Tat { us, frac },
+        }
+    }
+    let log = shared_log(states);
+    let mut expires_at_us = 0;
+    for ((rule, state), e) in rules.rules().iter().zip(states.iter()).zip(&evals) {
+        let expires = expires_at(rule, state, log);
+        expires_at_us = expires_at_us.max(expires);
+        outcomes.push(RuleOutcome {
+            allowed: true,
+            limit: rule.limit(),
+            remaining: e.remaining_before - cost,
+            reset_after: us(expires.saturating_sub(now)),
+            retry_after: None,
         });
-    let decision = Decision::from_rules(outcomes, us(delay));
-    let expires_at_us = rules
-        .rules()
-        .iter()
-        .zip(states.iter())
-        .map(|(rule, state)| expires_at(rule, state, log, rules.log_period_us()))
-        .max()
-        .unwrap_or(0);
+    }
     Transition {
-        decision,
-        committed: commit,
+        decision: Decision::from_outcomes(outcomes, us(delay)),
+        committed: true,
         expires_at_us,
     }
 }
 
-/// The counts of a sliding window counter as seen at sub-window `cur`: `count(k)` for
-/// sub-window `k`.
+/// [`decide`] for the most common case, one rule: no per-rule buffers.
+fn decide_one(
+    rule: &Rule,
+    state: &mut RuleState,
+    log_limit: u64,
+    now: u64,
+    cost: u64,
+) -> Transition {
+    let e = eval(
+        rule,
+        state,
+        shared_log(std::slice::from_ref(state)),
+        now,
+        cost.max(1),
+    );
+    let committed = cost > 0 && e.allowed;
+    if committed {
+        match e.next {
+            Next::Log => apply_log(state, log_limit as usize, now, cost),
+            Next::Counters { cur } => apply_counters(rule, state, cur, cost),
+            Next::Window { index, count } => *state = RuleState::Window { index, count },
+            Next::Tokens { level, last } => *state = RuleState::Tokens { level, last },
+            Next::Tat { us, frac } => *state = RuleState::Tat { us, frac },
+        }
+    }
+    let expires = expires_at(rule, state, shared_log(std::slice::from_ref(state)));
+    let outcome = RuleOutcome {
+        allowed: e.allowed,
+        limit: rule.limit(),
+        remaining: if committed {
+            e.remaining_before - cost
+        } else {
+            e.remaining_before
+        },
+        reset_after: us(expires.saturating_sub(now)),
+        retry_after: (!e.allowed).then(|| us(e.retry_us)),
+    };
+    let mut outcomes = SmallVec::new();
+    outcomes.push(outcome);
+    Transition {
+        decision: Decision::from_outcomes(outcomes, us(e.delay_us)),
+        committed,
+        expires_at_us: if committed { expires } else { 0 },
+    }
+}
+
+fn shared_log(states: &[RuleState]) -> Option<&VecDeque<u64>> {
+    states.iter().find_map(|s| match s {
+        RuleState::Log(log) => Some(&**log),
+        _ => None,
+    })
+}
+
+/// The count of sub-window `k` of a sliding window counter.
 fn sub_count(state: &RuleState, k: u64) -> u64 {
     match state {
         RuleState::Counters { index, counts } if k <= *index => {
@@ -196,23 +257,13 @@ fn tat_base(state: &RuleState, now: u64) -> (u64, u64) {
     }
 }
 
-fn tat_add(base: (u64, u64), cost: u64, rule: &Rule) -> (u64, u64) {
-    let total = base.1 + cost * rule.period_us();
-    (base.0 + total / rule.limit(), total % rule.limit())
-}
-
 /// Token bucket level (tokens × period_us) at `now`.
 fn token_level(rule: &Rule, capacity: u64, state: &RuleState, now: u64) -> u64 {
     let full = capacity * rule.period_us();
     match *state {
         RuleState::Tokens { level, last } => {
-            let elapsed = now.saturating_sub(last);
-            let need = full - level.min(full);
-            if elapsed >= div_ceil(need, rule.limit()) {
-                full
-            } else {
-                level + elapsed * rule.limit()
-            }
+            let refill = now.saturating_sub(last).saturating_mul(rule.limit());
+            full.min(level.saturating_add(refill))
         }
         _ => full,
     }
@@ -228,13 +279,15 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
                 RuleState::Window { index: i, count } if i == index => count,
                 _ => 0,
             };
-            let reset = (index + 1) * period - now;
             Eval {
                 allowed: count + c <= limit,
                 remaining_before: limit.saturating_sub(count),
-                reset_before_us: if count > 0 { reset } else { 0 },
-                retry_us: reset,
+                retry_us: (index + 1) * period - now,
                 delay_us: 0,
+                next: Next::Window {
+                    index,
+                    count: count + c,
+                },
             }
         }
         Algorithm::SlidingWindow { precision: p } => {
@@ -243,8 +296,7 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
             let elapsed = now - cur * sub;
             let window_sums = |w: u64| -> (u64, u64) {
                 let old = if w >= p { sub_count(state, w - p) } else { 0 };
-                let recent = (0..p)
-                    .filter(|i| *i <= w)
+                let recent = (0..p.min(w + 1))
                     .map(|i| sub_count(state, w - i))
                     .sum::<u64>();
                 (old, recent)
@@ -252,11 +304,8 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
             let (old, recent) = window_sums(cur);
             let weighted = old * (sub - elapsed);
             let allowed = weighted + sub * (recent + c) <= limit * sub;
-            let remaining_before = (limit * sub)
-                .saturating_sub(weighted)
-                .checked_div(sub)
-                .unwrap_or(0)
-                .saturating_sub(recent);
+            let remaining_before =
+                ((limit * sub).saturating_sub(weighted) / sub).saturating_sub(recent);
             let mut retry_us = 0;
             if !allowed {
                 for j in 0..=p + 1 {
@@ -265,9 +314,8 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
                     let Some(room) = limit.checked_sub(recent_j + c) else {
                         continue;
                     };
-                    let x = room * sub;
                     // With no weighted sub-window left, the window's start admits.
-                    let start = match x.checked_div(old_j) {
+                    let start = match (room * sub).checked_div(old_j) {
                         None => 0,
                         Some(0) => continue,
                         Some(q) => sub.saturating_sub(q),
@@ -282,9 +330,9 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
             Eval {
                 allowed,
                 remaining_before,
-                reset_before_us: reset_us(rule, state, log, now),
                 retry_us,
                 delay_us: 0,
+                next: Next::Counters { cur },
             }
         }
         Algorithm::SlidingLog => {
@@ -298,98 +346,87 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
             Eval {
                 allowed,
                 remaining_before: limit - in_window as u64,
-                reset_before_us: reset_us(rule, state, Some(log), now),
                 retry_us: nth.map_or(0, |ts| (ts + period).saturating_sub(now)),
                 delay_us: 0,
+                next: Next::Log,
             }
         }
         Algorithm::TokenBucket { capacity } => {
             let level = token_level(rule, capacity, state, now);
             let need = c * period;
-            let full = capacity * period;
+            let allowed = level >= need;
+            let last = match *state {
+                RuleState::Tokens { last, .. } => last.max(now),
+                _ => now,
+            };
             Eval {
-                allowed: level >= need,
+                allowed,
                 remaining_before: level / period,
-                reset_before_us: div_ceil(full - level, limit),
-                retry_us: div_ceil(need.saturating_sub(level), limit),
+                retry_us: if allowed {
+                    0
+                } else {
+                    div_ceil(need - level, limit)
+                },
                 delay_us: 0,
+                next: Next::Tokens {
+                    level: level.saturating_sub(need),
+                    last,
+                },
             }
         }
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
             let (cap, no_delay) = tat_params(rule);
             let base = tat_base(state, now);
-            let next = tat_add(base, c, rule);
+            let total = base.1 + c * period;
+            let next = (base.0 + total / limit, total % limit);
             let diff_base = (base.0 - now) * limit + base.1;
             let diff_next = (next.0 - now) * limit + next.1;
             let max = cap * period;
             let allowed = diff_next <= max;
             let delay_us = match no_delay {
-                Some(n) if allowed => div_ceil(diff_next.saturating_sub(n * period), limit),
+                Some(n) if allowed && diff_next > n * period => {
+                    div_ceil(diff_next - n * period, limit)
+                }
                 _ => 0,
             };
             Eval {
                 allowed,
                 remaining_before: max.saturating_sub(diff_base) / period,
-                reset_before_us: div_ceil(diff_base, limit),
-                retry_us: div_ceil(diff_next.saturating_sub(max), limit),
+                retry_us: if allowed {
+                    0
+                } else {
+                    div_ceil(diff_next - max, limit)
+                },
                 delay_us,
+                next: Next::Tat {
+                    us: next.0,
+                    frac: next.1,
+                },
             }
         }
     }
 }
 
-fn apply(rule: &Rule, state: &mut RuleState, now: u64, cost: u64) {
-    let period = rule.period_us();
-    match rule.algorithm() {
-        Algorithm::FixedWindow => {
-            let index = now / period;
-            *state = match *state {
-                RuleState::Window { index: i, count } if i == index => RuleState::Window {
-                    index,
-                    count: count + cost,
-                },
-                _ => RuleState::Window { index, count: cost },
-            };
-        }
-        Algorithm::SlidingWindow { precision: p } => {
-            let sub = period / p;
-            let cur = now / sub;
-            let len = p as usize + 1;
-            match state {
-                RuleState::Counters { index, counts } if *index <= cur => {
-                    let shift = (cur - *index).min(len as u64) as usize;
-                    counts.rotate_right(shift);
-                    counts[..shift].fill(0);
-                    *index = cur;
-                    counts[0] += cost;
-                }
-                RuleState::Counters { index, counts } => {
-                    // The clock went back: count the units in the newest sub-window.
-                    counts[0] += cost;
-                    let _ = index;
-                }
-                _ => {
-                    let mut counts = vec![0; len].into_boxed_slice();
-                    counts[0] = cost;
-                    *state = RuleState::Counters { index: cur, counts };
-                }
+fn apply_counters(rule: &Rule, state: &mut RuleState, cur: u64, cost: u64) {
+    let Algorithm::SlidingWindow { precision: p } = rule.algorithm() else {
+        unreachable!("counters belong to the sliding window counter")
+    };
+    let len = p as usize + 1;
+    match state {
+        RuleState::Counters { index, counts } => {
+            // A clock that went back counts into the newest sub-window.
+            if *index < cur {
+                let shift = (cur - *index).min(len as u64) as usize;
+                counts.rotate_right(shift);
+                counts[..shift].fill(0);
+                *index = cur;
             }
+            counts[0] += cost;
         }
-        Algorithm::SlidingLog => unreachable!("the shared log is applied once per check"),
-        Algorithm::TokenBucket { capacity } => {
-            let level = token_level(rule, capacity, state, now);
-            let last = match *state {
-                RuleState::Tokens { last, .. } => last.max(now),
-                _ => now,
-            };
-            *state = RuleState::Tokens {
-                level: level - cost * period,
-                last,
-            };
-        }
-        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
-            let (us, frac) = tat_add(tat_base(state, now), cost, rule);
-            *state = RuleState::Tat { us, frac };
+        _ => {
+            let mut counts = vec![0; len].into_boxed_slice();
+            counts[0] = cost;
+            *state = RuleState::Counters { index: cur, counts };
         }
     }
 }
@@ -406,13 +443,8 @@ fn apply_log(state: &mut RuleState, keep: usize, now: u64, cost: u64) {
     }
 }
 
-/// Time until the rule's full quota is back, in microseconds.
-fn reset_us(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64) -> u64 {
-    expires_at(rule, state, log, rule.period_us()).saturating_sub(now)
-}
-
 /// The moment from which the rule's state is equivalent to `Fresh`.
-fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, log_period: u64) -> u64 {
+fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>) -> u64 {
     let period = rule.period_us();
     match (rule.algorithm(), state) {
         (Algorithm::FixedWindow, RuleState::Window { index, .. }) => (index + 1) * period,
@@ -423,9 +455,10 @@ fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, log_p
                 None => 0,
             }
         }
+        // Per rule: the log as a whole expires with its longest rule.
         (Algorithm::SlidingLog, _) => log
             .and_then(|l| l.front())
-            .map_or(0, |newest| newest + log_period),
+            .map_or(0, |newest| newest + period),
         (Algorithm::TokenBucket { capacity }, RuleState::Tokens { level, last }) => {
             let full = capacity * period;
             last + div_ceil(full - (*level).min(full), rule.limit())

@@ -1,5 +1,5 @@
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// A source of the current time, in whole microseconds since the Unix epoch.
@@ -12,17 +12,27 @@ pub trait Clock: Send + Sync + 'static {
     fn now_us(&self) -> u64;
 }
 
-/// The operating system's wall clock.
+/// The wall clock, read once per process and then advanced by a monotonic clock.
+///
+/// Reading the wall clock on every decision costs a system call's worth of time and goes
+/// backwards when the clock is stepped; instead the epoch is read once and the rest comes
+/// from [`quanta`] (the CPU's invariant TSC where available, the OS monotonic clock
+/// otherwise), so time only moves forward and a reading costs a few nanoseconds.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
+
+static ANCHOR: OnceLock<(u64, quanta::Instant)> = OnceLock::new();
 
 impl Clock for SystemClock {
     #[inline]
     fn now_us(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_micros() as u64)
-            .unwrap_or(0)
+        let (epoch_us, start) = ANCHOR.get_or_init(|| {
+            let epoch = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
+            (epoch, quanta::Instant::now())
+        });
+        epoch_us + quanta::Instant::now().duration_since(*start).as_micros() as u64
     }
 }
 

@@ -43,7 +43,10 @@ impl Decision {
     /// admits; otherwise limited, with `retry_after` the largest over the denying rules.
     /// `delay` is kept only when allowed.
     pub fn from_rules(rules: impl IntoIterator<Item = RuleOutcome>, delay: Duration) -> Self {
-        let rules: SmallVec<[RuleOutcome; 2]> = rules.into_iter().collect();
+        Self::from_outcomes(rules.into_iter().collect(), delay)
+    }
+
+    pub(crate) fn from_outcomes(rules: SmallVec<[RuleOutcome; 2]>, delay: Duration) -> Self {
         let allowed = rules.iter().all(|r| r.allowed);
         if allowed {
             Decision {
