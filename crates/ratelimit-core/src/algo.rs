@@ -294,12 +294,22 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
             let sub = period / p;
             let cur = now / sub;
             let elapsed = now - cur * sub;
+            // (oldest count, to be weighted; sum of the newer ones) as seen in sub-window `w`.
             let window_sums = |w: u64| -> (u64, u64) {
-                let old = if w >= p { sub_count(state, w - p) } else { 0 };
-                let recent = (0..p.min(w + 1))
-                    .map(|i| sub_count(state, w - i))
-                    .sum::<u64>();
-                (old, recent)
+                match state {
+                    RuleState::Counters { index, counts } if *index <= w => {
+                        let Some(keep) = p.checked_sub(w - index) else {
+                            return (0, 0);
+                        };
+                        let keep = keep as usize;
+                        (counts[keep], counts[..keep].iter().sum())
+                    }
+                    _ => {
+                        let old = if w >= p { sub_count(state, w - p) } else { 0 };
+                        let recent = (0..p.min(w + 1)).map(|i| sub_count(state, w - i)).sum();
+                        (old, recent)
+                    }
+                }
             };
             let (old, recent) = window_sums(cur);
             let weighted = old * (sub - elapsed);
