@@ -1,0 +1,76 @@
+//! The quickstart's limits kept in Redis, so that every instance of the app shares them.
+//!
+//! ```sh
+//! redis-server --port 6379 &
+//! PORT=3000 cargo run -p ratelimit-examples --example redis_fleet &
+//! PORT=3001 cargo run -p ratelimit-examples --example redis_fleet &
+//! # 10 requests per minute per client IP, whichever instance they reach:
+//! for i in $(seq 6); do curl -s -o /dev/null -w '%{http_code} ' localhost:3000/; \
+//!                       curl -s -o /dev/null -w '%{http_code} ' localhost:3001/; done
+//! ```
+//!
+//! `REDIS_URL` (default `redis://127.0.0.1:6379/`) selects the server. If Redis becomes
+//! unreachable, each instance falls back to limiting on its own with a local store
+//! (and logs a warning per failed check) until it is back.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::routing::{get, post};
+use axum::Router;
+use ratelimit_redis::RedisStore;
+use ratelimit_tower::{FailurePolicy, PeerIp, RateLimitLayer};
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    // A check that takes longer than this counts as a failure and the fallback decides.
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(50))
+        .build(&url)
+        .await
+        .map_err(|e| format!("cannot reach Redis at {url} (set REDIS_URL): {e}"))?;
+
+    // The store is cheap to clone: both layers share its connection pool.
+    let per_ip = RateLimitLayer::builder(store.clone(), PeerIp::new())
+        .rules("10/min sliding-window name=per-ip")?
+        .failure_policy(FailurePolicy::Fallback)
+        .build()?;
+    let login = RateLimitLayer::builder(store, PeerIp::new())
+        .rules("1/s sliding-log name=login-1s; 5/min sliding-log name=login-5min")?
+        .failure_policy(FailurePolicy::Fallback)
+        .build()?;
+
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { "hello from the fleet\n" }).layer(per_ip),
+        )
+        .route("/login", post(|| async { "logged in\n" }).layer(login));
+
+    let port: u16 = std::env::var("PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(3000);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!(
+        "serving on http://{} with limits in {url}",
+        listener.local_addr()?
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
+    Ok(())
+}
