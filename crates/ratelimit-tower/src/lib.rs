@@ -43,7 +43,12 @@
 //!
 //! let request = || {
 //!     let mut req = Request::post("/login").body(Body::empty()).unwrap();
-//!     req.extensions_mut().insert(ConnectInfo("192.0.2.1:5000".parse::<SocketAddr>().unwrap()));
+//!     // What axum's `into_make_service_with_connect_info` gives each request.
+//!     let peer: SocketAddr = "192.0.2.1:5000".parse().unwrap();
+//!     # #[cfg(feature = "axum")]
+//!     req.extensions_mut().insert(ConnectInfo(peer));
+//!     # #[cfg(not(feature = "axum"))]
+//!     # req.extensions_mut().insert(peer);
 //!     req
 //! };
 //! let ok = app.clone().oneshot(request()).await?;

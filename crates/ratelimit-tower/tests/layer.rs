@@ -1,5 +1,7 @@
 //! The layer driven in process (no sockets): statuses, fields, policies, shaping on a
 //! paused clock, the deny cache.
+// The peer address comes from axum's `ConnectInfo`, read with the `axum` feature.
+#![cfg(feature = "axum")]
 
 use std::future::{ready, Future};
 use std::net::SocketAddr;

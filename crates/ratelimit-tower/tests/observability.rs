@@ -1,0 +1,204 @@
+//! What operators see: `tracing` events for every failure policy, and (feature `metrics`)
+//! counters labelled by rule.
+
+use std::future::Future;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use ratelimit_core::{Decision, RuleSet, Store};
+use ratelimit_tower::{FailurePolicy, GlobalKey, RateLimitLayer};
+use tower::ServiceExt;
+
+/// A store that always fails.
+struct Down;
+
+impl Store for Down {
+    type Error = std::io::Error;
+    fn check(
+        &self,
+        _: &[u8],
+        _: &RuleSet,
+        _: u64,
+    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
+        std::future::ready(Err(std::io::Error::other("connection refused")))
+    }
+    fn block(
+        &self,
+        _: &[u8],
+        _: Option<Duration>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+    fn unblock(&self, _: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+    fn reset(&self, _: &[u8], _: &RuleSet) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+}
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn run<F: Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+#[test]
+fn each_failure_policy_is_visible_in_tracing() {
+    for (policy, label, status) in [
+        (FailurePolicy::FailOpen, "fail_open", StatusCode::OK),
+        (
+            FailurePolicy::FailClosed,
+            "fail_closed",
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+        (FailurePolicy::Fallback, "fallback", StatusCode::OK),
+    ] {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        let got = tracing::subscriber::with_default(subscriber, || {
+            let layer = RateLimitLayer::builder(Down, GlobalKey)
+                .rules("5/min")
+                .unwrap()
+                .failure_policy(policy)
+                .build()
+                .unwrap();
+            let app = Router::new()
+                .route("/", get(|| async { "ok" }))
+                .layer(layer);
+            run(app.oneshot(Request::get("/").body(Body::empty()).unwrap()))
+                .unwrap()
+                .status()
+        });
+        assert_eq!(got, status, "{label}");
+        let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        assert!(log.contains("WARN"), "{label}: {log}");
+        assert!(log.contains(label), "{label}: {log}");
+        assert!(log.contains("connection refused"), "{label}: {log}");
+    }
+}
+
+#[cfg(feature = "metrics")]
+mod counters {
+    use super::*;
+    use metrics::{
+        Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+    use ratelimit_core::MemoryStore;
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[derive(Default)]
+    struct Counters(Mutex<BTreeMap<String, Arc<AtomicU64>>>);
+
+    impl Counters {
+        fn get(&self, name: &str) -> u64 {
+            self.0
+                .lock()
+                .unwrap()
+                .get(name)
+                .map_or(0, |c| c.load(Ordering::SeqCst))
+        }
+    }
+
+    impl Recorder for Counters {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            let counter = self.0.lock().unwrap().entry(name).or_default().clone();
+            Counter::from_arc(counter)
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    #[test]
+    fn counters_labelled_by_rule() {
+        let counters = Counters::default();
+        let store = Arc::new(MemoryStore::new());
+        store.block_now(b"blocked", None);
+        let (app, down) = metrics::with_local_recorder(&counters, || {
+            let layer = RateLimitLayer::builder(store.clone(), |req: &Request<Body>| {
+                req.headers().get("x-key").map(|v| v.as_bytes().to_vec())
+            })
+            .rules("2/min fixed-window name=minute; 10/h fixed-window name=hour")
+            .unwrap()
+            .build()
+            .unwrap();
+            let down = RateLimitLayer::builder(Down, GlobalKey)
+                .rules("2/min name=other")
+                .unwrap()
+                .build()
+                .unwrap();
+            (
+                Router::new()
+                    .route("/", get(|| async { "ok" }))
+                    .layer(layer),
+                Router::new().route("/", get(|| async { "ok" })).layer(down),
+            )
+        });
+        let req = |key: &str| {
+            Request::get("/")
+                .header("x-key", key)
+                .body(Body::empty())
+                .unwrap()
+        };
+        run(async {
+            for _ in 0..5 {
+                app.clone().oneshot(req("a")).await.unwrap();
+            }
+            app.clone().oneshot(req("blocked")).await.unwrap();
+            down.oneshot(Request::get("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+        });
+        assert_eq!(counters.get("ratelimit_admitted_total{rule=minute}"), 2);
+        assert_eq!(counters.get("ratelimit_admitted_total{rule=hour}"), 2);
+        // Only the rule that denied is counted as limiting (three denials, one cached).
+        assert_eq!(counters.get("ratelimit_limited_total{rule=minute}"), 3);
+        assert_eq!(counters.get("ratelimit_limited_total{rule=hour}"), 0);
+        assert_eq!(
+            counters.get("ratelimit_blocked_total{rules=minute,hour}"),
+            1
+        );
+        assert_eq!(
+            counters.get("ratelimit_store_errors_total{rules=other,policy=fail_open}"),
+            1
+        );
+    }
+}
