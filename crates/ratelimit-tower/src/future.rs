@@ -51,23 +51,26 @@ impl<Svc, ReqBody, ResBody> ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    pub(crate) fn forward(
-        mut inner: Svc,
+    pub(crate) fn called(future: Svc::Future, headers: Option<AddHeaders>) -> Self {
+        Self {
+            state: State::Calling { future },
+            headers,
+        }
+    }
+
+    pub(crate) fn delayed(
+        inner: Svc,
         req: Request<ReqBody>,
         delay: Duration,
         headers: Option<AddHeaders>,
     ) -> Self {
-        let state = if delay.is_zero() {
-            State::Calling {
-                future: inner.call(req),
-            }
-        } else {
-            State::Delaying {
+        Self {
+            state: State::Delaying {
                 sleep: tokio::time::sleep(delay),
                 call: Some((inner, req)),
-            }
-        };
-        Self { state, headers }
+            },
+            headers,
+        }
     }
 
     pub(crate) fn reply(response: Response<ResBody>) -> Self {

@@ -91,20 +91,31 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        // The service that was polled ready goes into the future; a fresh clone stays.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let Some(key) = self.shared.key.extract(&req) else {
-            return ResponseFuture::forward(inner, req, Duration::ZERO, None);
+            return ResponseFuture::called(self.inner.call(req), None);
         };
         let cost = self.shared.cost.cost(&req);
         match Shared::begin(&self.shared, key, cost) {
+            // Decided at once and nothing to wait for: the ready service is called here,
+            // without cloning it.
+            Begin::Decided(Plan::Forward { delay, headers }) if delay.is_zero() => {
+                ResponseFuture::called(self.inner.call(req), headers)
+            }
             Begin::Decided(Plan::Forward { delay, headers }) => {
-                ResponseFuture::forward(inner, req, delay, headers)
+                ResponseFuture::delayed(self.take_ready(), req, delay, headers)
             }
             Begin::Decided(Plan::Reply(response)) => ResponseFuture::reply(response),
-            Begin::Checking(check) => ResponseFuture::checking(check, inner, req),
+            Begin::Checking(check) => ResponseFuture::checking(check, self.take_ready(), req),
         }
+    }
+}
+
+impl<Svc: Clone, S, K, C, R> RateLimit<Svc, S, K, C, R> {
+    /// The service that was polled ready, to be called later from the future; a fresh
+    /// clone takes its place.
+    fn take_ready(&mut self) -> Svc {
+        let clone = self.inner.clone();
+        std::mem::replace(&mut self.inner, clone)
     }
 }
 
