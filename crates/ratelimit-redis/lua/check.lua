@@ -2,15 +2,19 @@
 --
 -- An integer translation of `ratelimit_core::algo::decide`: the same formulas, evaluated
 -- on the state as it stands, committed all or nothing. Every value is an integer below
--- 2^53 (the core refuses rules outside that bound), so Lua's doubles hold them exactly;
--- divisions go through `divmod`, never `/` or `%` alone, and numbers are written back
--- with '%.0f', never `tostring` (which would switch to exponent notation).
+-- 2^53 (the core and the store refuse rules outside that bound), so Lua's doubles hold
+-- them exactly; divisions go through `divmod`, never `/` or `%` alone, and numbers sent
+-- back to Redis as text are formatted with '%.0f', never `tostring` (which would switch
+-- to exponent notation).
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
--- KEYS[2]  rule state of (client key, rule set): hash, field "<i>" = state of rule i,
---          space-separated integers (fixed window "index count"; sliding window counter
---          "index c0 .. cp"; token bucket "level last"; GCRA / leaky bucket "us frac")
--- KEYS[3]  shared sliding log of (client key, rule set): list of µs timestamps, newest first
+-- KEYS[2]  rule state of (client key, rule set): string, a MessagePack array of integers,
+--          rule after rule in rule-set order: fixed window (index, count); sliding window
+--          counter (index, c0 .. cp), ci = count of sub-window index - i; token bucket
+--          (level = tokens x period_us, last); GCRA / leaky bucket (tat_us, tat_frac);
+--          sliding log: nothing
+-- KEYS[3]  shared sliding log of (client key, rule set): list of µs timestamps, newest
+--          first, at most ARGV[4] long
 --
 -- ARGV[1]  now, µs since the Unix epoch; "" = read the Redis server's TIME
 -- ARGV[2]  cost; 0 peeks (evaluated as 1, nothing written)
@@ -32,8 +36,11 @@
 --
 -- Errors: WRONGTYPE from Redis when a key holds another type; "RLSTATE ..." when a key
 -- holds a value this script did not write.
+--
+-- Every redis.call costs more than the arithmetic: a check without a sliding log makes
+-- three (four with Redis TIME): GET block, GET state, SET state with its expiry.
 
-local floor = math.floor
+local floor, tonumber = math.floor, tonumber
 
 -- Exact floor division of non-negative integers below 2^53: the double quotient may round
 -- across an integer, the exact remainder corrects it.
@@ -41,58 +48,22 @@ local function divmod(a, b)
   local q = floor(a / b)
   local r = a - q * b
   if r < 0 then
-    q = q - 1
-    r = r + b
+    return q - 1, r + b
   elseif r >= b then
-    q = q + 1
-    r = r - b
+    return q + 1, r - b
   end
   return q, r
 end
 
-local function div(a, b)
-  local q = divmod(a, b)
-  return q
-end
+local FOREIGN = ' holds a value this store did not write'
 
-local function div_ceil(a, b)
-  local q, r = divmod(a, b)
-  if r > 0 then
-    return q + 1
-  end
-  return q
-end
-
-local function sat_sub(a, b)
-  if a > b then
-    return a - b
-  end
-  return 0
-end
-
-local function int(x)
-  return string.format('%.0f', x)
-end
-
-local function corrupt(what)
-  return redis.error_reply('RLSTATE ' .. what .. ' holds a value this store did not write')
-end
-
+local injected = ARGV[1] ~= ''
 local now
-if ARGV[1] == '' then
+if injected then
+  now = tonumber(ARGV[1])
+else
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[1])
-end
-local cost = tonumber(ARGV[2])
-local ttl_floor = tonumber(ARGV[3])
-local log_limit = tonumber(ARGV[4])
-local log_period = tonumber(ARGV[5])
-local n = tonumber(ARGV[6])
-local c = cost
-if c < 1 then
-  c = 1
 end
 
 -- Blocks first: a blocked key consults no rule.
@@ -103,7 +74,7 @@ if block then
   end
   local untl = tonumber(block)
   if not untl then
-    return corrupt('the block marker')
+    return redis.error_reply('RLSTATE the block marker' .. FOREIGN)
   end
   if untl > now then
     return {1, untl - now}
@@ -111,436 +82,455 @@ if block then
   redis.call('DEL', KEYS[1])
 end
 
--- Sets a key's TTL to end at `at` (µs): exactly, on Redis's clock, or relative to the
--- injected clock with a floor.
-local function expire_at(key, at)
-  if ARGV[1] == '' then
-    redis.call('PEXPIREAT', key, int(div_ceil(at, 1000)))
-  else
-    local ms = 0
-    if at > now then
-      ms = div_ceil(at - now, 1000)
-    end
-    if ms < ttl_floor then
-      ms = ttl_floor
-    end
-    redis.call('PEXPIRE', key, int(ms))
-  end
+local cost = tonumber(ARGV[2])
+local c = cost
+if c < 1 then
+  c = 1
 end
+local n = tonumber(ARGV[6])
 
-local rules = {}
-local fields = {}
-local has_log = false
+-- The state's length, and whether a rule reads the log.
+local width, has_log = 0, false
 for i = 1, n do
-  local o = 6 + (i - 1) * 5
-  local r = {
-    code = tonumber(ARGV[o + 1]),
-    limit = tonumber(ARGV[o + 2]),
-    period = tonumber(ARGV[o + 3]),
-    a = tonumber(ARGV[o + 4]),
-    b = tonumber(ARGV[o + 5]),
-  }
-  rules[i] = r
-  if r.code == 3 then
+  local k = tonumber(ARGV[5 * i + 2])
+  if k == 3 then
     has_log = true
+  elseif k == 2 then
+    width = width + tonumber(ARGV[5 * i + 5]) + 2
   else
-    fields[#fields + 1] = tostring(i)
+    width = width + 2
   end
 end
 
--- Current states, parsed; nil = fresh.
-local states = {}
-if #fields > 0 then
-  local raw = redis.call('HMGET', KEYS[2], unpack(fields))
-  for j, f in ipairs(fields) do
-    local v = raw[j]
-    if v then
-      local i = tonumber(f)
-      local r = rules[i]
-      local t = {}
-      for x in string.gmatch(v, '%d+') do
-        t[#t + 1] = tonumber(x)
-      end
-      local want = 2
-      if r.code == 2 then
-        want = r.a + 2
-      end
-      if #t ~= want then
-        return corrupt('rule state ' .. f)
-      end
-      states[i] = t
+-- st: the stored state (nil = fresh), rule i's values at st[off + 1 ..].
+local st = nil
+if width > 0 then
+  local raw = redis.call('GET', KEYS[2])
+  if raw then
+    local decoded, t = pcall(cmsgpack.unpack, raw)
+    if not decoded or type(t) ~= 'table' or #t ~= width then
+      return redis.error_reply('RLSTATE the rule state' .. FOREIGN)
     end
+    for j = 1, width do
+      local x = t[j]
+      if type(x) ~= 'number' or x < 0 or x ~= floor(x) then
+        return redis.error_reply('RLSTATE the rule state' .. FOREIGN)
+      end
+    end
+    st = t
   end
 end
 
--- The shared log: length and newest entry, read once.
-local log_len, log_newest = 0, nil
-local function log_at(idx)
-  local v = redis.call('LINDEX', KEYS[3], idx)
-  if not v then
-    return nil
-  end
-  local ts = tonumber(v)
-  if not ts then
-    error({err = 'RLSTATE the sliding log holds a value this store did not write'})
-  end
-  return ts
-end
+local key3 = KEYS[3]
+local log_len, newest = 0, nil
 if has_log then
-  log_len = redis.call('LLEN', KEYS[3])
+  log_len = redis.call('LLEN', key3)
   if log_len > 0 then
-    log_newest = log_at(0)
-  end
-end
-
--- Sliding window counter: the count of sub-window k in state s.
-local function sub_count(s, p, k)
-  if s and k <= s[1] and s[1] - k <= p then
-    return s[2 + s[1] - k]
-  end
-  return 0
-end
-
--- Expiry of each algorithm's state (the moment it is equivalent to fresh), µs; 0 = fresh.
-local function expires(r, s)
-  if not s then
-    return 0
-  end
-  if r.code == 1 then
-    return (s[1] + 1) * r.period
-  elseif r.code == 2 then
-    local p = r.a
-    local sub = div(r.period, p)
-    for d = 0, p do
-      if s[2 + d] > 0 then
-        return (s[1] - d + p + 1) * sub
-      end
+    newest = tonumber(redis.call('LINDEX', key3, 0))
+    if not newest then
+      return redis.error_reply('RLSTATE the sliding log' .. FOREIGN)
     end
-    return 0
-  elseif r.code == 4 then
-    local full = r.a * r.period
-    local level = s[1]
-    if level > full then
-      level = full
-    end
-    return s[2] + div_ceil(full - level, r.limit)
-  else
-    local e = s[1]
-    if s[2] > 0 then
-      e = e + 1
-    end
-    return e
   end
 end
 
-local function token_level(r, s)
-  local full = r.a * r.period
-  if not s then
-    return full
-  end
-  local level, last = s[1], s[2]
-  local elapsed = sat_sub(now, last)
-  local held = level
-  if held > full then
-    held = full
-  end
-  if elapsed >= div_ceil(full - held, r.limit) then
-    return full
-  end
-  return level + elapsed * r.limit
-end
-
-local function tat_base(s)
-  if s and (s[1] > now or (s[1] == now and s[2] > 0)) then
-    return s[1], s[2]
-  end
-  return now, 0
-end
-
-local function tat_add(us, frac, units, r)
-  local q, m = divmod(frac + units * r.period, r.limit)
-  return us + q, m
-end
-
--- Evaluate every rule on the state as it stands.
-local evals = {}
-local all_allowed = true
+-- Evaluate every rule on the state as it stands. out doubles as the reply; new gets the
+-- next state of fixed window, token bucket and TAT rules, written if the check commits.
+local out = {0, 0}
+local new = {}
+local all_ok, delay, off = true, 0, 0
 for i = 1, n do
-  local r = rules[i]
-  local s = states[i]
-  local limit, period = r.limit, r.period
-  local e
-  if r.code == 1 then
-    local index = div(now, period)
+  local o = 5 * i + 2
+  local k = tonumber(ARGV[o])
+  local limit = tonumber(ARGV[o + 1])
+  local period = tonumber(ARGV[o + 2])
+  local allowed, remaining, reset, retry = true, 0, 0, 0
+  if k == 1 then
+    local index = divmod(now, period)
     local count = 0
-    if s and s[1] == index then
-      count = s[2]
+    if st then
+      local si = st[off + 1]
+      if si == index then
+        count = st[off + 2]
+      end
+      reset = (si + 1) * period - now
     end
-    local reset = (index + 1) * period - now
-    local reset_before = 0
-    if count > 0 then
-      reset_before = reset
-    end
-    e = {
-      allowed = count + c <= limit,
-      remaining = sat_sub(limit, count),
-      reset = reset_before,
-      retry = reset,
-      delay = 0,
-    }
-  elseif r.code == 2 then
-    local p = r.a
-    local sub = div(period, p)
+    allowed = count + c <= limit
+    remaining = limit - count
+    retry = (index + 1) * period - now
+    new[off + 1], new[off + 2] = index, count + c
+    off = off + 2
+  elseif k == 2 then
+    local p = tonumber(ARGV[o + 3])
+    local sub = divmod(period, p)
     local cur, elapsed = divmod(now, sub)
-    local old = 0
-    if cur >= p then
-      old = sub_count(s, p, cur - p)
+    local idx = st and st[off + 1]
+    local base = off
+    -- The count of sub-window kk.
+    local function sub_count(kk)
+      if idx and kk <= idx and idx - kk <= p then
+        return st[base + 2 + idx - kk]
+      end
+      return 0
     end
-    local recent = 0
-    for k = 0, p - 1 do
-      if k <= cur then
-        recent = recent + sub_count(s, p, cur - k)
+    -- (oldest count, to be weighted; sum of the p newer ones) as seen in sub-window cur.
+    local old, recent = 0, 0
+    if idx and idx <= cur then
+      local keep = p - (cur - idx)
+      if keep >= 0 then
+        old = st[off + 2 + keep]
+        for d = 0, keep - 1 do
+          recent = recent + st[off + 2 + d]
+        end
+      end
+    elseif idx then
+      -- The clock went back (an injected clock can): sub-window by sub-window.
+      if cur >= p then
+        old = sub_count(cur - p)
+      end
+      for d = 0, p - 1 do
+        if d <= cur then
+          recent = recent + sub_count(cur - d)
+        end
       end
     end
     local weighted = old * (sub - elapsed)
-    local allowed = weighted + sub * (recent + c) <= limit * sub
-    local remaining = sat_sub(div(sat_sub(limit * sub, weighted), sub), recent)
-    local retry = 0
+    allowed = weighted + sub * (recent + c) <= limit * sub
+    local room = limit * sub - weighted
+    if room < 0 then
+      room = 0
+    end
+    remaining = divmod(room, sub) - recent
     if not allowed then
       -- The first instant a request of cost c is admitted, sub-window by sub-window; the
-      -- recent sum slides by one sub-window per step, keeping the search O(precision).
+      -- sums slide one sub-window per step, keeping the search O(precision).
       local rec = recent
       for j = 0, p + 1 do
         local w = cur + j
         if j > 0 then
-          rec = rec + sub_count(s, p, w)
+          rec = rec + sub_count(w)
           if w - p >= 0 then
-            rec = rec - sub_count(s, p, w - p)
+            rec = rec - sub_count(w - p)
           end
-        end
-        local old_j = 0
-        if w >= p then
-          old_j = sub_count(s, p, w - p)
         end
         if rec + c <= limit then
-          local x = (limit - rec - c) * sub
-          local start = nil
-          if old_j == 0 then
-            start = 0
-          else
-            local q = div(x, old_j)
-            if q > 0 then
-              start = sat_sub(sub, q)
+          local start = 0
+          if w >= p then
+            local old_j = sub_count(w - p)
+            if old_j > 0 then
+              local q = divmod((limit - rec - c) * sub, old_j)
+              if q == 0 then
+                start = nil
+              elseif q < sub then
+                start = sub - q
+              end
             end
           end
-          if start then
-            local t = w * sub + start
-            if t > now then
-              retry = t - now
-              break
-            end
+          if start and w * sub + start > now then
+            retry = w * sub + start - now
+            break
           end
         end
       end
     end
-    e = {
-      allowed = allowed,
-      remaining = remaining,
-      reset = sat_sub(expires(r, s), now),
-      retry = retry,
-      delay = 0,
-    }
-  elseif r.code == 3 then
-    local nth = nil
-    if limit - c < log_len then
-      nth = log_at(limit - c)
+    if idx then
+      for d = 0, p do
+        if st[off + 2 + d] > 0 then
+          reset = (idx - d + p + 1) * sub - now
+          break
+        end
+      end
     end
-    -- Entries still inside this rule's window form a prefix of the log (newest first):
-    -- binary search for its length among the first `limit` entries.
-    local lo, hi = 0, math.min(log_len, limit)
+    off = off + p + 2
+  elseif k == 3 then
+    local nth = nil
+    local at = limit - c
+    if at < log_len then
+      nth = tonumber(redis.call('LINDEX', key3, at))
+      if not nth then
+        return redis.error_reply('RLSTATE the sliding log' .. FOREIGN)
+      end
+    end
+    -- Entries inside this rule's window are a prefix of the log (newest first): binary
+    -- search its length among the first `limit` entries.
+    local lo, hi = 0, log_len
+    if hi > limit then
+      hi = limit
+    end
+    if newest and newest + period <= now then
+      hi = 0
+    elseif nth and nth + period > now then
+      lo = at + 1
+    end
     while lo < hi do
       local mid = floor((lo + hi) / 2)
-      if log_at(mid) + period > now then
+      local ts = tonumber(redis.call('LINDEX', key3, mid))
+      if not ts then
+        return redis.error_reply('RLSTATE the sliding log' .. FOREIGN)
+      end
+      if ts + period > now then
         lo = mid + 1
       else
         hi = mid
       end
     end
-    local reset = 0
-    if log_newest then
-      reset = sat_sub(log_newest + period, now)
+    allowed = (not nth) or nth + period <= now
+    remaining = limit - lo
+    if newest then
+      reset = newest + period - now
     end
-    local retry = 0
     if nth then
-      retry = sat_sub(nth + period, now)
+      retry = nth + period - now
     end
-    e = {
-      allowed = (not nth) or nth + period <= now,
-      remaining = limit - lo,
-      reset = reset,
-      retry = retry,
-      delay = 0,
-    }
-  elseif r.code == 4 then
-    local level = token_level(r, s)
+  elseif k == 4 then
+    local full = tonumber(ARGV[o + 3]) * period
+    local level, last = full, now
+    if st then
+      local sl, slast = st[off + 1], st[off + 2]
+      local idle = now - slast
+      if idle > 0 then
+        -- Past `full` the sum may round, never below `full`: the minimum stays exact.
+        level = sl + idle * limit
+      else
+        level = sl
+      end
+      if level > full then
+        level = full
+      end
+      if slast > now then
+        last = slast
+      end
+      local held = sl
+      if held > full then
+        held = full
+      end
+      local q, r = divmod(full - held, limit)
+      if r > 0 then
+        q = q + 1
+      end
+      reset = slast + q - now
+    end
     local need = c * period
-    local full = r.a * period
-    e = {
-      allowed = level >= need,
-      remaining = div(level, period),
-      reset = div_ceil(full - level, limit),
-      retry = div_ceil(sat_sub(need, level), limit),
-      delay = 0,
-      level = level,
-    }
+    allowed = level >= need
+    remaining = divmod(level, period)
+    if not allowed then
+      local q, r = divmod(need - level, limit)
+      if r > 0 then
+        q = q + 1
+      end
+      retry = q
+    end
+    local after = level - need
+    if after < 0 then
+      after = 0
+    end
+    new[off + 1], new[off + 2] = after, last
+    off = off + 2
   else
-    local cap, no_delay = r.a, r.b
-    local bus, bfrac = tat_base(s)
-    local nus, nfrac = tat_add(bus, bfrac, c, r)
+    local cap, no_delay = tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
+    local bus, bfrac = now, 0
+    if st then
+      local su, sf = st[off + 1], st[off + 2]
+      if su > now or (su == now and sf > 0) then
+        bus, bfrac = su, sf
+      end
+      reset = su - now
+      if sf > 0 then
+        reset = reset + 1
+      end
+    end
+    local q, m = divmod(bfrac + c * period, limit)
+    local nus = bus + q
     local diff_base = (bus - now) * limit + bfrac
-    local diff_next = (nus - now) * limit + nfrac
+    local diff_next = (nus - now) * limit + m
     local max = cap * period
-    local allowed = diff_next <= max
-    local delay = 0
-    if no_delay > 0 and allowed then
-      delay = div_ceil(sat_sub(diff_next, no_delay * period), limit)
+    allowed = diff_next <= max
+    if no_delay > 0 and allowed and diff_next > no_delay * period then
+      local dq, dr = divmod(diff_next - no_delay * period, limit)
+      if dr > 0 then
+        dq = dq + 1
+      end
+      if dq > delay then
+        delay = dq
+      end
     end
-    e = {
-      allowed = allowed,
-      remaining = div(sat_sub(max, diff_base), period),
-      reset = div_ceil(diff_base, limit),
-      retry = div_ceil(sat_sub(diff_next, max), limit),
-      delay = delay,
-      bus = bus,
-      bfrac = bfrac,
-    }
-  end
-  evals[i] = e
-  if not e.allowed then
-    all_allowed = false
-  end
-end
-
-local delay = 0
-for i = 1, n do
-  if evals[i].delay > delay then
-    delay = evals[i].delay
-  end
-end
-
-local out = {0, delay}
-
-if not (all_allowed and cost > 0) then
-  for i = 1, n do
-    local e = evals[i]
-    local retry = 0
-    if not e.allowed then
-      retry = e.retry
+    local room = max - diff_base
+    if room < 0 then
+      room = 0
     end
-    out[#out + 1] = e.allowed and 1 or 0
-    out[#out + 1] = e.remaining
-    out[#out + 1] = e.reset
-    out[#out + 1] = retry
+    remaining = divmod(room, period)
+    if not allowed then
+      local rq, rr = divmod(diff_next - max, limit)
+      if rr > 0 then
+        rq = rq + 1
+      end
+      retry = rq
+    end
+    new[off + 1], new[off + 2] = nus, m
+    off = off + 2
   end
+  if remaining < 0 then
+    remaining = 0
+  end
+  if reset < 0 then
+    reset = 0
+  end
+  if retry < 0 then
+    retry = 0
+  end
+  if not allowed then
+    all_ok = false
+  end
+  out[4 * i - 1] = allowed and 1 or 0
+  out[4 * i] = remaining
+  out[4 * i + 1] = reset
+  out[4 * i + 2] = retry
+end
+out[2] = delay
+
+if not all_ok or cost == 0 then
   return out
 end
 
--- Commit: every rule is charged `cost`.
-local hset = {}
-local state_expires = 0
-for i = 1, n do
-  local r = rules[i]
-  local s = states[i]
-  local e = evals[i]
-  local period = r.period
-  local after = nil
-  if r.code == 1 then
-    local index = div(now, period)
-    if s and s[1] == index then
-      after = {index, s[2] + cost}
-    else
-      after = {index, cost}
-    end
-  elseif r.code == 2 then
-    local p = r.a
-    local cur = div(now, div(period, p))
-    if s and s[1] <= cur then
-      local shift = cur - s[1]
-      if shift > p + 1 then
-        shift = p + 1
-      end
-      after = {cur}
-      for d = 0, p do
-        if d < shift then
-          after[2 + d] = 0
-        else
-          after[2 + d] = s[2 + d - shift]
-        end
-      end
-      after[2] = after[2] + cost
-    elseif s then
-      -- The clock went back: count the units in the newest sub-window.
-      after = s
-      after[2] = after[2] + cost
-    else
-      after = {cur, cost}
-      for d = 1, p do
-        after[2 + d] = 0
+-- Commit: every rule is charged `cost`; remaining and reset become the state's after.
+local ttl_floor = tonumber(ARGV[3])
+
+-- Sets the expiry of the SET or PEXPIRE `command` on `key` to `at` µs: exactly on
+-- Redis's clock, or relative to the injected clock with a floor.
+local function with_expiry(command, key, value, at)
+  if injected then
+    local ms = 0
+    if at > now then
+      local q, r = divmod(at - now, 1000)
+      ms = q
+      if r > 0 then
+        ms = ms + 1
       end
     end
-  elseif r.code == 4 then
-    local last = now
-    if s and s[2] > now then
-      last = s[2]
+    if ms < ttl_floor then
+      ms = ttl_floor
     end
-    after = {e.level - cost * period, last}
-  elseif r.code == 5 then
-    local us, frac = tat_add(e.bus, e.bfrac, cost, r)
-    after = {us, frac}
+    if ms < 1 then
+      ms = 1
+    end
+    ms = string.format('%.0f', ms)
+    if value then
+      return redis.call(command, key, value, 'PX', ms)
+    end
+    return redis.call('PEXPIRE', key, ms)
   end
-  local reset
-  if after then
-    local words = {}
-    for d = 1, #after do
-      words[d] = int(after[d])
-    end
-    hset[#hset + 1] = tostring(i)
-    hset[#hset + 1] = table.concat(words, ' ')
-    local exp = expires(r, after)
-    if exp > state_expires then
-      state_expires = exp
-    end
-    reset = sat_sub(exp, now)
-  else
-    -- Sliding log: after the push its newest entry is `now`.
-    reset = period
+  local q, r = divmod(at, 1000)
+  if r > 0 then
+    q = q + 1
   end
-  out[#out + 1] = 1
-  out[#out + 1] = sat_sub(e.remaining, cost)
-  out[#out + 1] = reset
-  out[#out + 1] = 0
+  local ms = string.format('%.0f', q)
+  if value then
+    return redis.call(command, key, value, 'PXAT', ms)
+  end
+  return redis.call('PEXPIREAT', key, ms)
 end
 
-if #hset > 0 then
-  redis.call('HSET', KEYS[2], unpack(hset))
-  expire_at(KEYS[2], state_expires)
+local state_expires = 0
+off = 0
+for i = 1, n do
+  local o = 5 * i + 2
+  local k = tonumber(ARGV[o])
+  local period = tonumber(ARGV[o + 2])
+  local exp
+  if k == 3 then
+    -- After the push the newest entry is now.
+    exp = now + period
+  elseif k == 2 then
+    local p = tonumber(ARGV[o + 3])
+    local sub = divmod(period, p)
+    local cur = divmod(now, sub)
+    local idx = st and st[off + 1]
+    local nidx, shift = cur, p + 1
+    if idx then
+      if idx < cur then
+        shift = cur - idx
+        if shift > p + 1 then
+          shift = p + 1
+        end
+      else
+        -- A clock that went back counts into the newest sub-window.
+        nidx, shift = idx, 0
+      end
+    end
+    new[off + 1] = nidx
+    for d = 0, p do
+      if d < shift then
+        new[off + 2 + d] = 0
+      else
+        new[off + 2 + d] = st[off + 2 + d - shift]
+      end
+    end
+    new[off + 2] = new[off + 2] + cost
+    -- The newest sub-window now holds units: the state lasts p + 1 sub-windows past it.
+    exp = (nidx + p + 1) * sub
+    off = off + p + 2
+  else
+    local a, b = new[off + 1], new[off + 2]
+    if k == 1 then
+      exp = (a + 1) * period
+    elseif k == 4 then
+      local full = tonumber(ARGV[o + 3]) * period
+      local held = a
+      if held > full then
+        held = full
+      end
+      local q, r = divmod(full - held, tonumber(ARGV[o + 1]))
+      if r > 0 then
+        q = q + 1
+      end
+      exp = b + q
+    else
+      exp = a
+      if b > 0 then
+        exp = exp + 1
+      end
+    end
+    off = off + 2
+  end
+  if k ~= 3 and exp > state_expires then
+    state_expires = exp
+  end
+  local reset = exp - now
+  if reset < 0 then
+    reset = 0
+  end
+  out[4 * i + 1] = reset
+  local left = out[4 * i] - cost
+  if left < 0 then
+    left = 0
+  end
+  out[4 * i] = left
+end
+
+if width > 0 then
+  with_expiry('SET', KEYS[2], cmsgpack.pack(new), state_expires)
 end
 
 if has_log then
-  -- Push `cost` copies of now in chunks (Lua's unpack has a stack limit), keep log_limit.
-  local stamp = int(now)
+  -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
+  local stamp = string.format('%.0f', now)
   local left = cost
   while left > 0 do
     local chunk = {}
-    local m = math.min(left, 1000)
-    for k = 1, m do
-      chunk[k] = stamp
+    local m = left
+    if m > 1000 then
+      m = 1000
     end
-    redis.call('LPUSH', KEYS[3], unpack(chunk))
+    for j = 1, m do
+      chunk[j] = stamp
+    end
+    redis.call('LPUSH', key3, unpack(chunk))
     left = left - m
   end
-  redis.call('LTRIM', KEYS[3], 0, int(log_limit - 1))
-  expire_at(KEYS[3], now + log_period)
+  local log_limit = tonumber(ARGV[4])
+  if log_len + cost > log_limit then
+    redis.call('LTRIM', key3, 0, string.format('%.0f', log_limit - 1))
+  end
+  with_expiry(nil, key3, nil, now + tonumber(ARGV[5]))
 end
 
 return out

@@ -31,7 +31,7 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), RedisStoreError> {
 pub(crate) struct CheckKeys {
     /// Block marker of the client key (string).
     pub(crate) block: String,
-    /// Rule state of (client key, rule set) (hash).
+    /// Rule state of (client key, rule set) (string: a MessagePack array).
     pub(crate) state: String,
     /// Shared sliding log of (client key, rule set) (list).
     pub(crate) log: String,

@@ -47,8 +47,9 @@
 //! # Keys and TTLs
 //!
 //! Keys are `<prefix>:{k<hex>}:b` (block marker), `<prefix>:{k<hex>}:s:<rule set>` (a
-//! hash: the rules' state) and `<prefix>:{k<hex>}:l:<rule set>` (a list: the sliding
-//! log), where `<hex>` is the client key hex-encoded and `<rule set>` is
+//! string: the rules' state as a MessagePack array of integers, written with its expiry
+//! in one `SET`) and `<prefix>:{k<hex>}:l:<rule set>` (a list: the sliding log), where
+//! `<hex>` is the client key hex-encoded and `<rule set>` is
 //! [`RuleSet::fingerprint`](ratelimit_core::RuleSet::fingerprint) in hex. Client keys are
 //! data, never syntax: any bytes (braces, colons, CRLF, non-UTF-8, kilobytes) map to
 //! distinct printable names that stay behind the prefix, and all keys of one client share

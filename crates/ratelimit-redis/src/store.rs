@@ -1,10 +1,11 @@
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bb8::{Pool, RunError};
 use bb8_redis::RedisConnectionManager;
 use ratelimit_core::{Decision, RuleSet, Store};
-use redis::aio::ConnectionLike;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::{Cmd, RedisResult, Value};
 
 use crate::error::{classify, is_connection_error, RedisStoreError};
@@ -43,6 +44,15 @@ pub(crate) const DEFAULT_POOL_SIZE: u32 = 4;
 pub struct RedisStore {
     pool: Pool<RedisConnectionManager>,
     shared: Arc<Shared>,
+    health: Arc<Health>,
+}
+
+/// Coordinates replacing dead connections.
+#[derive(Debug, Default)]
+struct Health {
+    /// Bumped after each repair; a failure seen before it is already repaired.
+    generation: AtomicU64,
+    lock: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -93,7 +103,11 @@ impl RedisStoreBuilder {
             .connection_timeout(self.options.connect_timeout)
             .error_sink(Box::new(TracingSink))
             .build_unchecked(manager);
-        let store = RedisStore { pool, shared };
+        let store = RedisStore {
+            pool,
+            shared,
+            health: Arc::default(),
+        };
         store.seed(self.options.connect_timeout).await?;
         Ok(store)
     }
@@ -114,7 +128,11 @@ impl RedisStoreBuilder {
             .options
             .shared()
             .unwrap_or_else(|e| panic!("RedisStoreBuilder::build_with_pool: {e}"));
-        RedisStore { pool, shared }
+        RedisStore {
+            pool,
+            shared,
+            health: Arc::default(),
+        }
     }
 }
 
@@ -213,24 +231,58 @@ impl RedisStore {
 
     async fn run_once(&self, op: Op<'_>) -> Result<Value, RedisStoreError> {
         let timeout = self.shared.timeout;
-        let mut conn = self.pool.get().await.map_err(|e| pool_error(e, timeout))?;
-        match op.send(&mut *conn).await {
+        let generation = self.health.generation.load(Ordering::Acquire);
+        let mut conn = self.checkout().await?;
+        match op.send(&mut conn).await {
             Err(e) if is_connection_error(&e) => {
-                // The pooled connection is dead (Redis restarted, the network dropped it).
-                // bb8 cannot be told, so swap a fresh connection into the pooled slot and
-                // send once more. A request lost with its connection may have reached Redis
-                // before the connection died; if so it is counted twice, which errs toward
-                // limiting, never toward admitting more.
+                // The connection is dead (Redis restarted, the network dropped it): replace
+                // the dead pooled connections and send once more. A request lost with its
+                // connection may have reached Redis first; if so it is counted twice, which
+                // errs toward limiting, never toward admitting more.
                 tracing::debug!(error = %e, "Redis connection failed; reconnecting");
-                *conn = self
+                self.heal(generation).await?;
+                let mut conn = self.checkout().await?;
+                op.send(&mut conn).await.map_err(|e| classify(e, timeout))
+            }
+            other => other.map_err(|e| classify(e, timeout)),
+        }
+    }
+
+    /// A handle on one of the pool's multiplexed connections. The pooled connection goes
+    /// back at once: requests from many tasks share its socket (pipelined), instead of
+    /// queueing for exclusive use, where bb8 lets newcomers overtake waiting tasks.
+    async fn checkout(&self) -> Result<MultiplexedConnection, RedisStoreError> {
+        let timeout = self.shared.timeout;
+        let pooled = self.pool.get().await.map_err(|e| pool_error(e, timeout))?;
+        Ok((*pooled).clone())
+    }
+
+    /// Replaces the pool's dead connections, once per failure: bb8 cannot be told a
+    /// connection broke, so each pooled connection is probed with PING (an immediate
+    /// error when its socket is gone) and a dead one is swapped for a fresh one in place.
+    /// Callers that saw the same failure wait and reuse the outcome.
+    async fn heal(&self, seen: u64) -> Result<(), RedisStoreError> {
+        let timeout = self.shared.timeout;
+        let _one_at_a_time = self.health.lock.lock().await;
+        if self.health.generation.load(Ordering::Acquire) != seen {
+            return Ok(());
+        }
+        for _ in 0..self.pool.state().connections.max(1) {
+            let mut pooled = self.pool.get().await.map_err(|e| pool_error(e, timeout))?;
+            let probe: RedisResult<()> = redis::cmd("PING").query_async(&mut *pooled).await;
+            if let Err(e) = probe {
+                if !is_connection_error(&e) {
+                    return Err(classify(e, timeout));
+                }
+                *pooled = self
                     .pool
                     .dedicated_connection()
                     .await
                     .map_err(|e| classify(e, timeout))?;
-                op.send(&mut *conn).await.map_err(|e| classify(e, timeout))
             }
-            other => other.map_err(|e| classify(e, timeout)),
         }
+        self.health.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
     }
 }
 

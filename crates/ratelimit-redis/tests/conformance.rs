@@ -120,6 +120,28 @@ fn traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
     })
 }
 
+/// Traces whose clock moves in whole milliseconds and whole periods, so that requests
+/// land exactly on window edges, log entries' expiry instants and bucket refill points,
+/// where a `<` for a `<=` would show.
+fn aligned_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
+    proptest::collection::vec(strategy::rule_set(), 1..=2).prop_flat_map(|sets| {
+        let n = sets.len();
+        let step = prop_oneof![
+            6 => (0u8..2, 0..n, prop_oneof![4 => Just(1u64), 1 => Just(0), 1 => 2u64..=3])
+                .prop_map(|(key, rules, cost)| Step::Check { key, rules, cost }),
+            4 => prop_oneof![
+                (0u64..=8).prop_map(|ms| ms * 1_000),
+                Just(7_000),
+                Just(100_000),
+                Just(1_000_000),
+            ]
+            .prop_map(Step::Advance),
+            1 => (0u8..2, proptest::option::of(1u64..20)).prop_map(|(key, ms)| Step::Block { key, ms }),
+        ];
+        (Just(sets), proptest::collection::vec(step, 1..80))
+    })
+}
+
 /// Sliding window counters with hundreds of sub-windows next to other rules: the
 /// script's O(precision) retry search against the core's direct one.
 fn fine_sliding_windows() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
@@ -148,6 +170,111 @@ fn redis_store_passes_the_conformance_suite() {
 fn random_traces_agree_with_memory_store() {
     let server = RedisServer::start();
     traces_agree(&runtime(), 256, traces(), single(server.url(), "trace"));
+}
+
+#[test]
+fn traces_on_exact_edges_agree_with_memory_store() {
+    let server = RedisServer::start();
+    traces_agree(
+        &runtime(),
+        128,
+        aligned_traces(),
+        single(server.url(), "edge"),
+    );
+}
+
+/// Hand-picked traces that stop exactly on an edge and peek there.
+#[test]
+fn peeks_on_exact_edges_agree_with_memory_store() {
+    use Step::{Advance, Check};
+    let server = RedisServer::start();
+    let rt = runtime();
+    let mut make = single(server.url(), "peek");
+    let ms = |n: u64| Advance(n * 1_000);
+    let check = |cost| Check {
+        key: 0,
+        rules: 0,
+        cost,
+    };
+    let cases: [(&str, Vec<Step>); 5] = [
+        // The log's second-newest entry leaves the window exactly at the peek.
+        (
+            "2/s sliding-log",
+            vec![
+                check(1),
+                ms(500),
+                check(1),
+                ms(500),
+                check(0),
+                check(1),
+                ms(500),
+                check(0),
+            ],
+        ),
+        (
+            "3/s sliding-log; 1/h fixed-window",
+            vec![
+                check(1),
+                ms(250),
+                check(1),
+                ms(250),
+                check(1),
+                ms(500),
+                check(0),
+                check(2),
+            ],
+        ),
+        (
+            "4/s sliding-window precision=2",
+            vec![
+                check(3),
+                ms(500),
+                check(1),
+                ms(500),
+                check(0),
+                check(1),
+                ms(250),
+                check(0),
+            ],
+        ),
+        (
+            "2/s token-bucket capacity=3",
+            vec![
+                check(3),
+                ms(500),
+                check(0),
+                check(2),
+                ms(500),
+                check(0),
+                check(1),
+            ],
+        ),
+        (
+            "2/s leaky-bucket mode=shaper burst=2 delay=1; 4/s gcra burst=2",
+            vec![
+                check(1),
+                check(1),
+                check(0),
+                ms(250),
+                check(0),
+                check(1),
+                ms(500),
+                check(0),
+            ],
+        ),
+    ];
+    for (text, steps) in cases {
+        let sets = vec![text.parse::<RuleSet>().unwrap()];
+        let (want, got) = rt.block_on(async {
+            let mem_clock = ManualClock::new(T0_US);
+            let memory = MemoryStore::builder().clock(mem_clock.clone()).build();
+            let want = run_trace(&memory, &mem_clock, b"k", &sets, &steps).await;
+            let clock = ManualClock::new(T0_US);
+            let store = make(clock.clone()).await;
+            (want, run_trace(&store, &clock, b"k", &sets, &steps).await)
+        });
+        assert_eq!(want, got, "{text}");
+    }
 }
 
 #[test]

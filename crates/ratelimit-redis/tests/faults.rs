@@ -227,19 +227,20 @@ async fn keys_of_the_wrong_type_give_a_clear_error() {
         );
     };
     expect_wrong_type(
-        &|c| redis::cmd("SET").arg(&state).arg("x").exec(c).unwrap(),
+        &|c| {
+            redis::cmd("DEL").arg(&state).exec(c).unwrap();
+            redis::cmd("HSET")
+                .arg(&state)
+                .arg("1")
+                .arg("2")
+                .exec(c)
+                .unwrap()
+        },
         "WRONGTYPE",
     )
     .await;
     expect_wrong_type(
-        &|c| {
-            redis::cmd("HSET")
-                .arg(&state)
-                .arg("1")
-                .arg("12 x")
-                .exec(c)
-                .unwrap()
-        },
+        &|c| redis::cmd("SET").arg(&state).arg("12 x").exec(c).unwrap(),
         "RLSTATE",
     )
     .await;

@@ -1,0 +1,504 @@
+//! Redis store figures for BENCHMARKS.md; starts its own redis-server.
+//!
+//! `cargo bench -p ratelimit-redis --features testing --bench redis`
+//!
+//! 1. Throughput: decisions per second through `RedisStore` with 32 concurrent tasks,
+//!    next to `redis-benchmark` sending EVALSHA of the same script with the same
+//!    arguments and 32 connections, alternating, three rounds each.
+//! 2. Redis CPU per decision (`usec_per_call` of EVALSHA from `INFO commandstats`) for
+//!    every algorithm at 1000 requests per key per window, and for the sorted-set sliding
+//!    log the seed moved away from (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE), as
+//!    a Lua script and as MULTI/EXEC.
+//!
+//! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
+//! `BENCH_ONLY=throughput` or `BENCH_ONLY=cpu` runs one part.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ratelimit_core::{ManualClock, RuleSet, Store};
+use ratelimit_redis::redis::{self, aio::MultiplexedConnection};
+use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::RedisStore;
+use tokio::sync::Barrier;
+
+const CONCURRENCY: usize = 32;
+const KEYSPACE: u64 = 100_000;
+const THROUGHPUT_RULES: &str = "100/s gcra burst=100";
+
+/// Reference: the sorted-set sliding log of the seed articles, as one script.
+const ZSET_LOG: &str = r"
+-- KEYS[1] sorted set of request times; ARGV: now_us, window_us, limit, member
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1] - ARGV[2])
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+local count = #redis.call('ZRANGE', KEYS[1], 0, -1)
+redis.call('PEXPIRE', KEYS[1], math.floor(ARGV[2] / 1000))
+if count <= tonumber(ARGV[3]) then return 1 end
+return 0
+";
+
+fn decisions_per_round() -> u64 {
+    std::env::var("BENCH_DECISIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000)
+}
+
+struct Stats {
+    calls: u64,
+    usec: f64,
+}
+
+async fn commandstats(con: &mut MultiplexedConnection, command: &str) -> Stats {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(con)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:");
+    let line = info
+        .lines()
+        .find(|l| l.starts_with(&prefix))
+        .unwrap_or_else(|| panic!("no {command} in {info}"));
+    let field = |key: &str| -> f64 {
+        line[prefix.len()..]
+            .split(',')
+            .find_map(|f| f.strip_prefix(key)?.strip_prefix('='))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    Stats {
+        calls: field("calls") as u64,
+        usec: field("usec"),
+    }
+}
+
+async fn reset_stats(con: &mut MultiplexedConnection) {
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .exec_async(con)
+        .await
+        .unwrap();
+}
+
+async fn flush(con: &mut MultiplexedConnection) {
+    redis::cmd("FLUSHALL").exec_async(con).await.unwrap();
+}
+
+/// A cheap per-task pseudo-random key number (xorshift).
+fn next_key(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state % KEYSPACE
+}
+
+async fn store_throughput(store: &RedisStore, rules: &RuleSet, total: u64) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|t| {
+            let (store, rules, done) = (store.clone(), rules.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut seed = 0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1);
+                while done.fetch_add(1, Ordering::Relaxed) < total {
+                    let key = format!("{:012}", next_key(&mut seed));
+                    store.check(key.as_bytes(), &rules, 1).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+fn redis_benchmark_throughput(port: u16, sha: &str, rules: &RuleSet, total: u64) -> (f64, String) {
+    let fp = format!("{:016x}", rules.fingerprint());
+    let rule = &rules.rules()[0];
+    let ratelimit_core::Algorithm::Gcra { burst } = rule.algorithm() else {
+        unreachable!("the throughput rule is GCRA")
+    };
+    let args: Vec<String> = [
+        "-p".into(),
+        port.to_string(),
+        "-c".into(),
+        CONCURRENCY.to_string(),
+        "-n".into(),
+        total.to_string(),
+        "-r".into(),
+        KEYSPACE.to_string(),
+        "--csv".into(),
+        "EVALSHA".into(),
+        sha.into(),
+        "3".into(),
+        "bench:{k__rand_int__}:b".into(),
+        format!("bench:{{k__rand_int__}}:s:{fp}"),
+        format!("bench:{{k__rand_int__}}:l:{fp}"),
+        // now = Redis TIME, cost 1, TTL floor, no log, one GCRA rule.
+        String::new(),
+        "1".into(),
+        "60000".into(),
+        "0".into(),
+        "0".into(),
+        "1".into(),
+        "5".into(),
+        rule.limit().to_string(),
+        rule.period_us().to_string(),
+        burst.to_string(),
+        "0".into(),
+    ]
+    .into();
+    let output = Command::new("redis-benchmark")
+        .args(&args)
+        .output()
+        .expect("redis-benchmark (package redis-tools)");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    // CSV: header, then "name","rps",...
+    let rps = stdout
+        .lines()
+        .filter(|l| !l.starts_with("\"test\""))
+        .find_map(|l| l.split(',').nth(1)?.trim_matches('"').parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("cannot parse redis-benchmark output: {stdout}"));
+    let shown: Vec<String> = args
+        .iter()
+        .map(|a| {
+            if a.is_empty() {
+                "''".to_owned()
+            } else if a.contains('{') {
+                format!("'{a}'")
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
+    (rps, format!("redis-benchmark {}", shown.join(" ")))
+}
+
+#[tokio::main]
+async fn main() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let version: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let version = version
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .to_owned();
+    println!(
+        "# Redis store benchmarks (redis-server {version}, {} CPUs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if only != "cpu" {
+        throughput(&server, &con).await;
+    }
+    if only != "throughput" {
+        cpu_per_decision(&url, &con).await;
+    }
+}
+
+async fn throughput(server: &RedisServer, con: &MultiplexedConnection) {
+    let mut con = con.clone();
+    let url = server.url();
+    let sha = redis::Script::new(include_str!("../lua/check.lua"))
+        .get_hash()
+        .to_owned();
+    let rules: RuleSet = THROUGHPUT_RULES.parse().unwrap();
+    let store = RedisStore::builder()
+        .prefix("bench")
+        .timeout(Duration::from_secs(5))
+        .build(&url)
+        .await
+        .unwrap();
+    let total = decisions_per_round();
+    // Warm up both paths (connections, script cache, allocator).
+    store_throughput(&store, &rules, total / 10).await;
+    let _ = redis_benchmark_throughput(server.port(), &sha, &rules, total / 10);
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    let mut command = String::new();
+    for _ in 0..3 {
+        flush(&mut con).await;
+        let (rps, cmd) = redis_benchmark_throughput(server.port(), &sha, &rules, total);
+        theirs.push(rps);
+        command = cmd;
+        flush(&mut con).await;
+        ours.push(store_throughput(&store, &rules, total).await);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (ours_m, theirs_m) = (median(&mut ours), median(&mut theirs));
+    println!("\n## Throughput: `{THROUGHPUT_RULES}`, {KEYSPACE} random keys, {CONCURRENCY} concurrent, Redis TIME");
+    println!("| client | decisions/s (median of 3 × {total}) | rounds |");
+    println!("|---|---:|---|");
+    println!(
+        "| RedisStore, {CONCURRENCY} tokio tasks, pool of 4 | {ours_m:.0} | {} |",
+        ours.iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "| redis-benchmark EVALSHA, {CONCURRENCY} connections | {theirs_m:.0} | {} |",
+        theirs
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "RedisStore / redis-benchmark = {:.0}%",
+        100.0 * ours_m / theirs_m
+    );
+    println!("redis-benchmark command: `{command}`");
+}
+
+/// Tasks sending in parallel in the CPU measurement, each with its own keys and clock (so
+/// each key's requests arrive in time order while Redis stays busy).
+const CPU_TASKS: usize = 8;
+const KEYS_PER_TASK: u64 = 4;
+const PER_KEY: u64 = 1000;
+const PERIOD_US: u64 = 60_000_000;
+const T0: u64 = 1_763_683_200_000_000;
+
+/// Runs `one(task, gate)` on `CPU_TASKS` tasks; each sends a warm-up window, meets the
+/// gate twice (statistics are reset in between), then sends the measured window and
+/// returns what it admitted there.
+async fn measured<F, Fut>(con: &mut MultiplexedConnection, one: F) -> u64
+where
+    F: Fn(u64, Arc<Barrier>) -> Fut,
+    Fut: std::future::Future<Output = u64> + Send + 'static,
+{
+    let gate = Arc::new(Barrier::new(CPU_TASKS + 1));
+    let tasks: Vec<_> = (0..CPU_TASKS as u64)
+        .map(|t| tokio::spawn(one(t, gate.clone())))
+        .collect();
+    gate.wait().await;
+    reset_stats(con).await;
+    gate.wait().await;
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.unwrap();
+    }
+    admitted
+}
+
+/// The requests of one task: (window, key number, time) in send order.
+fn schedule(task: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+    let step = PERIOD_US / PER_KEY / KEYS_PER_TASK;
+    (0..2 * KEYS_PER_TASK * PER_KEY).map(move |i| {
+        (
+            i / (KEYS_PER_TASK * PER_KEY),
+            task * KEYS_PER_TASK + i % KEYS_PER_TASK,
+            T0 + (i + 1) * step,
+        )
+    })
+}
+
+async fn zset_reference(con: &mut MultiplexedConnection, multi: bool) -> (f64, u64) {
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(ZSET_LOG)
+        .query_async(con)
+        .await
+        .unwrap();
+    flush(con).await;
+    let base = con.clone();
+    let admitted = measured(con, |task, gate| {
+        let (mut con, sha) = (base.clone(), sha.clone());
+        async move {
+            let mut admitted = 0;
+            let mut window = 0;
+            for (w, k, now) in schedule(task) {
+                if w != window {
+                    window = w;
+                    admitted = 0;
+                    gate.wait().await;
+                    gate.wait().await;
+                }
+                let key = format!("zset:{k}");
+                let member = format!("{now}-{k}");
+                let ok = if multi {
+                    let (all,): (Vec<String>,) = redis::pipe()
+                        .atomic()
+                        .cmd("ZREMRANGEBYSCORE")
+                        .arg(&key)
+                        .arg("-inf")
+                        .arg(now - PERIOD_US)
+                        .ignore()
+                        .cmd("ZADD")
+                        .arg(&key)
+                        .arg(now)
+                        .arg(&member)
+                        .ignore()
+                        .cmd("ZRANGE")
+                        .arg(&key)
+                        .arg(0)
+                        .arg(-1)
+                        .cmd("PEXPIRE")
+                        .arg(&key)
+                        .arg(PERIOD_US / 1000)
+                        .ignore()
+                        .query_async(&mut con)
+                        .await
+                        .unwrap();
+                    all.len() as u64 <= PER_KEY
+                } else {
+                    let ok: i64 = redis::cmd("EVALSHA")
+                        .arg(&sha)
+                        .arg(1)
+                        .arg(&key)
+                        .arg(now)
+                        .arg(PERIOD_US)
+                        .arg(PER_KEY)
+                        .arg(&member)
+                        .query_async(&mut con)
+                        .await
+                        .unwrap();
+                    ok == 1
+                };
+                admitted += u64::from(ok);
+            }
+            admitted
+        }
+    })
+    .await;
+    let per_decision = if multi {
+        let exec = commandstats(con, "exec").await;
+        let multi_cmd = commandstats(con, "multi").await;
+        (exec.usec + multi_cmd.usec) / exec.calls as f64
+    } else {
+        let s = commandstats(con, "evalsha").await;
+        s.usec / s.calls as f64
+    };
+    (per_decision, admitted)
+}
+
+async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) -> (f64, u64) {
+    flush(con).await;
+    let mut stores = Vec::new();
+    for _ in 0..CPU_TASKS {
+        let clock = ManualClock::new(T0);
+        let store = RedisStore::builder()
+            .prefix("cpu")
+            .clock(clock.clone())
+            .timeout(Duration::from_secs(5))
+            .build(url)
+            .await
+            .unwrap();
+        stores.push((store, clock));
+    }
+    let admitted = measured(con, |task, gate| {
+        let (store, clock) = stores[task as usize].clone();
+        let rules = rules.clone();
+        async move {
+            let mut admitted = 0;
+            let mut window = 0;
+            for (w, k, now) in schedule(task) {
+                if w != window {
+                    window = w;
+                    admitted = 0;
+                    gate.wait().await;
+                    gate.wait().await;
+                }
+                clock.set(now);
+                let d = store
+                    .check(format!("user-{k}").as_bytes(), &rules, 1)
+                    .await
+                    .unwrap();
+                admitted += u64::from(d.is_allowed());
+            }
+            admitted
+        }
+    })
+    .await;
+    let s = commandstats(con, "evalsha").await;
+    (s.usec / s.calls as f64, admitted)
+}
+
+async fn cpu_per_decision(url: &str, con: &MultiplexedConnection) {
+    let mut con = con.clone();
+    let keys = CPU_TASKS as u64 * KEYS_PER_TASK;
+    println!(
+        "\n## Redis CPU per decision: {PER_KEY} requests per key per minute, {keys} keys, \
+         {CPU_TASKS} tasks, measured over the second window"
+    );
+    let cases = [
+        ("fixed window", "1000/min fixed-window"),
+        (
+            "sliding window counter, precision 1",
+            "1000/min sliding-window precision=1",
+        ),
+        (
+            "sliding window counter, precision 10",
+            "1000/min sliding-window precision=10",
+        ),
+        (
+            "sliding window counter, precision 60",
+            "1000/min sliding-window precision=60",
+        ),
+        ("token bucket", "1000/min token-bucket capacity=1000"),
+        (
+            "leaky bucket, meter",
+            "1000/min leaky-bucket mode=meter capacity=1000",
+        ),
+        (
+            "leaky bucket, shaper",
+            "1000/min leaky-bucket mode=shaper burst=1000 delay=10",
+        ),
+        ("GCRA", "1000/min gcra burst=1000"),
+        (
+            "sliding log (list, trimmed to 1000)",
+            "1000/min sliding-log",
+        ),
+        (
+            "4 rules: 1/s, 20/min, 200/h, 800/day sliding log",
+            "1/s sliding-log; 20/min sliding-log; 200/h sliding-log; 800/day sliding-log",
+        ),
+        (
+            "4 rules: fixed, sliding p=10, token, GCRA",
+            "1000/min fixed-window; 1000/min sliding-window precision=10; \
+             1000/min token-bucket capacity=1000; 1000/min gcra burst=1000",
+        ),
+    ];
+    // The reference first: its cost is the yardstick.
+    let (zset_lua, zset_admitted) = zset_reference(&mut con, false).await;
+    let (zset_multi, zset_multi_admitted) = zset_reference(&mut con, true).await;
+    println!("| limiter | usec_per_call | admitted | vs. sorted-set log: Lua | MULTI |");
+    println!("|---|---:|---:|---:|---:|");
+    let mut lowest = (f64::INFINITY, f64::INFINITY);
+    for (i, (name, text)) in cases.into_iter().enumerate() {
+        let rules: RuleSet = text.parse().unwrap();
+        let (per_call, admitted) = store_cpu(url, &mut con, &rules).await;
+        let (lua, multi) = (zset_lua / per_call, zset_multi / per_call);
+        // The counter-based limiters: everything but the logs and the multi-rule sets.
+        if i < 8 {
+            lowest = (lowest.0.min(lua), lowest.1.min(multi));
+        }
+        println!("| {name} | {per_call:.2} | {admitted} | {lua:.0}x less | {multi:.0}x less |");
+    }
+    println!("| sorted-set log, Lua (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE) | {zset_lua:.2} | {zset_admitted} | 1x | |");
+    println!("| sorted-set log, MULTI/EXEC (same commands; usec of MULTI + EXEC) | {zset_multi:.2} | {zset_multi_admitted} | | 1x |");
+    println!(
+        "\nCounter-based limiters use at least {:.0}x less Redis CPU per decision than the \
+         sorted-set log in Lua, {:.0}x less than the same log in MULTI/EXEC.",
+        lowest.0, lowest.1
+    );
+}
