@@ -11,7 +11,8 @@
 //!    a Lua script and as MULTI/EXEC.
 //!
 //! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
-//! `BENCH_ONLY=throughput` or `BENCH_ONLY=cpu` runs one part.
+//! `BENCH_ONLY=throughput` or `BENCH_ONLY=cpu` runs one part; `BENCH_POOL` (default 4)
+//! sets the store's pool size.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -219,8 +220,13 @@ async fn throughput(server: &RedisServer, con: &MultiplexedConnection) {
         .get_hash()
         .to_owned();
     let rules: RuleSet = THROUGHPUT_RULES.parse().unwrap();
+    let pool_size = std::env::var("BENCH_POOL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
     let store = RedisStore::builder()
         .prefix("bench")
+        .pool_size(pool_size)
         .timeout(Duration::from_secs(5))
         .build(&url)
         .await
@@ -249,7 +255,7 @@ async fn throughput(server: &RedisServer, con: &MultiplexedConnection) {
     println!("| client | decisions/s (median of 3 × {total}) | rounds |");
     println!("|---|---:|---|");
     println!(
-        "| RedisStore, {CONCURRENCY} tokio tasks, pool of 4 | {ours_m:.0} | {} |",
+        "| RedisStore, {CONCURRENCY} tokio tasks, pool of {pool_size} | {ours_m:.0} | {} |",
         ours.iter()
             .map(|r| format!("{r:.0}"))
             .collect::<Vec<_>>()
@@ -281,7 +287,7 @@ const T0: u64 = 1_763_683_200_000_000;
 /// Runs `one(task, gate)` on `CPU_TASKS` tasks; each sends a warm-up window, meets the
 /// gate twice (statistics are reset in between), then sends the measured window and
 /// returns what it admitted there.
-async fn measured<F, Fut>(con: &mut MultiplexedConnection, one: F) -> u64
+async fn measured<F, Fut>(con: &mut MultiplexedConnection, one: F) -> Measured
 where
     F: Fn(u64, Arc<Barrier>) -> Fut,
     Fut: std::future::Future<Output = u64> + Send + 'static,
@@ -292,12 +298,42 @@ where
         .collect();
     gate.wait().await;
     reset_stats(con).await;
+    let cpu_before = process_cpu_us(con).await;
     gate.wait().await;
     let mut admitted = 0;
     for task in tasks {
         admitted += task.await.unwrap();
     }
-    admitted
+    let decisions = CPU_TASKS as u64 * KEYS_PER_TASK * PER_KEY;
+    Measured {
+        admitted,
+        process_cpu_us: (process_cpu_us(con).await - cpu_before) / decisions as f64,
+    }
+}
+
+struct Measured {
+    admitted: u64,
+    /// Redis process CPU (user + system) per decision, µs: parsing, I/O and all.
+    process_cpu_us: f64,
+}
+
+/// `used_cpu_user + used_cpu_sys` of the Redis process, µs.
+async fn process_cpu_us(con: &mut MultiplexedConnection) -> f64 {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(con)
+        .await
+        .unwrap();
+    ["used_cpu_user:", "used_cpu_sys:"]
+        .iter()
+        .map(|field| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no {field} in {info}"))
+        })
+        .sum::<f64>()
+        * 1e6
 }
 
 /// The requests of one task: (window, key number, time) in send order.
@@ -312,7 +348,7 @@ fn schedule(task: u64) -> impl Iterator<Item = (u64, u64, u64)> {
     })
 }
 
-async fn zset_reference(con: &mut MultiplexedConnection, multi: bool) -> (f64, u64) {
+async fn zset_reference(con: &mut MultiplexedConnection, multi: bool) -> (f64, Measured) {
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(ZSET_LOG)
@@ -321,7 +357,7 @@ async fn zset_reference(con: &mut MultiplexedConnection, multi: bool) -> (f64, u
         .unwrap();
     flush(con).await;
     let base = con.clone();
-    let admitted = measured(con, |task, gate| {
+    let m = measured(con, |task, gate| {
         let (mut con, sha) = (base.clone(), sha.clone());
         async move {
             let mut admitted = 0;
@@ -388,10 +424,10 @@ async fn zset_reference(con: &mut MultiplexedConnection, multi: bool) -> (f64, u
         let s = commandstats(con, "evalsha").await;
         s.usec / s.calls as f64
     };
-    (per_decision, admitted)
+    (per_decision, m)
 }
 
-async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) -> (f64, u64) {
+async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) -> (f64, Measured) {
     flush(con).await;
     let mut stores = Vec::new();
     for _ in 0..CPU_TASKS {
@@ -405,7 +441,7 @@ async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) 
             .unwrap();
         stores.push((store, clock));
     }
-    let admitted = measured(con, |task, gate| {
+    let m = measured(con, |task, gate| {
         let (store, clock) = stores[task as usize].clone();
         let rules = rules.clone();
         async move {
@@ -430,7 +466,7 @@ async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) 
     })
     .await;
     let s = commandstats(con, "evalsha").await;
-    (s.usec / s.calls as f64, admitted)
+    (s.usec / s.calls as f64, m)
 }
 
 async fn cpu_per_decision(url: &str, con: &MultiplexedConnection) {
@@ -479,26 +515,46 @@ async fn cpu_per_decision(url: &str, con: &MultiplexedConnection) {
         ),
     ];
     // The reference first: its cost is the yardstick.
-    let (zset_lua, zset_admitted) = zset_reference(&mut con, false).await;
-    let (zset_multi, zset_multi_admitted) = zset_reference(&mut con, true).await;
-    println!("| limiter | usec_per_call | admitted | vs. sorted-set log: Lua | MULTI |");
-    println!("|---|---:|---:|---:|---:|");
-    let mut lowest = (f64::INFINITY, f64::INFINITY);
+    let (zset_lua, zset_lua_m) = zset_reference(&mut con, false).await;
+    let (zset_multi, zset_multi_m) = zset_reference(&mut con, true).await;
+    println!(
+        "| limiter | usec_per_call | vs. sorted-set log: Lua | MULTI | process CPU µs/decision | \
+         vs. Lua | MULTI | admitted |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut lowest = [f64::INFINITY; 4];
     for (i, (name, text)) in cases.into_iter().enumerate() {
         let rules: RuleSet = text.parse().unwrap();
-        let (per_call, admitted) = store_cpu(url, &mut con, &rules).await;
-        let (lua, multi) = (zset_lua / per_call, zset_multi / per_call);
+        let (per_call, m) = store_cpu(url, &mut con, &rules).await;
+        let ratios = [
+            zset_lua / per_call,
+            zset_multi / per_call,
+            zset_lua_m.process_cpu_us / m.process_cpu_us,
+            zset_multi_m.process_cpu_us / m.process_cpu_us,
+        ];
         // The counter-based limiters: everything but the logs and the multi-rule sets.
         if i < 8 {
-            lowest = (lowest.0.min(lua), lowest.1.min(multi));
+            for (low, r) in lowest.iter_mut().zip(ratios) {
+                *low = low.min(r);
+            }
         }
-        println!("| {name} | {per_call:.2} | {admitted} | {lua:.0}x less | {multi:.0}x less |");
+        println!(
+            "| {name} | {per_call:.2} | {:.0}x less | {:.0}x less | {:.2} | {:.0}x less | {:.0}x less | {} |",
+            ratios[0], ratios[1], m.process_cpu_us, ratios[2], ratios[3], m.admitted
+        );
     }
-    println!("| sorted-set log, Lua (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE) | {zset_lua:.2} | {zset_admitted} | 1x | |");
-    println!("| sorted-set log, MULTI/EXEC (same commands; usec of MULTI + EXEC) | {zset_multi:.2} | {zset_multi_admitted} | | 1x |");
     println!(
-        "\nCounter-based limiters use at least {:.0}x less Redis CPU per decision than the \
-         sorted-set log in Lua, {:.0}x less than the same log in MULTI/EXEC.",
-        lowest.0, lowest.1
+        "| sorted-set log, Lua (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE) | {zset_lua:.2} | 1x | | {:.2} | 1x | | {} |",
+        zset_lua_m.process_cpu_us, zset_lua_m.admitted
+    );
+    println!(
+        "| sorted-set log, MULTI/EXEC (same commands; usec of MULTI + EXEC) | {zset_multi:.2} | | 1x | {:.2} | | 1x | {} |",
+        zset_multi_m.process_cpu_us, zset_multi_m.admitted
+    );
+    println!(
+        "\nCounter-based limiters (fixed window, sliding window counter, token and leaky \
+         buckets, GCRA), lowest ratio: usec_per_call {:.0}x less than the sorted-set log in \
+         Lua, {:.0}x less than in MULTI/EXEC; process CPU {:.0}x and {:.0}x less.",
+        lowest[0], lowest[1], lowest[2], lowest[3]
     );
 }

@@ -95,6 +95,9 @@ impl RedisStoreBuilder {
         })?;
         let pool = Pool::builder()
             .max_size(self.pool_size)
+            // Connections are shared, not held, so bb8 would rarely open a second one:
+            // keep them all open and let requests spread over them.
+            .min_idle(Some(self.pool_size))
             // One round trip per check: no PING on checkout. Dead connections are replaced
             // when a call fails on them instead.
             .test_on_check_out(false)
