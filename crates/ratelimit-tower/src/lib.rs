@@ -1,4 +1,4 @@
-//! Rate limiting for [tower] services and [axum] routers.
+//! Rate limiting for [tower](https://docs.rs/tower) services and [axum](https://docs.rs/axum) routers.
 //!
 //! [`RateLimitLayer`] extracts a key from each request (the client IP, an API key, a user
 //! id: see [`KeyExtractor`]), asks a [`Store`](ratelimit_core::Store) to decide the
@@ -78,9 +78,23 @@
 //! * **Shadow mode.** [`shadow`](RateLimitLayerBuilder::shadow) decides and reports (a
 //!   `RateLimit-Shadow` field and an `INFO` event) but never refuses: for trying new
 //!   limits on real traffic.
-//! * **Observability.** `tracing` events under the `ratelimit_tower` target (`WARN` for
+//! * **Observability.** `tracing` events with targets under `ratelimit_tower` (`WARN` for
 //!   store failures, with the policy applied; `DEBUG` for refusals and delays; `TRACE`
-//!   for admissions) and, with the `metrics` feature, counters labelled by rule.
+//!   for admissions), a `ratelimit_check` span (`DEBUG`) around each store round trip
+//!   that does not complete at once, and, with the `metrics` feature, counters labelled
+//!   by rule (see below).
+//!
+//! # Metrics
+//!
+//! With the `metrics` feature, each layer registers these counters when it is built
+//! (install the recorder first):
+//!
+//! | counter | labels |
+//! |---|---|
+//! | `ratelimit_admitted_total` | `rule` (each rule of the layer) |
+//! | `ratelimit_limited_total` | `rule` (each rule that denied) |
+//! | `ratelimit_blocked_total` | `rules` (the layer's rule names, comma-separated) |
+//! | `ratelimit_store_errors_total` | `rules`, `policy` (`fail_open`, `fail_closed`, `fallback`) |
 //!
 //! # Cost
 //!

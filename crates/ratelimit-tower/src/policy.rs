@@ -2,7 +2,7 @@
 
 /// What to do with a request when the store fails (unreachable, timed out).
 ///
-/// Whichever is chosen, every failure is logged (`WARN`, target `ratelimit_tower`, with
+/// Whichever is chosen, every failure is logged (`WARN`, target `ratelimit_tower::service`, with
 /// the policy and the error) and counted (`ratelimit_store_errors_total`, feature
 /// `metrics`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

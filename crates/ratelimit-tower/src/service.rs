@@ -220,7 +220,9 @@ where
             });
         }
         let shared = Arc::clone(this);
-        Begin::Checking(Box::pin(async move {
+        // A span around the store round trip, so that its latency shows in traces.
+        let span = tracing::debug_span!("ratelimit_check", key = %KeyDisplay(k), cost);
+        let check = async move {
             let k = key.as_ref();
             let check = shared.store.check(k, &shared.rules, cost);
             let result = match shared.store_timeout {
@@ -234,7 +236,8 @@ where
                 Ok(decision) => shared.plan(k, cost, decision),
                 Err(error) => shared.store_failed(k, cost, &error),
             }
-        }))
+        };
+        Begin::Checking(Box::pin(tracing::Instrument::instrument(check, span)))
     }
 
     /// Turns the store's decision into a plan.
