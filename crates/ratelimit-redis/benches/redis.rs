@@ -140,13 +140,14 @@ fn redis_benchmark_throughput(port: u16, sha: &str, rules: &RuleSet, total: u64)
         "bench:{k__rand_int__}:b".into(),
         format!("bench:{{k__rand_int__}}:s:{fp}"),
         format!("bench:{{k__rand_int__}}:l:{fp}"),
-        // now = Redis TIME, cost 1, TTL floor, no log, one GCRA rule.
+        // now = Redis TIME, cost 1, TTL floor, no log, one GCRA rule of 2 state integers.
         String::new(),
         "1".into(),
         "60000".into(),
         "0".into(),
         "0".into(),
         "1".into(),
+        "2".into(),
         "5".into(),
         rule.limit().to_string(),
         rule.period_us().to_string(),

@@ -4,7 +4,7 @@
 -- on the state as it stands, committed all or nothing. Every value is an integer below
 -- 2^53 (the core and the store refuse rules outside that bound), so Lua's doubles hold
 -- them exactly; divisions go through `divmod`, never `/` or `%` alone, and numbers sent
--- back to Redis as text are formatted with '%.0f', never `tostring` (which would switch
+-- back to Redis as text are formatted with '%d', never `tostring` (which would switch
 -- to exponent notation).
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
@@ -22,7 +22,10 @@
 --          need not run at Redis's pace)
 -- ARGV[4]  entries the shared log keeps (RuleSet::log_limit)
 -- ARGV[5]  longest sliding-log period, µs (RuleSet::log_period_us)
--- ARGV[6]  number of rules n, then 5 values per rule: code, limit, period_us, a, b
+-- ARGV[6]  number of rules n
+-- ARGV[7]  length of the rule state (2 per rule, precision + 2 for a sliding window
+--          counter, 0 for a sliding log)
+-- ARGV[8..] 5 values per rule: code, limit, period_us, a, b
 --            1 fixed window
 --            2 sliding window counter   a = precision
 --            3 sliding log
@@ -40,7 +43,8 @@
 -- Every redis.call costs more than the arithmetic: a check without a sliding log makes
 -- three (four with Redis TIME): GET block, GET state, SET state with its expiry.
 
-local floor, tonumber = math.floor, tonumber
+local floor, tonumber, fmt = math.floor, tonumber, string.format
+local ARGV, KEYS, redis, cmsgpack = ARGV, KEYS, redis, cmsgpack
 
 -- Exact floor division of non-negative integers below 2^53: the double quotient may round
 -- across an integer, the exact remainder corrects it.
@@ -89,18 +93,8 @@ if c < 1 then
 end
 local n = tonumber(ARGV[6])
 
--- The state's length, and whether a rule reads the log.
-local width, has_log = 0, false
-for i = 1, n do
-  local k = tonumber(ARGV[5 * i + 2])
-  if k == 3 then
-    has_log = true
-  elseif k == 2 then
-    width = width + tonumber(ARGV[5 * i + 5]) + 2
-  else
-    width = width + 2
-  end
-end
+local width = tonumber(ARGV[7])
+local has_log = tonumber(ARGV[4]) > 0
 
 -- st: the stored state (nil = fresh), rule i's values at st[off + 1 ..].
 local st = nil
@@ -139,7 +133,7 @@ local out = {0, 0}
 local new = {}
 local all_ok, delay, off = true, 0, 0
 for i = 1, n do
-  local o = 5 * i + 2
+  local o = 5 * i + 3
   local k = tonumber(ARGV[o])
   local limit = tonumber(ARGV[o + 1])
   local period = tonumber(ARGV[o + 2])
@@ -412,7 +406,7 @@ local function with_expiry(command, key, value, at)
     if ms < 1 then
       ms = 1
     end
-    ms = string.format('%.0f', ms)
+    ms = fmt('%d', ms)
     if value then
       return redis.call(command, key, value, 'PX', ms)
     end
@@ -422,7 +416,7 @@ local function with_expiry(command, key, value, at)
   if r > 0 then
     q = q + 1
   end
-  local ms = string.format('%.0f', q)
+  local ms = fmt('%d', q)
   if value then
     return redis.call(command, key, value, 'PXAT', ms)
   end
@@ -432,7 +426,7 @@ end
 local state_expires = 0
 off = 0
 for i = 1, n do
-  local o = 5 * i + 2
+  local o = 5 * i + 3
   local k = tonumber(ARGV[o])
   local period = tonumber(ARGV[o + 2])
   local exp
@@ -512,7 +506,7 @@ end
 
 if has_log then
   -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
-  local stamp = string.format('%.0f', now)
+  local stamp = fmt('%d', now)
   local left = cost
   while left > 0 do
     local chunk = {}
@@ -528,7 +522,7 @@ if has_log then
   end
   local log_limit = tonumber(ARGV[4])
   if log_len + cost > log_limit then
-    redis.call('LTRIM', key3, 0, string.format('%.0f', log_limit - 1))
+    redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
   end
   with_expiry(nil, key3, nil, now + tonumber(ARGV[5]))
 end

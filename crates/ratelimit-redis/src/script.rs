@@ -148,6 +148,20 @@ pub(crate) fn check_range(rules: &RuleSet) -> Result<(), RedisStoreError> {
     }
 }
 
+/// Integers the script stores per rule set: 2 per rule, precision + 2 for a sliding window
+/// counter, none for a sliding log (whose entries live in a list).
+fn state_width(rules: &RuleSet) -> u64 {
+    rules
+        .rules()
+        .iter()
+        .map(|rule| match rule.algorithm() {
+            Algorithm::SlidingLog => 0,
+            Algorithm::SlidingWindow { precision } => precision + 2,
+            _ => 2,
+        })
+        .sum()
+}
+
 /// The script's encoding of a rule: code, limit, period, a, b (see `lua/check.lua`).
 fn encode(rule: &Rule) -> [u64; 5] {
     let (l, p) = (rule.limit(), rule.period_us());
@@ -174,7 +188,7 @@ impl Shared {
 
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call {
         let k = keys::check_keys(&self.prefix, key, rules);
-        let mut args = Vec::with_capacity(6 + 5 * rules.len());
+        let mut args = Vec::with_capacity(7 + 5 * rules.len());
         args.extend([
             self.now(),
             Arg::Int(cost),
@@ -182,6 +196,7 @@ impl Shared {
             Arg::Int(rules.log_limit()),
             Arg::Int(rules.log_period_us()),
             Arg::Int(rules.len() as u64),
+            Arg::Int(state_width(rules)),
         ]);
         for rule in rules.rules() {
             args.extend(encode(rule).map(Arg::Int));
@@ -357,5 +372,7 @@ mod tests {
                 [5, 12, s, 6, 3],
             ]
         );
+        // Fixed window 2, sliding window 4 + 2, log none, and 2 for each of the other four.
+        assert_eq!(state_width(&r), 16);
     }
 }
