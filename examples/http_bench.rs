@@ -14,13 +14,16 @@
 //!
 //! The servers take turns for `ROUNDS` rounds, each round starting with the next server,
 //! and each figure is the median (and the best) of its rounds, so that background load
-//! and position in the sequence do not favour one server.
+//! and position in the sequence do not favour one server. Besides requests/s and p99,
+//! the CPU time the server process (and the local redis-server) spent per request is
+//! measured from `/proc`: on a machine shared with other work it is the steadier figure.
 //!
 //! `PIN=1` runs the server and a local redis-server on CPU 0 and wrk on CPU 1 (`taskset`):
 //! steadier on an otherwise idle two-core machine, much worse when other work shares CPU 0.
 //!
 //! Settings (environment): `DURATION` seconds per run (10), `ROUNDS` (3), `CONNECTIONS`
-//! (64), `WRK_THREADS` (1), `SERVER_THREADS` tokio workers (1).
+//! (64), `WRK_THREADS` (1), `SERVER_THREADS` tokio workers (1), `REDIS_POOL` connections
+//! (the store's default), `PIN` (0).
 
 use std::net::SocketAddr;
 use std::process::Command;
@@ -37,6 +40,8 @@ use tower_governor::GovernorLayer;
 /// High enough that nothing is ever refused during a run (GCRA, burst = limit).
 const RULES: &str = "100000000/s";
 
+type Error = Box<dyn std::error::Error>;
+
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -44,21 +49,24 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-struct Run {
-    name: &'static str,
+/// One wrk run against one server.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
     requests_per_sec: f64,
     p99_ms: f64,
-    best_requests_per_sec: f64,
-    best_p99_ms: f64,
     non_2xx: u64,
+    /// Server process CPU per request, µs.
+    server_cpu_us: f64,
+    /// Local redis-server CPU per request, µs.
+    redis_cpu_us: f64,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> Result<(), Error> {
     let duration = env_or("DURATION", 10);
     let connections = env_or("CONNECTIONS", 64);
     let wrk_threads = env_or("WRK_THREADS", 1);
     let server_threads = env_or("SERVER_THREADS", 1) as usize;
-    let rounds = env_or("ROUNDS", 3).max(1);
+    let rounds = env_or("ROUNDS", 3).max(1) as usize;
 
     // On two cores the scheduler sometimes puts the load generator on the server's core
     // and sometimes not, and throughput halves or doubles with it; pinning avoids that
@@ -69,20 +77,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .enable_all()
         .build()?;
 
-    let _redis_server;
+    let mut redis_server = None;
     let redis_url = match std::env::var("REDIS_URL") {
         Ok(url) => url,
         Err(_) => {
             let server = ratelimit_redis::testing::RedisServer::start();
             let url = server.url();
-            _redis_server = server;
+            redis_server = Some(server);
             url
         }
     };
+    let redis_pid = redis_server.as_ref().and_then(|s| s.pid());
 
     let hello = || Router::new().route("/", get(|| async { "Hello, World!" }));
     let memory = RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
         .rules(RULES)?
+        .build()?;
+    let memory_quiet = RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
+        .rules(RULES)?
+        .admitted_headers(false)
         .build()?;
     let mut redis_builder = RedisStore::builder();
     if let Some(size) = std::env::var("REDIS_POOL")
@@ -91,10 +104,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         redis_builder = redis_builder.pool_size(size);
     }
-    let memory_quiet = RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
-        .rules(RULES)?
-        .admitted_headers(false)
-        .build()?;
     let redis_store = rt.block_on(redis_builder.build(&redis_url))?;
     let redis = RateLimitLayer::builder(redis_store, PeerIp::new())
         .rules(RULES)?
@@ -120,16 +129,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
 
     if pin {
-        println!(
-            "server (and local redis-server) pinned to CPU 0, wrk to CPU 1 (PIN=0 to turn off)"
-        );
+        println!("server (and local redis-server) pinned to CPU 0, wrk to CPU 1");
     }
     println!(
-        "wrk -t{wrk_threads} -c{connections} -d{duration}s --latency, {rounds} round(s), median; \
+        "wrk -t{wrk_threads} -c{connections} -d{duration}s --latency, {rounds} round(s); \
          server: {server_threads} tokio worker(s); rules {RULES:?} per peer IP (never refused)"
     );
-    let mut samples: Vec<Vec<(f64, f64, u64)>> = vec![Vec::new(); servers.len()];
-    for round in 0..rounds as usize {
+    let me = std::process::id();
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); servers.len()];
+    for round in 0..rounds {
         // Each round starts with the next server, so that no server always runs right
         // after the same neighbour or at the same point of a background load pattern.
         for i in (0..servers.len()).map(|i| (i + round) % servers.len()) {
@@ -149,73 +157,93 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             });
             let url = format!("http://{addr}/");
             wrk(&url, wrk_threads, connections, 2, pin)?; // warm-up
+            let cpu_before = (cpu_seconds(me), redis_pid.map(cpu_seconds));
             let run = wrk(&url, wrk_threads, connections, duration, pin)?;
+            let cpu_after = (cpu_seconds(me), redis_pid.map(cpu_seconds));
             let _ = stop_tx.send(());
             rt.block_on(server)??;
+            let per_request = |before: f64, after: f64| (after - before) * 1e6 / run.requests;
+            let sample = Sample {
+                requests_per_sec: run.requests_per_sec,
+                p99_ms: run.p99_ms,
+                non_2xx: run.non_2xx,
+                server_cpu_us: per_request(cpu_before.0, cpu_after.0),
+                redis_cpu_us: match (cpu_before.1, cpu_after.1) {
+                    (Some(b), Some(a)) => per_request(b, a),
+                    _ => 0.0,
+                },
+            };
             println!(
-                "round {round}: {name:<48} {:>10.0} req/s  p99 {:>6.2} ms  non-2xx {}",
-                run.0, run.1, run.2
+                "round {round}: {name:<48} {:>8.0} req/s  p99 {:>6.2} ms  server CPU {:>5.1} µs/req  \
+                 redis CPU {:>5.1} µs/req  non-2xx {}",
+                sample.requests_per_sec,
+                sample.p99_ms,
+                sample.server_cpu_us,
+                sample.redis_cpu_us,
+                sample.non_2xx
             );
-            samples[i].push(run);
+            samples[i].push(sample);
         }
     }
-    let runs: Vec<Run> = servers
-        .iter()
-        .zip(samples)
-        .map(|((name, _), s)| Run {
-            name,
-            requests_per_sec: median(s.iter().map(|r| r.0).collect()),
-            p99_ms: median(s.iter().map(|r| r.1).collect()),
-            best_requests_per_sec: s.iter().map(|r| r.0).fold(0.0, f64::max),
-            best_p99_ms: s.iter().map(|r| r.1).fold(f64::INFINITY, f64::min),
-            non_2xx: s.iter().map(|r| r.2).sum(),
-        })
-        .collect();
 
-    let base = &runs[0];
-    println!();
-    println!("| server | requests/s (median) | × plain | p99 (median) | × plain | requests/s (best) | × plain | p99 (best) | × plain |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for r in &runs {
-        println!(
-            "| {} | {:.0} | {:.2} | {:.2} ms | {:.2} | {:.0} | {:.2} | {:.2} ms | {:.2} |",
-            r.name,
-            r.requests_per_sec,
-            r.requests_per_sec / base.requests_per_sec,
-            r.p99_ms,
-            r.p99_ms / base.p99_ms,
-            r.best_requests_per_sec,
-            r.best_requests_per_sec / base.best_requests_per_sec,
-            r.best_p99_ms,
-            r.best_p99_ms / base.best_p99_ms,
-        );
-    }
-    let governor = &runs[3];
+    let median_of = |s: &[Sample], f: fn(&Sample) -> f64| {
+        let mut v: Vec<f64> = s.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = &samples[0];
+    let (base_rps, base_p99, base_cpu) = (
+        median_of(base, |s| s.requests_per_sec),
+        median_of(base, |s| s.p99_ms),
+        median_of(base, |s| s.server_cpu_us),
+    );
+    let base_best = base.iter().map(|s| s.requests_per_sec).fold(0.0, f64::max);
     println!();
     println!(
-        "MemoryStore layer vs tower_governor: {:.2}× requests/s (median), {:.2}× (best)",
-        runs[1].requests_per_sec / governor.requests_per_sec,
-        runs[1].best_requests_per_sec / governor.best_requests_per_sec
+        "| server | requests/s | × plain | best requests/s | × plain | p99 | × plain | \
+         server CPU/request | Redis CPU/request |"
     );
-    if runs.iter().any(|r| r.non_2xx > 0) {
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut medians = Vec::new();
+    for ((name, _), s) in servers.iter().zip(&samples) {
+        let rps = median_of(s, |s| s.requests_per_sec);
+        let best = s.iter().map(|s| s.requests_per_sec).fold(0.0, f64::max);
+        let p99 = median_of(s, |s| s.p99_ms);
+        let cpu = median_of(s, |s| s.server_cpu_us);
+        let redis = median_of(s, |s| s.redis_cpu_us);
+        println!(
+            "| {name} | {rps:.0} | {:.2} | {best:.0} | {:.2} | {p99:.2} ms | {:.2} | {cpu:.1} µs ({:.2}×) | {} |",
+            rps / base_rps,
+            best / base_best,
+            p99 / base_p99,
+            cpu / base_cpu,
+            if redis > 0.0 { format!("{redis:.1} µs") } else { "".into() },
+        );
+        medians.push((rps, best, cpu));
+    }
+    println!();
+    println!(
+        "MemoryStore layer vs tower_governor: {:.2}× requests/s (median), {:.2}× (best), \
+         {:.2}× server CPU per request",
+        medians[1].0 / medians[3].0,
+        medians[1].1 / medians[3].1,
+        medians[1].2 / medians[3].2,
+    );
+    if samples.iter().flatten().any(|s| s.non_2xx > 0) {
         return Err("some requests were refused: the limits must stay above the load".into());
     }
     Ok(())
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+/// What one wrk run reports.
+struct WrkRun {
+    requests: f64,
+    requests_per_sec: f64,
+    p99_ms: f64,
+    non_2xx: u64,
 }
 
-/// Runs wrk; returns (requests/s, p99 in ms, non-2xx responses).
-fn wrk(
-    url: &str,
-    threads: u64,
-    connections: u64,
-    secs: u64,
-    pin: bool,
-) -> Result<(f64, f64, u64), Box<dyn std::error::Error>> {
+fn wrk(url: &str, threads: u64, connections: u64, secs: u64, pin: bool) -> Result<WrkRun, Error> {
     let mut command = if pin {
         let mut c = Command::new("taskset");
         c.args(["-c", "1", "wrk"]);
@@ -237,23 +265,59 @@ fn wrk(
     if !out.status.success() {
         return Err(format!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
     }
-    let rps = text
-        .lines()
+    let missing = |what: &str| format!("no {what} in wrk output:\n{text}");
+    let lines = || text.lines().map(str::trim);
+    let requests_per_sec = lines()
         .find_map(|l| l.strip_prefix("Requests/sec:"))
         .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| format!("no Requests/sec in wrk output:\n{text}"))?;
-    let p99 = text
-        .lines()
-        .map(str::trim)
+        .ok_or_else(|| missing("Requests/sec"))?;
+    let requests = lines()
+        .find(|l| l.contains(" requests in "))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| missing("request count"))?;
+    let p99_ms = lines()
         .find_map(|l| l.strip_prefix("99%"))
         .and_then(|v| parse_latency_ms(v.trim()))
-        .ok_or_else(|| format!("no 99% latency in wrk output:\n{text}"))?;
-    let non_2xx = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Non-2xx or 3xx responses:"))
+        .ok_or_else(|| missing("99% latency"))?;
+    let non_2xx = lines()
+        .find_map(|l| l.strip_prefix("Non-2xx or 3xx responses:"))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
-    Ok((rps, p99, non_2xx))
+    Ok(WrkRun {
+        requests,
+        requests_per_sec,
+        p99_ms,
+        non_2xx,
+    })
+}
+
+/// User plus system CPU time of process `pid` so far, in seconds (0 if unreadable).
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
+        .sum();
+    ticks as f64 / clock_ticks_per_second()
+}
+
+fn clock_ticks_per_second() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
 }
 
 /// Pins this process (all its threads, and children started later) to CPU 0 with
