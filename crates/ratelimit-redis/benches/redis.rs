@@ -10,6 +10,8 @@
 //!    log the seed moved away from (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE), as
 //!    a Lua script and as MULTI/EXEC.
 //!
+//! CPU figures are the best of 3 runs (the machine may be shared).
+//!
 //! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
 //! `BENCH_ONLY=throughput` or `BENCH_ONLY=cpu` runs one part; `BENCH_POOL` (default 4)
 //! sets the store's pool size.
@@ -284,6 +286,8 @@ const KEYS_PER_TASK: u64 = 4;
 const PER_KEY: u64 = 1000;
 const PERIOD_US: u64 = 60_000_000;
 const T0: u64 = 1_763_683_200_000_000;
+/// Runs of each CPU measurement; the best is reported.
+const ROUNDS: usize = 3;
 
 /// Runs `one(task, gate)` on `CPU_TASKS` tasks; each sends a warm-up window, meets the
 /// gate twice (statistics are reset in between), then sends the measured window and
@@ -515,47 +519,69 @@ async fn cpu_per_decision(url: &str, con: &MultiplexedConnection) {
              1000/min token-bucket capacity=1000; 1000/min gcra burst=1000",
         ),
     ];
-    // The reference first: its cost is the yardstick.
-    let (zset_lua, zset_lua_m) = zset_reference(&mut con, false).await;
-    let (zset_multi, zset_multi_m) = zset_reference(&mut con, true).await;
+    // Each figure is the best of ROUNDS: on a shared machine, the least disturbed run is
+    // the closest to the true cost.
+    let best = |runs: Vec<(f64, Measured)>| {
+        let per_call = runs.iter().map(|r| r.0).fold(f64::INFINITY, f64::min);
+        let process = runs
+            .iter()
+            .map(|r| r.1.process_cpu_us)
+            .fold(f64::INFINITY, f64::min);
+        (per_call, process, runs[0].1.admitted)
+    };
+    let mut runs = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        runs.0.push(zset_reference(&mut con, false).await);
+        runs.1.push(zset_reference(&mut con, true).await);
+    }
+    let (zset_lua, zset_lua_cpu, zset_lua_admitted) = best(runs.0);
+    let (zset_multi, zset_multi_cpu, zset_multi_admitted) = best(runs.1);
     println!(
         "| limiter | usec_per_call | vs. sorted-set log: Lua | MULTI | process CPU µs/decision | \
          vs. Lua | MULTI | admitted |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut lowest = [f64::INFINITY; 4];
-    for (i, (name, text)) in cases.into_iter().enumerate() {
+    for (name, text) in cases {
         let rules: RuleSet = text.parse().unwrap();
-        let (per_call, m) = store_cpu(url, &mut con, &rules).await;
+        let mut runs = Vec::new();
+        for _ in 0..ROUNDS {
+            runs.push(store_cpu(url, &mut con, &rules).await);
+        }
+        let (per_call, process, admitted) = best(runs);
         let ratios = [
             zset_lua / per_call,
             zset_multi / per_call,
-            zset_lua_m.process_cpu_us / m.process_cpu_us,
-            zset_multi_m.process_cpu_us / m.process_cpu_us,
+            zset_lua_cpu / process,
+            zset_multi_cpu / process,
         ];
-        // The counter-based limiters: everything but the logs and the multi-rule sets.
-        if i < 8 {
+        // The O(1) counter-based limiters, as in the seed: not the logs, not the
+        // O(precision) sliding windows, not the multi-rule sets.
+        let counter = !text.contains(';')
+            && !text.contains("sliding-log")
+            && !text.contains("precision=10")
+            && !text.contains("precision=60");
+        if counter {
             for (low, r) in lowest.iter_mut().zip(ratios) {
                 *low = low.min(r);
             }
         }
         println!(
-            "| {name} | {per_call:.2} | {:.0}x less | {:.0}x less | {:.2} | {:.0}x less | {:.0}x less | {} |",
-            ratios[0], ratios[1], m.process_cpu_us, ratios[2], ratios[3], m.admitted
+            "| {name} | {per_call:.2} | {:.0}x less | {:.0}x less | {process:.2} | {:.0}x less | {:.0}x less | {admitted} |",
+            ratios[0], ratios[1], ratios[2], ratios[3]
         );
     }
     println!(
-        "| sorted-set log, Lua (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE) | {zset_lua:.2} | 1x | | {:.2} | 1x | | {} |",
-        zset_lua_m.process_cpu_us, zset_lua_m.admitted
+        "| sorted-set log, Lua (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE) | {zset_lua:.2} | 1x | | {zset_lua_cpu:.2} | 1x | | {zset_lua_admitted} |"
     );
     println!(
-        "| sorted-set log, MULTI/EXEC (same commands; usec of MULTI + EXEC) | {zset_multi:.2} | | 1x | {:.2} | | 1x | {} |",
-        zset_multi_m.process_cpu_us, zset_multi_m.admitted
+        "| sorted-set log, MULTI/EXEC (same commands; usec of MULTI + EXEC) | {zset_multi:.2} | | 1x | {zset_multi_cpu:.2} | | 1x | {zset_multi_admitted} |"
     );
     println!(
-        "\nCounter-based limiters (fixed window, sliding window counter, token and leaky \
-         buckets, GCRA), lowest ratio: usec_per_call {:.0}x less than the sorted-set log in \
-         Lua, {:.0}x less than in MULTI/EXEC; process CPU {:.0}x and {:.0}x less.",
+        "\nO(1) counter-based limiters (fixed window, sliding window counter of precision 1, \
+         token bucket, leaky bucket, GCRA), lowest ratio: usec_per_call {:.0}x less than the \
+         sorted-set log in Lua, {:.0}x less than in MULTI/EXEC; process CPU {:.0}x and {:.0}x \
+         less.",
         lowest[0], lowest[1], lowest[2], lowest[3]
     );
 }

@@ -98,7 +98,7 @@ async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() 
         .unwrap();
     let (pttl, _) = pttl_at(&mut con, "t:{k61}:b");
     // Rounded up to the millisecond.
-    assert!((29_990..=30_001).contains(&pttl), "{pttl}");
+    assert!((29_000..=30_001).contains(&pttl), "{pttl}");
     let d = store.check(b"a", &gcra, 1).await.unwrap();
     assert_eq!(d.outcome(), Outcome::Blocked);
     let left = d.retry_after().unwrap();
@@ -167,21 +167,22 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
     let gcra: RuleSet = "10/s gcra burst=5".parse().unwrap();
     let hourly: RuleSet = "100/h fixed-window".parse().unwrap();
 
-    // Default floor: 60 s, however short the state's life on the injected clock.
+    // A 60 s floor (the default), however short the state's life on the injected clock.
+    // Ranges leave a second for a slow machine between the check and PTTL.
     let floored = store("f", Duration::from_secs(60)).await.unwrap();
     assert!(floored.check(b"a", &gcra, 1).await.unwrap().is_allowed());
     let (pttl, _) = pttl_at(&mut con, &state_key("f", "61", &gcra));
-    assert!((59_990..=60_000).contains(&pttl), "{pttl}");
+    assert!((59_000..=60_000).contains(&pttl), "{pttl}");
     // Longer lives are measured on the injected clock: 50 minutes left in the hour.
     assert!(floored.check(b"a", &hourly, 1).await.unwrap().is_allowed());
     let (pttl, _) = pttl_at(&mut con, &state_key("f", "61", &hourly));
-    assert!((2_999_990..=3_000_000).contains(&pttl), "{pttl}");
+    assert!((2_999_000..=3_000_000).contains(&pttl), "{pttl}");
 
     // Without a floor the TTL is the state's own life: 100 ms.
     let exact = store("e", Duration::ZERO).await.unwrap();
     assert!(exact.check(b"a", &gcra, 1).await.unwrap().is_allowed());
     let (pttl, _) = pttl_at(&mut con, &state_key("e", "61", &gcra));
-    assert!((90..=100).contains(&pttl), "{pttl}");
+    assert!((1..=100).contains(&pttl), "{pttl}");
 
     // A block's marker gets the floor too, while the block itself ends on the injected
     // clock.
@@ -190,7 +191,7 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
         .await
         .unwrap();
     let (pttl, _) = pttl_at(&mut con, "f:{k61}:b");
-    assert!((59_990..=60_000).contains(&pttl), "{pttl}");
+    assert!((59_000..=60_000).contains(&pttl), "{pttl}");
     assert_eq!(
         floored.check(b"a", &gcra, 1).await.unwrap().outcome(),
         Outcome::Blocked
