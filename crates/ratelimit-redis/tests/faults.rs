@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::redis;
 use ratelimit_redis::testing::RedisServer;
-use ratelimit_redis::{RedisStore, RedisStoreError};
+use ratelimit_redis::{RedisClusterStore, RedisStore, RedisStoreError};
 use tokio::sync::Barrier;
 
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -157,6 +157,21 @@ async fn an_unreachable_redis_fails_the_build_with_a_typed_error() {
         .await
         .unwrap_err();
     assert!(matches!(err, RedisStoreError::InvalidConfig(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn an_unreachable_cluster_fails_the_build_with_a_typed_error() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    server.stop();
+    let started = Instant::now();
+    let err = RedisClusterStore::builder()
+        .connect_timeout(Duration::from_millis(500))
+        .build([url])
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
 }
 
 #[tokio::test]
