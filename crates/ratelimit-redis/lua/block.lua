@@ -8,6 +8,13 @@
 --
 -- Returns the block's end in µs since the epoch, or -1 for a block without end.
 -- The marker holds that end ("inf" for none) and expires with it: no cleanup needed.
+-- Errors with WRONGTYPE, writing nothing, when the key holds another type (SET would
+-- silently replace someone else's data).
+
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'none' and kind ~= 'string' then
+  return redis.error_reply('WRONGTYPE the block marker holds a ' .. kind)
+end
 
 if ARGV[2] == '' then
   redis.call('SET', KEYS[1], 'inf')

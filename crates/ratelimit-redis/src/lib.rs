@@ -72,7 +72,7 @@
 //!
 //! # Features
 //!
-//! - `testing`: [`testing::RedisServer`] and [`testing::RedisCluster`], throwaway servers
+//! - `testing`: `testing::RedisServer` and `testing::RedisCluster`, throwaway servers
 //!   on free ports for tests.
 
 mod cluster;

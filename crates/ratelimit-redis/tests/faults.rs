@@ -285,4 +285,20 @@ async fn keys_of_the_wrong_type_give_a_clear_error() {
         "RLSTATE",
     )
     .await;
+    // Blocking does not overwrite someone else's key either.
+    redis::cmd("RPUSH")
+        .arg(&block)
+        .arg("x")
+        .exec(&mut con)
+        .unwrap();
+    let err = store.block(b"k", None).await.unwrap_err();
+    assert!(matches!(err, RedisStoreError::WrongType(_)), "{err:?}");
+    let kept: Vec<String> = redis::cmd("LRANGE")
+        .arg(&block)
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(kept, ["x"]);
+    redis::cmd("DEL").arg(&block).exec(&mut con).unwrap();
 }
