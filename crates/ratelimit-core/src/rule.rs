@@ -150,6 +150,7 @@ impl Rule {
             _ => (rule.capacity().max(1), period_us),
         };
         if limit > MAX_EXACT_PRODUCT
+            || period_us > MAX_EXACT_PRODUCT
             || capacity
                 .checked_mul(span_us)
                 .is_none_or(|p| p > MAX_EXACT_PRODUCT)

@@ -91,6 +91,10 @@ fn nonsense_is_refused_with_the_field_and_the_fix() {
             Rule::gcra(1_000_000, Duration::from_secs(86_400), 1_000_000),
             "use a smaller burst",
         ),
+        (
+            Rule::fixed_window(1, Duration::from_secs(72 * 365 * 86_400)),
+            "exceeds 2251799813685248",
+        ),
         ("10/fortnight".parse(), "unknown time unit"),
         ("ten/second".parse(), "whole number"),
         ("10/s bogus".parse(), "unknown algorithm"),
