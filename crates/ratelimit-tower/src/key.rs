@@ -206,19 +206,27 @@ impl Grouping {
         // Writing into a Key cannot fail.
         let _ = match ip.to_canonical() {
             IpAddr::V4(v4) if self.v4_prefix == 32 => {
-                // By hand: `Display` for addresses is slow, and this runs per request.
+                // By hand into one buffer: `Display` for addresses is slow, and this runs
+                // per request.
+                let mut text = [0u8; 15];
+                let mut len = 0;
                 for (i, octet) in v4.octets().into_iter().enumerate() {
                     if i > 0 {
-                        key.0.push(b'.');
+                        text[len] = b'.';
+                        len += 1;
                     }
                     if octet >= 100 {
-                        key.0.push(b'0' + octet / 100);
+                        text[len] = b'0' + octet / 100;
+                        len += 1;
                     }
                     if octet >= 10 {
-                        key.0.push(b'0' + octet / 10 % 10);
+                        text[len] = b'0' + octet / 10 % 10;
+                        len += 1;
                     }
-                    key.0.push(b'0' + octet % 10);
+                    text[len] = b'0' + octet % 10;
+                    len += 1;
                 }
+                key.0.extend_from_slice(&text[..len]);
                 Ok(())
             }
             IpAddr::V4(v4) => {

@@ -71,7 +71,8 @@
 //!
 //! * **Shaping.** A rule in shaper mode (`2/s leaky-bucket mode=shaper burst=10`) admits
 //!   late rather than refusing: the request waits the store's delay (at most
-//!   [`max_delay`](RateLimitLayerBuilder::max_delay)) before the inner service sees it.
+//!   [`max_delay`](RateLimitLayerBuilder::max_delay), on the tokio timer, so the service
+//!   must run inside a tokio runtime) before the inner service sees it.
 //! * **Local deny cache.** Once a key is denied with retry time T, its requests are
 //!   answered in process until T, without a store call: a flood from one client costs the
 //!   store one call per retry period, not one per request.
