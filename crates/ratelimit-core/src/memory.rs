@@ -323,6 +323,15 @@ impl<C: Clock> Store for MemoryStore<C> {
         ready(self.check_now(key, rules, cost))
     }
 
+    fn check_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Option<Result<Decision, Self::Error>> {
+        Some(self.check_now(key, rules, cost))
+    }
+
     fn block(
         &self,
         key: &[u8],

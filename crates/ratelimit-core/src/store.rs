@@ -29,6 +29,19 @@ pub trait Store: Send + Sync + 'static {
         cost: u64,
     ) -> impl Future<Output = Result<Decision, Self::Error>> + Send;
 
+    /// Decides at once, without a future, when the store can (an in-process store);
+    /// `None` means "call [`Store::check`]". Middleware calls this first so that a check
+    /// against process memory costs no boxed future. The default answers `None`.
+    fn check_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Option<Result<Decision, Self::Error>> {
+        let _ = (key, rules, cost);
+        None
+    }
+
     /// Blocks `key` for `duration`, or until [`Store::unblock`] when `None`. A block
     /// replaces any earlier one.
     fn block(
@@ -58,6 +71,15 @@ impl<S: Store> Store for Arc<S> {
         cost: u64,
     ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
         (**self).check(key, rules, cost)
+    }
+
+    fn check_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Option<Result<Decision, Self::Error>> {
+        (**self).check_sync(key, rules, cost)
     }
 
     fn block(

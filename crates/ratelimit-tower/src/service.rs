@@ -1,4 +1,3 @@
-use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -8,9 +7,7 @@ use std::time::Duration;
 
 use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
-use ratelimit_core::{
-    CapacityError, Decision, ManualClock, MemoryStore, Outcome, RuleSet, Store, SystemClock,
-};
+use ratelimit_core::{CapacityError, Decision, Outcome, Store};
 use tower_service::Service;
 
 use crate::cost::RequestCost;
@@ -161,33 +158,6 @@ pub(crate) enum Begin<ResBody> {
     Checking(CheckFuture<ResBody>),
 }
 
-/// The store's answer when it is a [`MemoryStore`], without going through a future.
-///
-/// `Store::check` returns a future borrowing the key and the rules, which a named
-/// response future could only hold boxed. A MemoryStore answers synchronously, so for it
-/// (the embedded default) the check is made right here and costs no allocation.
-fn check_in_process<S: Store>(
-    store: &S,
-    key: &[u8],
-    rules: &RuleSet,
-    cost: u64,
-) -> Option<Result<Decision, CapacityError>> {
-    let any: &dyn Any = store;
-    if let Some(m) = any.downcast_ref::<MemoryStore<SystemClock>>() {
-        return Some(m.check_now(key, rules, cost));
-    }
-    if let Some(m) = any.downcast_ref::<Arc<MemoryStore<SystemClock>>>() {
-        return Some(m.check_now(key, rules, cost));
-    }
-    if let Some(m) = any.downcast_ref::<MemoryStore<ManualClock>>() {
-        return Some(m.check_now(key, rules, cost));
-    }
-    if let Some(m) = any.downcast_ref::<Arc<MemoryStore<ManualClock>>>() {
-        return Some(m.check_now(key, rules, cost));
-    }
-    None
-}
-
 const SHADOW_LIMITED: HeaderValue = HeaderValue::from_static("limited");
 const SHADOW_BLOCKED: HeaderValue = HeaderValue::from_static("blocked");
 const SHADOW_DELAYED: HeaderValue = HeaderValue::from_static("delayed");
@@ -213,10 +183,13 @@ where
         if let Some(hit) = this.deny_cache.as_ref().and_then(|c| c.get(k, cost)) {
             return Begin::Decided(this.cached_denial(k, hit));
         }
-        if let Some(result) = check_in_process(&this.store, k, &this.rules, cost) {
+        // `Store::check`'s future borrows the key and the rules, so a named response future
+        // could only hold it boxed; a store that decides in process (MemoryStore, whatever
+        // its clock) answers here instead and the request costs no allocation.
+        if let Some(result) = this.store.check_sync(k, &this.rules, cost) {
             return Begin::Decided(match result {
                 Ok(decision) => this.plan(k, cost, decision),
-                Err(e) => this.cost_exceeded(k, &e),
+                Err(error) => this.store_failed(k, cost, &error.to_string()),
             });
         }
         let shared = Arc::clone(this);
