@@ -15,7 +15,6 @@
 //! effect within a second.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,22 +107,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .layer(limited)
         .merge(admin);
 
-    let port: u16 = std::env::var("PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(3000);
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "serving on http://{}; admin: PUT/DELETE /admin/blocks/<key>[?seconds=N]",
-        listener.local_addr()?
-    );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
+    ratelimit_examples::serve::serve(app, |addr| {
+        println!("serving on http://{addr}; admin: PUT/DELETE /admin/blocks/<key>[?seconds=N]");
     })
-    .await?;
-    Ok(())
+    .await
 }

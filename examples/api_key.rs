@@ -14,7 +14,6 @@
 //! 429: waiting would not help.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -95,22 +94,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .layer(pro)
         .layer(middleware::from_fn(authenticate));
 
-    let port: u16 = std::env::var("PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(3000);
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "serving on http://{}; keys: free-123 (20/min), pro-456 (1000/min)",
-        listener.local_addr()?
-    );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
+    ratelimit_examples::serve::serve(app, |addr| {
+        println!("serving on http://{addr}; keys: free-123 (20/min), pro-456 (1000/min)");
     })
-    .await?;
-    Ok(())
+    .await
 }

@@ -9,7 +9,6 @@
 //! decided together). Set `PORT` to serve elsewhere than 3000, `RUST_LOG` for more or
 //! less logging.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::routing::{get, post};
@@ -40,28 +39,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/", get(|| async { "hello\n" }).layer(per_ip))
         .route("/login", post(|| async { "logged in\n" }).layer(login));
 
-    let port: u16 = match std::env::var("PORT") {
-        Ok(p) => p
-            .parse()
-            .map_err(|_| format!("PORT must be a port number, got {p:?}"))?,
-        Err(_) => 3000,
-    };
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    let addr = listener.local_addr()?;
-    println!("serving on http://{addr}");
-    println!("  GET  /       10 per minute per client IP (sliding window counter)");
-    println!("  POST /login  1 per second and 5 per minute per client IP (sliding log)");
-    println!("try it (the 11th request gets 429 with Retry-After and RateLimit fields):");
-    println!("  for i in $(seq 11); do curl -si http://{addr}/ | grep -iE '^(HTTP|retry-after|ratelimit)'; done");
-
-    // The peer address is what PeerIp keys on.
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
+    ratelimit_examples::serve::serve(app, |addr| {
+        println!("serving on http://{addr}");
+        println!("  GET  /       10 per minute per client IP (sliding window counter)");
+        println!("  POST /login  1 per second and 5 per minute per client IP (sliding log)");
+        println!("try it (the 11th request gets 429 with Retry-After and RateLimit fields):");
+        println!(
+            "  for i in $(seq 11); do curl -si http://{addr}/ | grep -iE '^(HTTP|retry-after|ratelimit)'; done"
+        );
     })
-    .await?;
-    Ok(())
+    .await
 }

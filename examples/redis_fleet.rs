@@ -13,7 +13,6 @@
 //! unreachable, each instance falls back to limiting on its own with a local store
 //! (and logs a warning per failed check) until it is back.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::routing::{get, post};
@@ -55,22 +54,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .route("/login", post(|| async { "logged in\n" }).layer(login));
 
-    let port: u16 = std::env::var("PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(3000);
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "serving on http://{} with limits in {url}",
-        listener.local_addr()?
-    );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
+    ratelimit_examples::serve::serve(app, |addr| {
+        println!("serving on http://{addr} with limits in {url}");
     })
-    .await?;
-    Ok(())
+    .await
 }
