@@ -59,6 +59,15 @@ local function divmod(a, b)
   return q, r
 end
 
+-- ceil(a / b) for a >= 0, b > 0.
+local function ceil_div(a, b)
+  local q, r = divmod(a, b)
+  if r > 0 then
+    return q + 1
+  end
+  return q
+end
+
 local FOREIGN = ' holds a value this store did not write'
 
 local injected = ARGV[1] ~= ''
@@ -297,21 +306,13 @@ for i = 1, n do
       if held > full then
         held = full
       end
-      local q, r = divmod(full - held, limit)
-      if r > 0 then
-        q = q + 1
-      end
-      reset = slast + q - now
+      reset = slast + ceil_div(full - held, limit) - now
     end
     local need = c * period
     allowed = level >= need
     remaining = divmod(level, period)
     if not allowed then
-      local q, r = divmod(need - level, limit)
-      if r > 0 then
-        q = q + 1
-      end
-      retry = q
+      retry = ceil_div(need - level, limit)
     end
     local after = level - need
     if after < 0 then
@@ -339,10 +340,7 @@ for i = 1, n do
     local max = cap * period
     allowed = diff_next <= max
     if no_delay > 0 and allowed and diff_next > no_delay * period then
-      local dq, dr = divmod(diff_next - no_delay * period, limit)
-      if dr > 0 then
-        dq = dq + 1
-      end
+      local dq = ceil_div(diff_next - no_delay * period, limit)
       if dq > delay then
         delay = dq
       end
@@ -353,11 +351,7 @@ for i = 1, n do
     end
     remaining = divmod(room, period)
     if not allowed then
-      local rq, rr = divmod(diff_next - max, limit)
-      if rr > 0 then
-        rq = rq + 1
-      end
-      retry = rq
+      retry = ceil_div(diff_next - max, limit)
     end
     new[off + 1], new[off + 2] = nus, m
     off = off + 2
@@ -394,11 +388,7 @@ local function with_expiry(command, key, value, at)
   if injected then
     local ms = 0
     if at > now then
-      local q, r = divmod(at - now, 1000)
-      ms = q
-      if r > 0 then
-        ms = ms + 1
-      end
+      ms = ceil_div(at - now, 1000)
     end
     if ms < ttl_floor then
       ms = ttl_floor
@@ -412,11 +402,7 @@ local function with_expiry(command, key, value, at)
     end
     return redis.call('PEXPIRE', key, ms)
   end
-  local q, r = divmod(at, 1000)
-  if r > 0 then
-    q = q + 1
-  end
-  local ms = fmt('%d', q)
+  local ms = fmt('%d', ceil_div(at, 1000))
   if value then
     return redis.call(command, key, value, 'PXAT', ms)
   end
@@ -472,11 +458,7 @@ for i = 1, n do
       if held > full then
         held = full
       end
-      local q, r = divmod(full - held, tonumber(ARGV[o + 1]))
-      if r > 0 then
-        q = q + 1
-      end
-      exp = b + q
+      exp = b + ceil_div(full - held, tonumber(ARGV[o + 1]))
     else
       exp = a
       if b > 0 then

@@ -169,7 +169,6 @@ impl Store for RedisClusterStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        script::check_range(rules)?;
         let call = self.shared.check_call(key, rules, cost);
         let mut conn = self.conn.clone();
         let reply = self.with_timeout(call.invoke(&mut conn)).await?;

@@ -3,9 +3,7 @@
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use ratelimit_core::{
-    Algorithm, Clock, Decision, LeakyMode, Rule, RuleOutcome, RuleSet, MAX_EXACT_PRODUCT,
-};
+use ratelimit_core::{Algorithm, Clock, Decision, LeakyMode, Rule, RuleOutcome, RuleSet};
 use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisResult, Value};
 
@@ -129,24 +127,6 @@ impl std::fmt::Debug for Shared {
 
 /// Block lengths are capped so that `now + length` stays exact in Lua (about 142 years).
 const MAX_BLOCK_US: u64 = 1 << 52;
-
-/// Refuses rules whose times would leave the range where Lua's doubles are exact: the
-/// core bounds products of counts and periods, and the script also adds periods to
-/// timestamps, so periods are held to `MAX_EXACT_PRODUCT` µs (about 71 years).
-pub(crate) fn check_range(rules: &RuleSet) -> Result<(), RedisStoreError> {
-    match rules
-        .rules()
-        .iter()
-        .find(|r| r.period_us() > MAX_EXACT_PRODUCT)
-    {
-        Some(rule) => Err(RedisStoreError::InvalidConfig(format!(
-            "rule `{rule}` has a period of {} µs; the Redis store computes with Lua doubles \
-             and accepts periods up to {MAX_EXACT_PRODUCT} µs (about 71 years)",
-            rule.period_us()
-        ))),
-        None => Ok(()),
-    }
-}
 
 /// Integers the script stores per rule set: 2 per rule, precision + 2 for a sliding window
 /// counter, none for a sliding log (whose entries live in a list).

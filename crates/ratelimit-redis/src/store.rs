@@ -299,7 +299,6 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        script::check_range(rules)?;
         let call = self.shared.check_call(key, rules, cost);
         let reply = self.run(Op::Call(&call)).await?;
         script::decision(rules, reply)
