@@ -142,18 +142,14 @@ pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) ->
     }
     let mut log_done = false;
     for ((rule, state), e) in rules.rules().iter().zip(states.iter_mut()).zip(&evals) {
-        match e.next {
-            // The log lives in the first sliding-log rule's slot and is shared.
-            Next::Log if !log_done => {
-                log_done = true;
-                apply_log(state, rules.log_limit() as usize, now, cost);
+        // The log lives in the first sliding-log rule's slot and is shared.
+        if matches!(e.next, Next::Log) {
+            if log_done {
+                continue;
             }
-            Next::Log => {}
-            Next::Counters { cur } => apply_counters(rule, state, cur, cost),
-            Next::Window { index, count } => *state = RuleState::Window { index, count },
-            Next::Tokens { level, last } => *state = RuleState::Tokens { level, last },
-            Next::Tat { us, frac } => *state = RuleState::Tat { us, frac },
+            log_done = true;
         }
+        apply(rule, state, &e.next, rules.log_limit(), now, cost);
     }
     let log = shared_log(states);
     let mut expires_at_us = 0;
@@ -192,13 +188,7 @@ fn decide_one(
     );
     let committed = cost > 0 && e.allowed;
     if committed {
-        match e.next {
-            Next::Log => apply_log(state, log_limit as usize, now, cost),
-            Next::Counters { cur } => apply_counters(rule, state, cur, cost),
-            Next::Window { index, count } => *state = RuleState::Window { index, count },
-            Next::Tokens { level, last } => *state = RuleState::Tokens { level, last },
-            Next::Tat { us, frac } => *state = RuleState::Tat { us, frac },
-        }
+        apply(rule, state, &e.next, log_limit, now, cost);
     }
     let expires = expires_at(rule, state, shared_log(std::slice::from_ref(state)));
     let outcome = RuleOutcome {
@@ -414,6 +404,17 @@ fn eval(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>, now: u64, c
                 },
             }
         }
+    }
+}
+
+/// Writes the state a rule decided on, once the whole check commits.
+fn apply(rule: &Rule, state: &mut RuleState, next: &Next, log_limit: u64, now: u64, cost: u64) {
+    match *next {
+        Next::Log => apply_log(state, log_limit as usize, now, cost),
+        Next::Counters { cur } => apply_counters(rule, state, cur, cost),
+        Next::Window { index, count } => *state = RuleState::Window { index, count },
+        Next::Tokens { level, last } => *state = RuleState::Tokens { level, last },
+        Next::Tat { us, frac } => *state = RuleState::Tat { us, frac },
     }
 }
 
