@@ -39,6 +39,7 @@ pub mod algo;
 mod clock;
 mod decision;
 mod error;
+pub mod key;
 mod memory;
 mod rule;
 mod store;

@@ -354,4 +354,8 @@ impl<C: Clock> Store for MemoryStore<C> {
         self.reset_now(key, rules);
         ready(Ok(()))
     }
+
+    fn now_us(&self) -> u64 {
+        self.clock.now_us()
+    }
 }

@@ -2,6 +2,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::rule::RuleSet;
 
@@ -59,6 +60,17 @@ pub trait Store: Send + Sync + 'static {
         key: &[u8],
         rules: &RuleSet,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// The time on this store's clock, in microseconds since the Unix epoch.
+    ///
+    /// Whatever keeps time beside a store (a middleware's cache of recent denials, say)
+    /// reads it here, so that a store on a [`ManualClock`](crate::ManualClock) moves every
+    /// such notion of time with it and a test behaves like production. A store that takes
+    /// its time from elsewhere on each decision (the Redis server's clock) answers with its
+    /// best local reading of that time. The default reads [`SystemClock`].
+    fn now_us(&self) -> u64 {
+        SystemClock.now_us()
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -100,5 +112,9 @@ impl<S: Store> Store for Arc<S> {
         rules: &RuleSet,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send {
         (**self).reset(key, rules)
+    }
+
+    fn now_us(&self) -> u64 {
+        (**self).now_us()
     }
 }
