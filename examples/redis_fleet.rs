@@ -2,8 +2,8 @@
 //!
 //! ```sh
 //! redis-server --port 6379 &
-//! PORT=3000 cargo run -p ratelimit-examples --example redis_fleet &
-//! PORT=3001 cargo run -p ratelimit-examples --example redis_fleet &
+//! PORT=3000 cargo run -p ratelimit-examples --features redis --example redis_fleet &
+//! PORT=3001 cargo run -p ratelimit-examples --features redis --example redis_fleet &
 //! # 10 requests per minute per client IP, whichever instance they reach:
 //! for i in $(seq 6); do curl -s -o /dev/null -w '%{http_code} ' localhost:3000/; \
 //!                       curl -s -o /dev/null -w '%{http_code} ' localhost:3001/; done

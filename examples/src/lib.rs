@@ -1,7 +1,6 @@
-//! Examples of the ratelimit crates, and the library behind them.
+//! The start-up the example apps share: [`serve::serve`].
 //!
-//! [`explore`] replays traffic through every algorithm and charts the difference; the
-//! `explore` example is its command line. [`serve::serve`] starts the example servers.
+//! The HTTP benchmark is the `ratelimit-bench` package and the algorithm explorer the
+//! `ratelimit-explore` package, so that their dependencies stay out of these examples.
 
-pub mod explore;
 pub mod serve;

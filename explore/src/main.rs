@@ -2,21 +2,21 @@
 //! (or the rules you name) and writes an SVG chart and a table.
 //!
 //! ```text
-//! cargo run -p ratelimit-examples --example explore -- --pattern boundary --svg docs/explore-boundary.svg
-//! cargo run -p ratelimit-examples --example explore -- --pattern steady --quota 10/s
-//! cargo run -p ratelimit-examples --example explore -- --timestamps access.log --quota 100/min
-//! cargo run -p ratelimit-examples --example explore -- --pattern domaintools \
+//! cargo run -p ratelimit-explore -- --pattern boundary --svg docs/explore-boundary.svg
+//! cargo run -p ratelimit-explore -- --pattern steady --quota 10/s
+//! cargo run -p ratelimit-explore -- --timestamps access.log --quota 100/min
+//! cargo run -p ratelimit-explore -- --pattern domaintools \
 //!     --rules "1/s sliding-log; 5/min sliding-log" --rules "5/min gcra burst=5"
-//! cargo run -p ratelimit-examples --example explore -- --list
+//! cargo run -p ratelimit-explore -- --list
 //! ```
 //!
-//! The measurements are defined in the `ratelimit_examples::explore` module docs.
+//! The measurements are defined in the `ratelimit_explore` crate docs.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use ratelimit_examples::explore::{
+use ratelimit_explore::{
     lanes_for_quota, Builtin, Exploration, ExploreError, Lane, LaneOptions, Pattern, Quota,
 };
 
@@ -54,7 +54,7 @@ struct Args {
           value_parser = clap::value_parser!(u64).range(1..), conflicts_with = "rules")]
     precision: u64,
 
-    /// Where to write the chart. Default: explore-<pattern>.svg.
+    /// Where to write the chart. Default: explore-PATTERN.svg.
     #[arg(short = 'o', long = "svg", value_name = "PATH")]
     svg: Option<PathBuf>,
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use ratelimit_examples::explore::{
+use ratelimit_explore::{
     lanes_for_quota, most_in_any_window, Builtin, Exploration, ExploreError, Lane, LaneOptions,
     Pattern, Quota, Stats,
 };
@@ -384,7 +384,7 @@ fn most_in_any_window_is_half_open() {
 #[test]
 fn checked_in_chart_and_readme_table_are_current() {
     let run = builtin(Builtin::Boundary);
-    let regenerate = "regenerate with `cargo run -p ratelimit-examples --example explore -- \
+    let regenerate = "regenerate with `cargo run -p ratelimit-explore -- \
                       --pattern boundary --svg docs/explore-boundary.svg` and paste the table \
                       into README.md";
     let chart = include_str!("../../docs/explore-boundary.svg");

@@ -3,10 +3,10 @@
 //! the same requests, as a table ([`Exploration::table`]) and an SVG chart
 //! ([`Exploration::svg`]).
 //!
-//! The `explore` example is the command-line front end:
+//! The `explore` binary of this package is the command-line front end:
 //!
 //! ```text
-//! cargo run -p ratelimit-examples --example explore -- --pattern boundary --svg boundary.svg
+//! cargo run -p ratelimit-explore -- --pattern boundary --svg boundary.svg
 //! ```
 //!
 //! # What the table measures
@@ -39,7 +39,7 @@
 //! axes: requests offered (grey) and admitted (coloured) per time bin.
 //!
 //! ```
-//! use ratelimit_examples::explore::{lanes_for_quota, Builtin, Exploration, LaneOptions};
+//! use ratelimit_explore::{lanes_for_quota, Builtin, Exploration, LaneOptions};
 //! use std::time::Duration;
 //!
 //! let quota = Builtin::Boundary.default_quota(); // 100/min
@@ -806,7 +806,7 @@ impl Exploration {
         self.lanes.iter().find(|l| l.lane.label == label)
     }
 
-    /// The table printed by the `explore` example: one row per lane, then what the
+    /// The table printed by the `explore` binary: one row per lane, then what the
     /// columns mean.
     pub fn table(&self) -> String {
         let header = [

@@ -4,7 +4,7 @@
 //! fields on admitted responses (to compare like with like).
 //!
 //! ```sh
-//! cargo run --release -p ratelimit-examples --example http_bench
+//! cargo run --release -p ratelimit-bench --example http_bench
 //! ```
 //!
 //! Each server answers `GET /` with "Hello, World!", keyed by peer IP, with limits far
