@@ -75,6 +75,14 @@
 //! - `testing`: `testing::RedisServer` and `testing::RedisCluster`, throwaway servers
 //!   on free ports for tests.
 
+// docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+// The README is the crates.io page: its examples must compile like the crate docs'.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 mod cluster;
 mod error;
 mod keys;

@@ -104,6 +104,14 @@
 //! allocates nothing for it; other stores' checks are boxed futures (one allocation per
 //! request, small next to a network round trip).
 
+// docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+// The README is the crates.io page: its examples must compile like the crate docs'.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 mod cost;
 mod deny_cache;
 mod future;
