@@ -4,12 +4,14 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use crate::service::{AddHeaders, CheckFuture, Plan};
+use crate::decide::{CheckFuture, Verdict};
+use crate::headers::Fields;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): waits for the store (when
@@ -21,7 +23,7 @@ pin_project! {
     {
         #[pin]
         state: State<Svc, Svc::Future, ReqBody, ResBody>,
-        headers: Option<AddHeaders>,
+        fields: Option<Fields>,
     }
 }
 
@@ -29,7 +31,7 @@ pin_project! {
     #[project = StateProj]
     enum State<Svc, Fut, ReqBody, ResBody> {
         Checking {
-            check: CheckFuture<ResBody>,
+            check: CheckFuture,
             call: Option<(Svc, Request<ReqBody>)>,
         },
         Delaying {
@@ -51,10 +53,10 @@ impl<Svc, ReqBody, ResBody> ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    pub(crate) fn called(future: Svc::Future, headers: Option<AddHeaders>) -> Self {
+    pub(crate) fn called(future: Svc::Future, fields: Option<Fields>) -> Self {
         Self {
             state: State::Calling { future },
-            headers,
+            fields,
         }
     }
 
@@ -62,14 +64,14 @@ where
         inner: Svc,
         req: Request<ReqBody>,
         delay: Duration,
-        headers: Option<AddHeaders>,
+        fields: Option<Fields>,
     ) -> Self {
         Self {
             state: State::Delaying {
                 sleep: tokio::time::sleep(delay),
                 call: Some((inner, req)),
             },
-            headers,
+            fields,
         }
     }
 
@@ -78,17 +80,17 @@ where
             state: State::Replied {
                 response: Some(response),
             },
-            headers: None,
+            fields: None,
         }
     }
 
-    pub(crate) fn checking(check: CheckFuture<ResBody>, inner: Svc, req: Request<ReqBody>) -> Self {
+    pub(crate) fn checking(check: CheckFuture, inner: Svc, req: Request<ReqBody>) -> Self {
         Self {
             state: State::Checking {
                 check,
                 call: Some((inner, req)),
             },
-            headers: None,
+            fields: None,
         }
     }
 }
@@ -96,6 +98,7 @@ where
 impl<Svc, ReqBody, ResBody> Future for ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: From<Bytes>,
 {
     type Output = Result<Response<ResBody>, Svc::Error>;
 
@@ -104,9 +107,16 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Checking { check, call } => match ready!(check.as_mut().poll(cx)) {
-                    Plan::Forward { delay, headers } => {
-                        *this.headers = headers;
-                        let (mut inner, req) = call.take().expect("polled after completion");
+                    Verdict::Pass {
+                        delay,
+                        fields,
+                        decision,
+                    } => {
+                        *this.fields = fields;
+                        let (mut inner, mut req) = call.take().expect("polled after completion");
+                        if let Some(decision) = decision {
+                            req.extensions_mut().insert(decision);
+                        }
                         if delay.is_zero() {
                             this.state.set(State::Calling {
                                 future: inner.call(req),
@@ -118,7 +128,7 @@ where
                             });
                         }
                     }
-                    Plan::Reply(response) => return Poll::Ready(Ok(response)),
+                    Verdict::Refuse(refusal) => return Poll::Ready(Ok(refusal.into_response())),
                 },
                 StateProj::Delaying { sleep, call } => {
                     ready!(sleep.poll(cx));
@@ -129,8 +139,8 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some(headers) = this.headers.take() {
-                        headers.apply(&mut response);
+                    if let Some(fields) = this.fields.take() {
+                        fields.apply(response.headers_mut());
                     }
                     return Poll::Ready(Ok(response));
                 }

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use http::header::{HeaderName, HeaderValue};
+use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use ratelimit_core::{Decision, RuleOutcome, RuleSet};
 
 /// `RateLimit-Policy: "name";q=<quota>;w=<window seconds>`, one item per rule.
@@ -13,6 +13,48 @@ pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-pol
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 /// Set in shadow mode on requests that would have been limited, blocked or delayed.
 pub static RATELIMIT_SHADOW: HeaderName = HeaderName::from_static("ratelimit-shadow");
+
+/// Fields added to an admitted request's response.
+#[derive(Debug, Default)]
+pub(crate) struct Fields {
+    pub(crate) policy: Option<HeaderValue>,
+    pub(crate) ratelimit: Option<HeaderValue>,
+    pub(crate) shadow: Option<HeaderValue>,
+}
+
+impl Fields {
+    pub(crate) fn apply(self, headers: &mut HeaderMap) {
+        // Appended, not inserted: a stacked layer further in adds its own policies.
+        if let Some(v) = self.policy {
+            headers.append(&RATELIMIT_POLICY, v);
+        }
+        if let Some(v) = self.ratelimit {
+            headers.append(&RATELIMIT, v);
+        }
+        if let Some(v) = self.shadow {
+            headers.append(&RATELIMIT_SHADOW, v);
+        }
+    }
+}
+
+/// The fields of a refusal: `Retry-After` replaces any the hook set, the rate-limit
+/// fields are appended.
+pub(crate) fn write_refusal(
+    headers: &mut HeaderMap,
+    retry_after: Option<Duration>,
+    policy: Option<HeaderValue>,
+    ratelimit: Option<HeaderValue>,
+) {
+    if let Some(retry) = retry_after {
+        headers.insert(RETRY_AFTER, retry_after_value(retry));
+    }
+    if let Some(v) = policy {
+        headers.append(&RATELIMIT_POLICY, v);
+    }
+    if let Some(v) = ratelimit {
+        headers.append(&RATELIMIT, v);
+    }
+}
 
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
