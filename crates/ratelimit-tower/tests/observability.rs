@@ -103,6 +103,52 @@ fn each_failure_policy_is_visible_in_tracing() {
     }
 }
 
+#[test]
+fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
+    use ratelimit_core::{ManualClock, MemoryStore};
+    use ratelimit_tower::HeaderKey;
+
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::ERROR)
+        .finish();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    tracing::subscriber::with_default(subscriber, || {
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(RateLimitLayer::new(
+                store,
+                HeaderKey::new("x-api-key"),
+                "5/min".parse().unwrap(),
+            ));
+        let mut send = |n: usize| {
+            for _ in 0..n {
+                let req = Request::get("/").body(Body::empty()).unwrap();
+                let res = run(app.clone().oneshot(req)).unwrap();
+                assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            }
+        };
+        send(50);
+        clock.advance(Duration::from_secs(9));
+        send(50);
+        clock.advance(Duration::from_secs(1));
+        send(1);
+    });
+    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    assert!(
+        lines[0].contains("ERROR") && lines[0].contains("requests=1"),
+        "{log}"
+    );
+    assert!(lines[0].contains("x-api-key"), "{log}");
+    assert!(lines[1].contains("requests=100"), "{log}");
+}
+
 #[cfg(feature = "metrics")]
 mod counters {
     use super::*;
