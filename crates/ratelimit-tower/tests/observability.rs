@@ -125,7 +125,7 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
                 HeaderKey::new("x-api-key"),
                 "5/min".parse().unwrap(),
             ));
-        let mut send = |n: usize| {
+        let send = |n: usize| {
             for _ in 0..n {
                 let req = Request::get("/").body(Body::empty()).unwrap();
                 let res = run(app.clone().oneshot(req)).unwrap();
