@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use ratelimit_core::{Decision, RuleOutcome, RuleSet};
+use smallvec::SmallVec;
 
 /// `RateLimit-Policy: "name";q=<quota>;w=<window seconds>`, one item per rule.
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -129,9 +130,10 @@ pub(crate) fn ratelimit_value_of(
     if outcomes.is_empty() {
         return None;
     }
-    // Written by hand rather than with `format!`: this runs on every admitted request.
-    let size: usize = names.iter().map(|n| n.len() + 40).sum();
-    let mut out: Vec<u8> = Vec::with_capacity(size);
+    // Written by hand into a stack buffer rather than with `format!`: this runs on every
+    // admitted request, and copying the result into an exact-size value costs one
+    // allocation where a growable buffer would cost two.
+    let mut out: SmallVec<[u8; 256]> = SmallVec::new();
     let mut digits = itoa::Buffer::new();
     for (o, name) in outcomes.iter().zip(names) {
         if !out.is_empty() {
@@ -145,7 +147,7 @@ pub(crate) fn ratelimit_value_of(
         let t = ceil_secs(o.reset_after.saturating_sub(elapsed));
         out.extend_from_slice(digits.format(t).as_bytes());
     }
-    Some(HeaderValue::try_from(out).expect("names and digits are valid header text"))
+    Some(HeaderValue::from_bytes(&out).expect("names and digits are valid header text"))
 }
 
 #[cfg(test)]
