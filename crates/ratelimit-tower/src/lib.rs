@@ -223,9 +223,10 @@
 //! # Cost
 //!
 //! The store is generic, not boxed. With a [`MemoryStore`](ratelimit_core::MemoryStore)
-//! (or an `Arc` of one) the check runs synchronously inside `call` and the layer
-//! allocates nothing for it; other stores' checks are boxed futures (one allocation per
-//! request, small next to a network round trip).
+//! (or an `Arc` of one) the check runs synchronously inside `call` without a future;
+//! other stores' checks are boxed futures (one allocation per request, small next to a
+//! network round trip). An admitted request costs two allocations of the layer's own:
+//! the `RateLimit` field and the decision placed in the request's extensions.
 
 mod cost;
 mod decide;
