@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderValue, Request, StatusCode};
+use http::{Extensions, HeaderValue, Request, StatusCode};
 use ratelimit_core::{CapacityError, Decision, Outcome, Store};
 
 use crate::cost::RequestCost;
@@ -20,16 +20,15 @@ use crate::rejection::{Refusal, RejectReason, Rejection};
 use crate::tier::{SelectTier, StoreKey, Tier};
 
 /// What becomes of a request.
-// `Pass` is the hot path and carries the decision by value: boxing it would cost an
-// allocation per admitted request.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Verdict {
     /// Call the inner service after `delay`, adding `fields` to its response; the
-    /// store's decision, if any, goes into the request's extensions.
+    /// store's decision, if any, goes into the request's extensions. Boxed: only a
+    /// decision that arrives later (from a store that is not in process) travels in the
+    /// verdict, and a verdict is moved several times.
     Pass {
         delay: Duration,
         fields: Option<Fields>,
-        decision: Option<Decision>,
+        decision: Option<Box<Decision>>,
     },
     /// Answer without calling the inner service.
     Refuse(Box<Refusal>),
@@ -46,19 +45,18 @@ impl Verdict {
 pub(crate) type CheckFuture = Pin<Box<dyn Future<Output = Verdict> + Send>>;
 
 /// A verdict now, or once the store answers.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Begin {
     Now(Verdict),
     Later(CheckFuture),
 }
 
-const SHADOW_LIMITED: HeaderValue = HeaderValue::from_static("limited");
-const SHADOW_BLOCKED: HeaderValue = HeaderValue::from_static("blocked");
-const SHADOW_DELAYED: HeaderValue = HeaderValue::from_static("delayed");
-const SHADOW_COST: HeaderValue = HeaderValue::from_static("cost-exceeded");
-const SHADOW_STORE: HeaderValue = HeaderValue::from_static("store-unavailable");
-const SHADOW_MISSING: HeaderValue = HeaderValue::from_static("missing-key");
-const SHADOW_TIER: HeaderValue = HeaderValue::from_static("unknown-tier");
+const SHADOW_LIMITED: &str = "limited";
+const SHADOW_BLOCKED: &str = "blocked";
+const SHADOW_DELAYED: &str = "delayed";
+const SHADOW_COST: &str = "cost-exceeded";
+const SHADOW_STORE: &str = "store-unavailable";
+const SHADOW_MISSING: &str = "missing-key";
+const SHADOW_TIER: &str = "unknown-tier";
 
 impl<S, K, C, T> Shared<S, K, C, T>
 where
@@ -67,13 +65,16 @@ where
     C: Send + Sync + 'static,
     T: Send + Sync + 'static,
 {
-    pub(crate) fn begin<B>(this: &Arc<Self>, req: &Request<B>) -> Begin
+    /// Decides `req`; an admitted decision known at once goes straight into its
+    /// extensions (a decision is a few hundred bytes: moving it through the verdict would
+    /// cost more than the rest of the layer's own work).
+    pub(crate) fn begin<B>(this: &Arc<Self>, req: &mut Request<B>) -> Begin
     where
         K: KeyExtractor<B>,
         C: RequestCost<B>,
         T: SelectTier<B>,
     {
-        let client = match this.key.extract(req) {
+        let client = match this.key.extract(&*req) {
             Extraction::Key(key) => key,
             Extraction::Exempt => {
                 tracing::trace!("rate limit: exempt request");
@@ -81,15 +82,17 @@ where
             }
             Extraction::Missing(why) => return Begin::Now(this.finish(this.missing(why))),
         };
-        let tier_index = match this.select_tier(req) {
+        let tier_index = match this.select_tier(&*req) {
             Ok(i) => i,
             Err(verdict) => return Begin::Now(this.finish(verdict)),
         };
         let tier = &this.tiers[tier_index];
-        let cost = this.cost.cost(req);
+        let cost = this.cost.cost(&*req);
         let key = tier.store_key(client.as_ref());
-        if let Err(e) = tier.rules.check_cost(cost) {
-            return Begin::Now(this.finish(this.cost_exceeded(tier, &key, &e)));
+        if cost > tier.min_capacity {
+            if let Err(e) = tier.rules.check_cost(cost) {
+                return Begin::Now(this.finish(this.cost_exceeded(tier, &key, &e)));
+            }
         }
         if let Some(cache) = &this.deny_cache {
             if let Some(hit) = cache.get(&key, cost, || this.store.now_us()) {
@@ -105,8 +108,14 @@ where
         // and the request costs no allocation.
         if let Some(result) = this.store.check_sync(&key, &tier.rules, cost) {
             let verdict = match result {
-                Ok(decision) => this.plan(tier, &key, cost, decision),
-                Err(error) => this.store_failed(tier, &key, cost, &error.to_string()),
+                Ok(decision) => this.plan(tier, &key, cost, decision, Some(req.extensions_mut())),
+                Err(error) => this.store_failed(
+                    tier,
+                    &key,
+                    cost,
+                    &error.to_string(),
+                    Some(req.extensions_mut()),
+                ),
             };
             return Begin::Now(this.finish(verdict));
         }
@@ -124,8 +133,8 @@ where
                 },
             };
             let verdict = match result {
-                Ok(decision) => shared.plan(tier, &key, cost, decision),
-                Err(error) => shared.store_failed(tier, &key, cost, &error),
+                Ok(decision) => shared.plan(tier, &key, cost, decision, None),
+                Err(error) => shared.store_failed(tier, &key, cost, &error, None),
             };
             shared.finish(verdict)
         };
@@ -133,7 +142,6 @@ where
     }
 
     /// The index of the request's tier, or the refusal of a misconfigured selector.
-    #[allow(clippy::result_large_err)]
     fn select_tier<B>(&self, req: &Request<B>) -> Result<usize, Verdict>
     where
         T: SelectTier<B>,
@@ -206,7 +214,7 @@ where
             },
         };
         tracing::info!(
-            verdict = label.to_str().unwrap_or_default(),
+            verdict = label,
             namespace = &*self.namespace,
             "rate limit (shadow mode): would have refused or delayed; passing"
         );
@@ -220,8 +228,16 @@ where
         }
     }
 
-    /// Turns the store's decision into a verdict.
-    fn plan(&self, tier: &Tier, key: &[u8], cost: u64, decision: Decision) -> Verdict {
+    /// Turns the store's decision into a verdict. An admitted decision goes into
+    /// `extensions` when given, else into the verdict.
+    fn plan(
+        &self,
+        tier: &Tier,
+        key: &[u8],
+        cost: u64,
+        decision: Decision,
+        extensions: Option<&mut Extensions>,
+    ) -> Verdict {
         tier.metrics.decision(&decision);
         match decision.outcome() {
             Outcome::Allowed => {
@@ -258,10 +274,17 @@ where
                     ratelimit: ratelimit_value(&decision, &tier.names),
                     shadow: None,
                 });
+                let decision = match extensions {
+                    Some(extensions) => {
+                        extensions.insert(decision);
+                        None
+                    }
+                    None => Some(Box::new(decision)),
+                };
                 Verdict::Pass {
                     delay,
                     fields,
-                    decision: Some(decision),
+                    decision,
                 }
             }
             Outcome::Limited | Outcome::Blocked => {
@@ -323,7 +346,14 @@ where
         )
     }
 
-    fn store_failed(&self, tier: &Tier, key: &StoreKey, cost: u64, error: &str) -> Verdict {
+    fn store_failed(
+        &self,
+        tier: &Tier,
+        key: &StoreKey,
+        cost: u64,
+        error: &str,
+        extensions: Option<&mut Extensions>,
+    ) -> Verdict {
         tier.metrics.store_error();
         let policy = self.failure_policy.label();
         match self.failure_policy {
@@ -354,7 +384,7 @@ where
                     .as_ref()
                     .expect("built with the fallback policy");
                 match fallback.check_now(key, rules, cost) {
-                    Ok(decision) => self.plan(tier, key, cost, decision),
+                    Ok(decision) => self.plan(tier, key, cost, decision, extensions),
                     Err(e) => self.cost_exceeded(tier, key, &e),
                 }
             }

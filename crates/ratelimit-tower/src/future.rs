@@ -29,15 +29,16 @@ pin_project! {
 
 pin_project! {
     #[project = StateProj]
+    // The states of a later call are boxed: they are off the in-process path, and the
+    // future is moved several times on its way into the server, at its full size.
     enum State<Svc, Fut, ReqBody, ResBody> {
         Checking {
             check: CheckFuture,
-            call: Option<(Svc, Request<ReqBody>)>,
+            call: Option<Box<(Svc, Request<ReqBody>)>>,
         },
         Delaying {
-            #[pin]
-            sleep: Sleep,
-            call: Option<(Svc, Request<ReqBody>)>,
+            sleep: Pin<Box<Sleep>>,
+            call: Option<Box<(Svc, Request<ReqBody>)>>,
         },
         Calling {
             #[pin]
@@ -68,8 +69,8 @@ where
     ) -> Self {
         Self {
             state: State::Delaying {
-                sleep: tokio::time::sleep(delay),
-                call: Some((inner, req)),
+                sleep: Box::pin(tokio::time::sleep(delay)),
+                call: Some(Box::new((inner, req))),
             },
             fields,
         }
@@ -88,7 +89,7 @@ where
         Self {
             state: State::Checking {
                 check,
-                call: Some((inner, req)),
+                call: Some(Box::new((inner, req))),
             },
             fields: None,
         }
@@ -113,26 +114,27 @@ where
                         decision,
                     } => {
                         *this.fields = fields;
-                        let (mut inner, mut req) = call.take().expect("polled after completion");
+                        let mut pending = call.take().expect("polled after completion");
                         if let Some(decision) = decision {
-                            req.extensions_mut().insert(decision);
+                            pending.1.extensions_mut().insert(*decision);
                         }
                         if delay.is_zero() {
+                            let (mut inner, req) = *pending;
                             this.state.set(State::Calling {
                                 future: inner.call(req),
                             });
                         } else {
                             this.state.set(State::Delaying {
-                                sleep: tokio::time::sleep(delay),
-                                call: Some((inner, req)),
+                                sleep: Box::pin(tokio::time::sleep(delay)),
+                                call: Some(pending),
                             });
                         }
                     }
                     Verdict::Refuse(refusal) => return Poll::Ready(Ok(refusal.into_response())),
                 },
                 StateProj::Delaying { sleep, call } => {
-                    ready!(sleep.poll(cx));
-                    let (mut inner, req) = call.take().expect("polled after completion");
+                    ready!(sleep.as_mut().poll(cx));
+                    let (mut inner, req) = *call.take().expect("polled after completion");
                     this.state.set(State::Calling {
                         future: inner.call(req),
                     });

@@ -81,14 +81,14 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
-        match Shared::begin(&self.shared, &req) {
+        match Shared::begin(&self.shared, &mut req) {
             Begin::Now(Verdict::Pass {
                 delay,
                 fields,
                 decision,
             }) => {
                 if let Some(decision) = decision {
-                    req.extensions_mut().insert(decision);
+                    req.extensions_mut().insert(*decision);
                 }
                 if delay.is_zero() {
                     // Nothing to wait for: the ready service is called here, without

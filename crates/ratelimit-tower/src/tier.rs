@@ -51,6 +51,8 @@ impl<B> SelectTier<B> for OneTier {
 pub(crate) struct Tier {
     pub(crate) name: Box<str>,
     pub(crate) rules: RuleSet,
+    /// The smallest capacity of the rules: a cost up to it fits every rule.
+    pub(crate) min_capacity: u64,
     pub(crate) names: Vec<String>,
     pub(crate) policy_header: HeaderValue,
     /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
@@ -74,6 +76,12 @@ impl Tier {
             metrics: Metrics::new(&names, failure_policy),
             names,
             prefix: key_prefix(namespace, name),
+            min_capacity: rules
+                .rules()
+                .iter()
+                .map(|r| r.capacity())
+                .min()
+                .unwrap_or(0),
             rules,
             fallback_rules,
         }

@@ -89,8 +89,8 @@ impl Grouping {
         // Writing into a Key cannot fail.
         let _ = match ip.to_canonical() {
             IpAddr::V4(v4) if self.v4_prefix == 32 => {
-                // By hand into one buffer: `Display` for addresses is slow, and this runs
-                // per request.
+                // From a table into one buffer: `Display` for addresses is slow, and this
+                // runs per request.
                 let mut text = [0u8; 15];
                 let mut len = 0;
                 for (i, octet) in v4.octets().into_iter().enumerate() {
@@ -98,16 +98,9 @@ impl Grouping {
                         text[len] = b'.';
                         len += 1;
                     }
-                    if octet >= 100 {
-                        text[len] = b'0' + octet / 100;
-                        len += 1;
-                    }
-                    if octet >= 10 {
-                        text[len] = b'0' + octet / 10 % 10;
-                        len += 1;
-                    }
-                    text[len] = b'0' + octet % 10;
-                    len += 1;
+                    let (digits, n) = OCTETS[usize::from(octet)];
+                    text[len..len + 3].copy_from_slice(&digits);
+                    len += usize::from(n);
                 }
                 key.0.extend_from_slice(&text[..len]);
                 Ok(())
@@ -179,6 +172,24 @@ macro_rules! ip_key_options {
     };
 }
 pub(crate) use ip_key_options;
+
+/// The decimal text of every octet value, left-aligned in three bytes, and its length.
+static OCTETS: [([u8; 3], u8); 256] = {
+    let mut table = [([0u8; 3], 0u8); 256];
+    let mut i = 0;
+    while i < 256 {
+        let v = i as u8;
+        table[i] = if v >= 100 {
+            ([b'0' + v / 100, b'0' + v / 10 % 10, b'0' + v % 10], 3)
+        } else if v >= 10 {
+            ([b'0' + v / 10, b'0' + v % 10, 0], 2)
+        } else {
+            ([b'0' + v, 0, 0], 1)
+        };
+        i += 1;
+    }
+    table
+};
 
 /// A list of networks (trusted proxies, exempt clients), matched with IPv4-mapped IPv6
 /// addresses counted as IPv4.
