@@ -197,8 +197,7 @@ mod counters {
     fn counters_labelled_by_rule() {
         let counters = Counters::default();
         let store = Arc::new(MemoryStore::new());
-        store.block_now(b"blocked", None);
-        let (app, down) = metrics::with_local_recorder(&counters, || {
+        let (app, down, layer) = metrics::with_local_recorder(&counters, || {
             let layer = RateLimitLayer::builder(store.clone(), |req: &Request<Body>| {
                 req.headers().get("x-key").map(|v| v.as_bytes().to_vec())
             })
@@ -214,10 +213,12 @@ mod counters {
             (
                 Router::new()
                     .route("/", get(|| async { "ok" }))
-                    .layer(layer),
+                    .layer(layer.clone()),
                 Router::new().route("/", get(|| async { "ok" })).layer(down),
+                layer,
             )
         });
+        run(layer.block(b"blocked", None)).unwrap();
         let req = |key: &str| {
             Request::get("/")
                 .header("x-key", key)
