@@ -8,10 +8,11 @@
 //! curl -X DELETE -H 'authorization: Bearer s3cret' localhost:3000/admin/blocks/127.0.0.1
 //! ```
 //!
-//! A block lives in the store beside the key's limits, so it stops the key on every
-//! layer (and, with Redis, on every instance). Blocked clients get 403 here; the default
-//! is a 429 indistinguishable from a limit. Without `seconds` the block lasts until
-//! lifted. Denials are cached in process for at most a second, so an unblock takes
+//! The layer blocks a client key in its own namespace (its budgets' part of the store),
+//! so a block stops the client on this layer, on its clones, on every layer given the
+//! same namespace, and with Redis on every instance. Blocked clients get 403 here; the
+//! default is a 429 indistinguishable from a limit. Without `seconds` the block lasts
+//! until lifted. Denials are cached in process for at most a second, so an unblock takes
 //! effect within a second.
 
 use std::collections::HashMap;
@@ -22,11 +23,12 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, put};
 use axum::Router;
-use ratelimit_core::{MemoryStore, Store};
+use ratelimit_core::MemoryStore;
 use ratelimit_tower::{BlockedStatus, DenyCacheConfig, PeerIp, RateLimitLayer};
+
 #[derive(Clone)]
 struct Admin {
-    store: Arc<MemoryStore>,
+    limiter: RateLimitLayer<Arc<MemoryStore>, PeerIp>,
     token: Arc<str>,
 }
 
@@ -62,7 +64,7 @@ async fn block(
             );
         }
     };
-    match admin.store.block(key.as_bytes(), duration).await {
+    match admin.limiter.block(key.as_bytes(), duration).await {
         Ok(()) => (StatusCode::OK, format!("blocked {key} for {duration:?}\n")),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
     }
@@ -79,7 +81,7 @@ async fn unblock(
             "bad or missing admin token\n".into(),
         );
     }
-    match admin.store.unblock(key.as_bytes()).await {
+    match admin.limiter.unblock(key.as_bytes()).await {
         Ok(()) => (StatusCode::OK, format!("unblocked {key}\n")),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
     }
@@ -92,16 +94,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|_| "set ADMIN_TOKEN to the bearer token the admin endpoint accepts")?
         .into();
 
-    let store = Arc::new(MemoryStore::new());
-    let limited = RateLimitLayer::builder(store.clone(), PeerIp::new())
+    let limited = RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
         .rules("60/min sliding-window precision=6")?
+        .namespace("site")
         .blocked_status(BlockedStatus::Forbidden)
         .deny_cache(DenyCacheConfig::default().max_ttl(Duration::from_secs(1)))
         .build()?;
 
     let admin = Router::new()
         .route("/admin/blocks/{key}", put(block).delete(unblock))
-        .with_state(Admin { store, token });
+        .with_state(Admin {
+            limiter: limited.clone(),
+            token,
+        });
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))
         .layer(limited)

@@ -1,58 +1,58 @@
-//! Limits per API key, by pricing tier, with expensive routes costing more.
+//! Limits per API key, by plan: each plan (tier) has its own rules, budgets and
+//! `RateLimit-Policy`; expensive routes cost more.
 //!
 //! ```sh
 //! cargo run -p ratelimit-examples --example api_key
-//! curl -i -H 'x-api-key: free-123' localhost:3000/search     # cost 1 of 20/min
-//! curl -i -H 'x-api-key: free-123' localhost:3000/export     # cost 10 of 20/min
-//! curl -i -H 'x-api-key: pro-456'  localhost:3000/export     # cost 10 of 1000/min
+//! curl -i -H 'x-api-key: free-123' localhost:3000/search     # cost 1 of 100/h
+//! curl -i -H 'x-api-key: free-123' localhost:3000/export     # cost 10 of 100/h
+//! curl -i -H 'x-api-key: pro-456'  localhost:3000/export     # cost 10 of 10000/h
 //! curl -i localhost:3000/search                              # 401: no key
 //! ```
 //!
-//! One layer per tier; each keys only the requests of its tier (the key extractor returns
-//! `None` for the others), so a key is counted once, against its own tier's rules. A
-//! request costing more than its tier can ever grant at once would be answered 413, not
-//! 429: waiting would not help.
+//! An authentication middleware in front of the limiter looks the key up and puts the
+//! account's plan into the request; the limiter's tier selector reads it. A request
+//! costing more than its plan can ever grant at once would be answered 413, not 429:
+//! waiting would not help. The handler reads what is left of its budget from the
+//! `Decision` the limiter put into the request.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::body::Body;
 use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::Router;
-use ratelimit_core::MemoryStore;
-use ratelimit_tower::RateLimitLayer;
+use axum::{Extension, Router};
+use ratelimit_core::{Decision, MemoryStore};
+use ratelimit_tower::{HeaderKey, RateLimitLayer};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Tier {
+enum Plan {
     Free,
     Pro,
 }
 
-/// The keys this example knows; a real service would look them up in its database.
-fn accounts() -> Arc<HashMap<&'static str, Tier>> {
-    Arc::new(HashMap::from([
-        ("free-123", Tier::Free),
-        ("pro-456", Tier::Pro),
-    ]))
-}
-
-/// The API key of `req` if it belongs to `tier`.
-fn key_of(
-    accounts: Arc<HashMap<&'static str, Tier>>,
-    tier: Tier,
-) -> impl Fn(&Request<Body>) -> Option<Vec<u8>> + Clone + Send + Sync + 'static {
-    move |req| {
-        let key = req.headers().get("x-api-key")?.to_str().ok()?;
-        (accounts.get(key) == Some(&tier)).then(|| key.as_bytes().to_vec())
+impl Plan {
+    /// The tier of the rate limiter this plan is decided under.
+    fn tier(self) -> &'static str {
+        match self {
+            Plan::Free => "free",
+            Plan::Pro => "pro",
+        }
     }
 }
 
+/// The keys this example knows; a real service would look them up in its database.
+fn accounts() -> Arc<HashMap<&'static str, Plan>> {
+    Arc::new(HashMap::from([
+        ("free-123", Plan::Free),
+        ("pro-456", Plan::Pro),
+    ]))
+}
+
 /// Searches are cheap, exports cost ten.
-fn cost(req: &Request<Body>) -> u64 {
+fn cost(req: &Request) -> u64 {
     if req.uri().path().starts_with("/export") {
         10
     } else {
@@ -60,42 +60,56 @@ fn cost(req: &Request<Body>) -> u64 {
     }
 }
 
-/// Unknown keys never reach the limiters: they are not customers.
-async fn authenticate(req: Request, next: Next) -> Response {
-    let known = req
+/// Unknown keys never reach the limiter: they are not customers. Known ones carry their
+/// plan onwards.
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    let plan = req
         .headers()
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|k| accounts().contains_key(k));
-    if !known {
+        .and_then(|k| accounts().get(k).copied());
+    let Some(plan) = plan else {
         return (StatusCode::UNAUTHORIZED, "missing or unknown x-api-key\n").into_response();
-    }
+    };
+    req.extensions_mut().insert(plan);
     next.run(req).await
+}
+
+async fn search(Extension(decision): Extension<Decision>) -> String {
+    format!(
+        "results ({} left this hour)\n",
+        decision.rules()[0].remaining
+    )
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().init();
-    let accounts = accounts();
-    let store = Arc::new(MemoryStore::new());
-    let free = RateLimitLayer::builder(store.clone(), key_of(accounts.clone(), Tier::Free))
-        .rules("20/min sliding-window precision=6 name=free")?
-        .cost(cost)
-        .build()?;
-    let pro = RateLimitLayer::builder(store, key_of(accounts, Tier::Pro))
-        .rules("1000/min sliding-window precision=6 name=pro; 50/s gcra name=pro-burst")?
-        .cost(cost)
-        .build()?;
+    let limiter =
+        RateLimitLayer::builder(Arc::new(MemoryStore::new()), HeaderKey::new("x-api-key"))
+            .tier(
+                "free",
+                "100/h sliding-window precision=6 name=free".parse()?,
+            )
+            .tier(
+                "pro",
+                "10000/h sliding-window precision=6 name=pro; 50/s gcra name=pro-burst".parse()?,
+            )
+            // No plan in the request means the authentication layer did not run first: a
+            // misconfiguration, refused with 500 rather than guessed.
+            .select_tier(|req: &Request| req.extensions().get::<Plan>().map(|p| p.tier()))
+            .cost(cost)
+            .build()?;
 
     let app = Router::new()
-        .route("/search", get(|| async { "results\n" }))
+        .route("/search", get(search))
         .route("/export", get(|| async { "a large export\n" }))
-        .layer(free)
-        .layer(pro)
+        .layer(limiter)
+        // Added last, so it runs first.
         .layer(middleware::from_fn(authenticate));
 
     ratelimit_examples::serve::serve(app, |addr| {
-        println!("serving on http://{addr}; keys: free-123 (20/min), pro-456 (1000/min)");
+        println!("serving on http://{addr}; keys: free-123 (100/h), pro-456 (10000/h)");
     })
     .await
 }

@@ -50,9 +50,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new()
         .route(
             "/",
-            get(|| async { "hello from the fleet\n" }).layer(per_ip),
+            get(|| async { "hello from the fleet\n" }).route_layer(per_ip),
         )
-        .route("/login", post(|| async { "logged in\n" }).layer(login));
+        .route(
+            "/login",
+            post(|| async { "logged in\n" }).route_layer(login),
+        );
 
     ratelimit_examples::serve::serve(app, |addr| {
         println!("serving on http://{addr} with limits in {url}");

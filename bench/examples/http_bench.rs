@@ -21,6 +21,10 @@
 //! `PIN=1` runs the server and a local redis-server on CPU 0 and wrk on CPU 1 (`taskset`):
 //! steadier on an otherwise idle two-core machine, much worse when other work shares CPU 0.
 //!
+//! Two more servers measure the denial path: one client (wrk, one peer IP) flooding
+//! `RateLimitLayer` + `MemoryStore` under `1/h` and tower_governor under one request per
+//! hour, so that every request after the first is refused (429).
+//!
 //! Settings (environment): `DURATION` seconds per run (10), `ROUNDS` (3), `CONNECTIONS`
 //! (64), `WRK_THREADS` (1), `SERVER_THREADS` tokio workers (1), `REDIS_POOL` connections
 //! (the store's default), `PIN` (0).
@@ -97,6 +101,13 @@ fn main() -> Result<(), Error> {
         .rules(RULES)?
         .admitted_headers(false)
         .build()?;
+    let memory_deny =
+        RateLimitLayer::new(Arc::new(MemoryStore::new()), PeerIp::new(), "1/h".parse()?);
+    let governor_deny = GovernorConfigBuilder::default()
+        .per_second(3600)
+        .burst_size(1)
+        .finish()
+        .ok_or("tower_governor configuration")?;
     let mut redis_builder = RedisStore::builder();
     if let Some(size) = std::env::var("REDIS_POOL")
         .ok()
@@ -114,6 +125,8 @@ fn main() -> Result<(), Error> {
         .finish()
         .ok_or("tower_governor configuration")?;
 
+    // The last two refuse every request after the first: the denial path.
+    const DENYING: usize = 2;
     let servers: Vec<(&'static str, Router)> = vec![
         ("plain axum", hello()),
         ("RateLimitLayer + MemoryStore", hello().layer(memory)),
@@ -125,6 +138,14 @@ fn main() -> Result<(), Error> {
         (
             "RateLimitLayer + MemoryStore, no admitted fields",
             hello().layer(memory_quiet),
+        ),
+        (
+            "denial: RateLimitLayer + MemoryStore",
+            hello().layer(memory_deny),
+        ),
+        (
+            "denial: tower_governor",
+            hello().layer(GovernorLayer::new(Arc::new(governor_deny))),
         ),
     ];
 
@@ -229,7 +250,15 @@ fn main() -> Result<(), Error> {
         medians[1].1 / medians[3].1,
         medians[1].2 / medians[3].2,
     );
-    if samples.iter().flatten().any(|s| s.non_2xx > 0) {
+    let (layer, governor) = (medians.len() - 2, medians.len() - 1);
+    println!(
+        "Denial path, MemoryStore layer vs tower_governor: {:.2}× requests/s (median), \
+         {:.2}× server CPU per request",
+        medians[layer].0 / medians[governor].0,
+        medians[layer].2 / medians[governor].2,
+    );
+    let admitting = samples.len() - DENYING;
+    if samples[..admitting].iter().flatten().any(|s| s.non_2xx > 0) {
         return Err("some requests were refused: the limits must stay above the load".into());
     }
     Ok(())

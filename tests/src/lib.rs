@@ -33,6 +33,20 @@ impl TestServer {
         Self { addr, task }
     }
 
+    /// Serves `app` as a server set up without peer addresses would: plain
+    /// `axum::serve(listener, app)`, no `into_make_service_with_connect_info`.
+    pub async fn start_without_peer_addresses(app: Router) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a free loopback port");
+        let addr = listener.local_addr().expect("bound address");
+        let serve = axum::serve(listener, app);
+        let task = tokio::spawn(async move {
+            serve.into_future().await.expect("serve");
+        });
+        Self { addr, task }
+    }
+
     /// `http://127.0.0.1:<port><path>`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)

@@ -82,7 +82,14 @@ async fn statuses_and_fields_exactly_as_specified() {
         all(&res, "ratelimit"),
         [r#""per-ip";r=0;t=48"#, r#""site";r=89;t=3588"#]
     );
-    assert_eq!(res.text().await.unwrap(), "");
+    assert_eq!(
+        one(&res, "content-type").as_deref(),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(
+        res.text().await.unwrap(),
+        "rate limit exceeded, retry in 48 s\n"
+    );
 }
 
 #[tokio::test]
@@ -305,7 +312,7 @@ where
 }
 
 #[tokio::test]
-async fn requests_without_a_key_pass_without_fields() {
+async fn requests_without_a_key_are_refused_with_what_is_missing() {
     let (_, store) = store();
     let layer = RateLimitLayer::builder(store, |req: &http::Request<Body>| {
         req.headers().get("x-user").map(|v| v.as_bytes().to_vec())
@@ -323,8 +330,9 @@ async fn requests_without_a_key_pass_without_fields() {
     let http = client();
     for _ in 0..3 {
         let res = http.get(server.url("/")).send().await.unwrap();
-        assert_eq!(res.status(), 200);
+        assert_eq!(res.status(), 500);
         assert!(one(&res, "ratelimit").is_none());
+        assert!(res.text().await.unwrap().contains("found no key"));
     }
     let res = http
         .get(server.url("/"))

@@ -1,5 +1,8 @@
 //! Recent denials kept in process, so that a key hammering the service after its denial is
 //! answered without asking the store until its retry time has passed.
+//!
+//! Time is the store's clock ([`Store::now_us`](ratelimit_core::Store::now_us)), passed
+//! in by the caller: a store on a manual clock moves the cache with it.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -8,7 +11,6 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ratelimit_core::Decision;
-use tokio::time::Instant;
 
 /// Settings of the local deny cache; see
 /// [`RateLimitLayerBuilder::deny_cache`](crate::RateLimitLayerBuilder::deny_cache).
@@ -46,8 +48,8 @@ impl DenyCacheConfig {
 }
 
 struct Denial {
-    at: Instant,
-    until: Instant,
+    at_us: u64,
+    until_us: u64,
     cost: u64,
     decision: Decision,
 }
@@ -59,7 +61,7 @@ pub(crate) struct DenyCache {
     shard_cap: usize,
     hasher: foldhash::fast::RandomState,
     len: AtomicUsize,
-    max_ttl: Duration,
+    max_ttl_us: u64,
 }
 
 const SHARDS: usize = 16;
@@ -80,7 +82,7 @@ impl DenyCache {
             shard_cap: config.max_keys.div_ceil(SHARDS),
             hasher: foldhash::fast::RandomState::default(),
             len: AtomicUsize::new(0),
-            max_ttl: config.max_ttl,
+            max_ttl_us: micros(config.max_ttl),
         }
     }
 
@@ -91,15 +93,15 @@ impl DenyCache {
 
     /// A denial of `key` still in force for a request of `cost` (a denial at some cost
     /// says nothing about a cheaper request). Peeks (`cost == 0`) always go to the store.
-    pub(crate) fn get(&self, key: &[u8], cost: u64) -> Option<Hit> {
+    pub(crate) fn get(&self, key: &[u8], cost: u64, now_us: impl FnOnce() -> u64) -> Option<Hit> {
         // The common case, nobody denied lately, costs one atomic load.
         if cost == 0 || self.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let now = Instant::now();
+        let now = now_us();
         let mut shard = self.shard(key).lock();
         let denial = shard.get(key)?;
-        if now >= denial.until {
+        if now >= denial.until_us {
             shard.remove(key);
             self.len.fetch_sub(1, Ordering::Relaxed);
             return None;
@@ -107,7 +109,7 @@ impl DenyCache {
         if cost < denial.cost {
             return None;
         }
-        let elapsed = now - denial.at;
+        let elapsed = Duration::from_micros(now.saturating_sub(denial.at_us));
         Some(Hit {
             decision: denial.decision.clone(),
             elapsed,
@@ -120,29 +122,28 @@ impl DenyCache {
 
     /// Remembers a denial of a request of `cost` for `key` until its retry time (at most
     /// the configured maximum).
-    pub(crate) fn insert(&self, key: &[u8], cost: u64, decision: &Decision) {
+    pub(crate) fn insert(&self, key: &[u8], cost: u64, decision: &Decision, now: u64) {
         if cost == 0 {
             return;
         }
         let ttl = decision
             .retry_after()
-            .map_or(self.max_ttl, |d| d.min(self.max_ttl));
-        if ttl.is_zero() {
+            .map_or(self.max_ttl_us, |d| micros(d).min(self.max_ttl_us));
+        if ttl == 0 {
             return;
         }
-        let now = Instant::now();
         let mut shard = self.shard(key).lock();
         if shard.len() >= self.shard_cap && !shard.contains_key(key) {
             let before = shard.len();
-            shard.retain(|_, d| d.until > now);
+            shard.retain(|_, d| d.until_us > now);
             self.len.fetch_sub(before - shard.len(), Ordering::Relaxed);
             if shard.len() >= self.shard_cap {
                 return;
             }
         }
         let denial = Denial {
-            at: now,
-            until: now + ttl,
+            at_us: now,
+            until_us: now.saturating_add(ttl),
             cost,
             decision: decision.clone(),
         };
@@ -152,9 +153,13 @@ impl DenyCache {
     }
 
     #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.len.load(Ordering::Relaxed)
     }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -175,48 +180,50 @@ mod tests {
         )
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn expires_and_respects_cost() {
+    const T: u64 = 1_000_000_000;
+
+    #[test]
+    fn expires_and_respects_cost() {
         let cache = DenyCache::new(DenyCacheConfig::default());
-        cache.insert(b"k", 2, &denial(Duration::from_secs(3)));
-        assert!(cache.get(b"k", 1).is_none(), "cheaper request may pass");
-        assert!(cache.get(b"k", 0).is_none(), "peeks go to the store");
-        let hit = cache.get(b"k", 2).unwrap();
+        cache.insert(b"k", 2, &denial(Duration::from_secs(3)), T);
+        assert!(
+            cache.get(b"k", 1, || T).is_none(),
+            "cheaper request may pass"
+        );
+        assert!(cache.get(b"k", 0, || T).is_none(), "peeks go to the store");
+        let hit = cache.get(b"k", 2, || T).unwrap();
         assert_eq!(hit.retry_after, Some(Duration::from_secs(3)));
-        tokio::time::advance(Duration::from_millis(2500)).await;
-        let hit = cache.get(b"k", 5).unwrap();
+        let hit = cache.get(b"k", 5, || T + 2_500_000).unwrap();
         assert_eq!(hit.elapsed, Duration::from_millis(2500));
         assert_eq!(hit.retry_after, Some(Duration::from_millis(500)));
-        tokio::time::advance(Duration::from_millis(500)).await;
-        assert!(cache.get(b"k", 2).is_none());
+        assert!(cache.get(b"k", 2, || T + 3_000_000).is_none());
         assert_eq!(cache.len(), 0);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn bounded_and_capped_ttl() {
+    #[test]
+    fn bounded_and_capped_ttl() {
         let cache = DenyCache::new(
             DenyCacheConfig::default()
                 .max_keys(32)
                 .max_ttl(Duration::from_secs(1)),
         );
         for i in 0..1000u32 {
-            cache.insert(&i.to_be_bytes(), 1, &denial(Duration::from_secs(60)));
+            cache.insert(&i.to_be_bytes(), 1, &denial(Duration::from_secs(60)), T);
         }
         assert!(cache.len() <= 32, "{}", cache.len());
         let key = 0u32.to_be_bytes();
-        let hit = cache.get(&key, 1).unwrap();
+        let hit = cache.get(&key, 1, || T).unwrap();
         assert_eq!(
             hit.retry_after,
             Some(Duration::from_secs(60)),
             "the real retry time"
         );
-        tokio::time::advance(Duration::from_secs(1)).await;
         assert!(
-            cache.get(&key, 1).is_none(),
+            cache.get(&key, 1, || T + 1_000_000).is_none(),
             "max_ttl caps a long retry time"
         );
         // Once entries expired, a full shard takes new ones again.
-        cache.insert(b"new", 1, &denial(Duration::from_secs(60)));
-        assert!(cache.get(b"new", 1).is_some());
+        cache.insert(b"new", 1, &denial(Duration::from_secs(60)), T + 1_000_000);
+        assert!(cache.get(b"new", 1, || T + 1_000_000).is_some());
     }
 }

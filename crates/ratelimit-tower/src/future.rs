@@ -4,12 +4,14 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use crate::service::{AddHeaders, CheckFuture, Plan};
+use crate::decide::{CheckFuture, Verdict};
+use crate::headers::Fields;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): waits for the store (when
@@ -21,21 +23,22 @@ pin_project! {
     {
         #[pin]
         state: State<Svc, Svc::Future, ReqBody, ResBody>,
-        headers: Option<AddHeaders>,
+        fields: Option<Fields>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
+    // The states of a later call are boxed: they are off the in-process path, and the
+    // future is moved several times on its way into the server, at its full size.
     enum State<Svc, Fut, ReqBody, ResBody> {
         Checking {
-            check: CheckFuture<ResBody>,
-            call: Option<(Svc, Request<ReqBody>)>,
+            check: CheckFuture,
+            call: Option<Box<(Svc, Request<ReqBody>)>>,
         },
         Delaying {
-            #[pin]
-            sleep: Sleep,
-            call: Option<(Svc, Request<ReqBody>)>,
+            sleep: Pin<Box<Sleep>>,
+            call: Option<Box<(Svc, Request<ReqBody>)>>,
         },
         Calling {
             #[pin]
@@ -51,10 +54,10 @@ impl<Svc, ReqBody, ResBody> ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    pub(crate) fn called(future: Svc::Future, headers: Option<AddHeaders>) -> Self {
+    pub(crate) fn called(future: Svc::Future, fields: Option<Fields>) -> Self {
         Self {
             state: State::Calling { future },
-            headers,
+            fields,
         }
     }
 
@@ -62,14 +65,14 @@ where
         inner: Svc,
         req: Request<ReqBody>,
         delay: Duration,
-        headers: Option<AddHeaders>,
+        fields: Option<Fields>,
     ) -> Self {
         Self {
             state: State::Delaying {
-                sleep: tokio::time::sleep(delay),
-                call: Some((inner, req)),
+                sleep: Box::pin(tokio::time::sleep(delay)),
+                call: Some(Box::new((inner, req))),
             },
-            headers,
+            fields,
         }
     }
 
@@ -78,17 +81,17 @@ where
             state: State::Replied {
                 response: Some(response),
             },
-            headers: None,
+            fields: None,
         }
     }
 
-    pub(crate) fn checking(check: CheckFuture<ResBody>, inner: Svc, req: Request<ReqBody>) -> Self {
+    pub(crate) fn checking(check: CheckFuture, inner: Svc, req: Request<ReqBody>) -> Self {
         Self {
             state: State::Checking {
                 check,
-                call: Some((inner, req)),
+                call: Some(Box::new((inner, req))),
             },
-            headers: None,
+            fields: None,
         }
     }
 }
@@ -96,6 +99,7 @@ where
 impl<Svc, ReqBody, ResBody> Future for ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: From<Bytes>,
 {
     type Output = Result<Response<ResBody>, Svc::Error>;
 
@@ -104,33 +108,41 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Checking { check, call } => match ready!(check.as_mut().poll(cx)) {
-                    Plan::Forward { delay, headers } => {
-                        *this.headers = headers;
-                        let (mut inner, req) = call.take().expect("polled after completion");
+                    Verdict::Pass {
+                        delay,
+                        fields,
+                        decision,
+                    } => {
+                        *this.fields = fields;
+                        let mut pending = call.take().expect("polled after completion");
+                        if let Some(decision) = decision {
+                            pending.1.extensions_mut().insert(*decision);
+                        }
                         if delay.is_zero() {
+                            let (mut inner, req) = *pending;
                             this.state.set(State::Calling {
                                 future: inner.call(req),
                             });
                         } else {
                             this.state.set(State::Delaying {
-                                sleep: tokio::time::sleep(delay),
-                                call: Some((inner, req)),
+                                sleep: Box::pin(tokio::time::sleep(delay)),
+                                call: Some(pending),
                             });
                         }
                     }
-                    Plan::Reply(response) => return Poll::Ready(Ok(response)),
+                    Verdict::Refuse(refusal) => return Poll::Ready(Ok(refusal.into_response())),
                 },
                 StateProj::Delaying { sleep, call } => {
-                    ready!(sleep.poll(cx));
-                    let (mut inner, req) = call.take().expect("polled after completion");
+                    ready!(sleep.as_mut().poll(cx));
+                    let (mut inner, req) = *call.take().expect("polled after completion");
                     this.state.set(State::Calling {
                         future: inner.call(req),
                     });
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some(headers) = this.headers.take() {
-                        headers.apply(&mut response);
+                    if let Some(fields) = this.fields.take() {
+                        fields.apply(response.headers_mut());
                     }
                     return Poll::Ready(Ok(response));
                 }

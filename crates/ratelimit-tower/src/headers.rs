@@ -4,8 +4,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use http::header::{HeaderName, HeaderValue};
+use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use ratelimit_core::{Decision, RuleOutcome, RuleSet};
+use smallvec::SmallVec;
 
 /// `RateLimit-Policy: "name";q=<quota>;w=<window seconds>`, one item per rule.
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -13,6 +14,50 @@ pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-pol
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 /// Set in shadow mode on requests that would have been limited, blocked or delayed.
 pub static RATELIMIT_SHADOW: HeaderName = HeaderName::from_static("ratelimit-shadow");
+
+/// Fields added to an admitted request's response.
+#[derive(Debug, Default)]
+pub(crate) struct Fields {
+    pub(crate) policy: Option<HeaderValue>,
+    pub(crate) ratelimit: Option<HeaderValue>,
+    /// A `RATELIMIT_SHADOW` label; a static string keeps the fields (moved with every
+    /// admitted request) small.
+    pub(crate) shadow: Option<&'static str>,
+}
+
+impl Fields {
+    pub(crate) fn apply(self, headers: &mut HeaderMap) {
+        // Appended, not inserted: a stacked layer further in adds its own policies.
+        if let Some(v) = self.policy {
+            headers.append(&RATELIMIT_POLICY, v);
+        }
+        if let Some(v) = self.ratelimit {
+            headers.append(&RATELIMIT, v);
+        }
+        if let Some(v) = self.shadow {
+            headers.append(&RATELIMIT_SHADOW, HeaderValue::from_static(v));
+        }
+    }
+}
+
+/// The fields of a refusal: `Retry-After` replaces any the hook set, the rate-limit
+/// fields are appended.
+pub(crate) fn write_refusal(
+    headers: &mut HeaderMap,
+    retry_after: Option<Duration>,
+    policy: Option<HeaderValue>,
+    ratelimit: Option<HeaderValue>,
+) {
+    if let Some(retry) = retry_after {
+        headers.insert(RETRY_AFTER, retry_after_value(retry));
+    }
+    if let Some(v) = policy {
+        headers.append(&RATELIMIT_POLICY, v);
+    }
+    if let Some(v) = ratelimit {
+        headers.append(&RATELIMIT, v);
+    }
+}
 
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
@@ -87,9 +132,10 @@ pub(crate) fn ratelimit_value_of(
     if outcomes.is_empty() {
         return None;
     }
-    // Written by hand rather than with `format!`: this runs on every admitted request.
-    let size: usize = names.iter().map(|n| n.len() + 40).sum();
-    let mut out: Vec<u8> = Vec::with_capacity(size);
+    // Written by hand into a stack buffer rather than with `format!`: this runs on every
+    // admitted request, and copying the result into an exact-size value costs one
+    // allocation where a growable buffer would cost two.
+    let mut out: SmallVec<[u8; 256]> = SmallVec::new();
     let mut digits = itoa::Buffer::new();
     for (o, name) in outcomes.iter().zip(names) {
         if !out.is_empty() {
@@ -103,7 +149,7 @@ pub(crate) fn ratelimit_value_of(
         let t = ceil_secs(o.reset_after.saturating_sub(elapsed));
         out.extend_from_slice(digits.format(t).as_bytes());
     }
-    Some(HeaderValue::try_from(out).expect("names and digits are valid header text"))
+    Some(HeaderValue::from_bytes(&out).expect("names and digits are valid header text"))
 }
 
 #[cfg(test)]

@@ -1,27 +1,27 @@
 use std::fmt;
+use std::num::NonZeroU32;
+use std::panic::Location;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderValue;
 use ratelimit_core::{ConfigError, MemoryStore, Rule, RuleSet, Store};
 use tower_layer::Layer;
 
 use crate::cost::UnitCost;
 use crate::deny_cache::{DenyCache, DenyCacheConfig};
-use crate::headers::{policy_names, policy_value};
-use crate::metrics::Metrics;
-use crate::policy::FailurePolicy;
-use crate::rejection::{BlockedStatus, DefaultRejection};
+use crate::policy::{BoundedLog, FailurePolicy, FallbackRules, MissingKey};
+use crate::rejection::{BlockedStatus, OnRejection, PlainText};
 use crate::service::RateLimit;
+use crate::tier::{FallbackStore, OneTier, StoreClock, Tier};
 
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate).
 ///
-/// Cheap to clone: clones share the store, the rules and the deny cache.
-pub struct RateLimitLayer<S, K, C = UnitCost, R = DefaultRejection> {
-    pub(crate) shared: Arc<Shared<S, K, C, R>>,
+/// Cheap to clone: clones share the store, the rules, the budgets and the deny cache.
+pub struct RateLimitLayer<S, K, C = UnitCost, T = OneTier> {
+    pub(crate) shared: Arc<Shared<S, K, C, T>>,
 }
 
-impl<S, K, C, R> Clone for RateLimitLayer<S, K, C, R> {
+impl<S, K, C, T> Clone for RateLimitLayer<S, K, C, T> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -29,10 +29,19 @@ impl<S, K, C, R> Clone for RateLimitLayer<S, K, C, R> {
     }
 }
 
-impl<S, K, C, R> fmt::Debug for RateLimitLayer<S, K, C, R> {
+impl<S, K, C, T> fmt::Debug for RateLimitLayer<S, K, C, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("rules", &self.shared.rules.id())
+            .field("namespace", &self.shared.namespace)
+            .field(
+                "tiers",
+                &self
+                    .shared
+                    .tiers
+                    .iter()
+                    .map(|t| (&*t.name, t.rules.id()))
+                    .collect::<Vec<_>>(),
+            )
             .field("failure_policy", &self.shared.failure_policy)
             .field("shadow", &self.shared.shadow)
             .finish_non_exhaustive()
@@ -40,17 +49,50 @@ impl<S, K, C, R> fmt::Debug for RateLimitLayer<S, K, C, R> {
 }
 
 impl<S: Store, K> RateLimitLayer<S, K> {
+    /// A layer deciding every request with `store`, keyed by `key` (a
+    /// [`KeyExtractor`](crate::key::KeyExtractor)), against `rules`, with every default:
+    /// fail open, a 429 with a plain-text body, admitted fields on, the deny cache on,
+    /// requests without a key refused with 500, and a budget of its own (see
+    /// [namespaces](crate#budgets-and-namespaces)).
+    ///
+    /// ```
+    /// use ratelimit_core::MemoryStore;
+    /// use ratelimit_tower::{PeerIp, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryStore::new(), PeerIp::new(), "10/min".parse()?);
+    /// # let _ = layer;
+    /// # Ok::<(), ratelimit_core::ConfigError>(())
+    /// ```
+    #[track_caller]
+    pub fn new(store: S, key: K, rules: RuleSet) -> Self {
+        let location = Location::caller();
+        let mut builder = Self::builder(store, key).rule_set(&rules);
+        builder.location = location;
+        builder
+            .build()
+            .expect("a valid rule set and the defaults always build")
+    }
+
     /// Starts a layer deciding with `store`, keying requests with `key` (a
-    /// [`KeyExtractor`](crate::KeyExtractor)). Add at least one rule, then
+    /// [`KeyExtractor`](crate::key::KeyExtractor)). Add at least one rule, then
     /// [`build`](RateLimitLayerBuilder::build).
+    #[track_caller]
     pub fn builder(store: S, key: K) -> RateLimitLayerBuilder<S, K> {
         RateLimitLayerBuilder {
             store,
             key,
             cost: UnitCost,
-            on_rejection: DefaultRejection,
+            select: OneTier,
+            selector_set: false,
             rules: Vec::new(),
+            tiers: Vec::new(),
+            default_tier: None,
+            namespace: None,
+            location: Location::caller(),
+            on_rejection: Arc::new(PlainText),
             failure_policy: FailurePolicy::default(),
+            fallback: FallbackRules::Same,
+            missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
             admitted_headers: true,
             shadow: false,
@@ -61,20 +103,77 @@ impl<S: Store, K> RateLimitLayer<S, K> {
     }
 }
 
-impl<S, K, C, R> RateLimitLayer<S, K, C, R> {
-    /// The store the layer decides with (to block or unblock keys, for instance).
+impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
+    /// The store the layer decides with.
     pub fn store(&self) -> &S {
         &self.shared.store
     }
 
-    /// The rules every request is checked against.
+    /// The rules of the default tier (of the first tier when there is no default).
     pub fn rules(&self) -> &RuleSet {
-        &self.shared.rules
+        &self.shared.tiers[self.shared.default_tier.unwrap_or(0)].rules
+    }
+
+    /// The rules of the tier `name` (`""` is the tier of
+    /// [`rules`](RateLimitLayerBuilder::rules)).
+    pub fn tier_rules(&self, name: &str) -> Option<&RuleSet> {
+        self.shared
+            .tiers
+            .iter()
+            .find(|t| &*t.name == name)
+            .map(|t| &t.rules)
+    }
+
+    /// The namespace that sets this layer's budgets apart (see
+    /// [namespaces](crate#budgets-and-namespaces)).
+    pub fn namespace(&self) -> &str {
+        &self.shared.namespace
+    }
+
+    /// The key `client` is held under in the store for the tier `tier` (`""` for the
+    /// tier of [`rules`](RateLimitLayerBuilder::rules)), to find it with `redis-cli`, say.
+    pub fn store_key(&self, tier: &str, client: &[u8]) -> Option<Vec<u8>> {
+        let tier = self.shared.tiers.iter().find(|t| &*t.name == tier)?;
+        Some(tier.store_key(client).to_vec())
+    }
+
+    /// Blocks the client key `client` (as the key extractor gives it, e.g.
+    /// `b"203.0.113.9"`) in every tier of this layer, for `duration` or until
+    /// [`unblock`](Self::unblock). Layers with other namespaces are not affected.
+    pub async fn block(&self, client: &[u8], duration: Option<Duration>) -> Result<(), S::Error> {
+        for tier in self.shared.tiers.iter() {
+            self.shared
+                .store
+                .block(&tier.store_key(client), duration)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Lifts a block of `client` in every tier of this layer. Requests denied in the
+    /// last moments may still be answered from the deny cache until their entry expires
+    /// (at most [`DenyCacheConfig::max_ttl`]).
+    pub async fn unblock(&self, client: &[u8]) -> Result<(), S::Error> {
+        for tier in self.shared.tiers.iter() {
+            self.shared.store.unblock(&tier.store_key(client)).await?;
+        }
+        Ok(())
+    }
+
+    /// Forgets what `client` consumed in every tier of this layer.
+    pub async fn reset(&self, client: &[u8]) -> Result<(), S::Error> {
+        for tier in self.shared.tiers.iter() {
+            self.shared
+                .store
+                .reset(&tier.store_key(client), &tier.rules)
+                .await?;
+        }
+        Ok(())
     }
 }
 
-impl<Svc, S, K, C, R> Layer<Svc> for RateLimitLayer<S, K, C, R> {
-    type Service = RateLimit<Svc, S, K, C, R>;
+impl<Svc, S, K, C, T> Layer<Svc> for RateLimitLayer<S, K, C, T> {
+    type Service = RateLimit<Svc, S, K, C, T>;
 
     fn layer(&self, inner: Svc) -> Self::Service {
         RateLimit::from_shared(inner, Arc::clone(&self.shared))
@@ -83,6 +182,49 @@ impl<Svc, S, K, C, R> Layer<Svc> for RateLimitLayer<S, K, C, R> {
 
 /// The longest a shaping rule may delay a request unless configured otherwise.
 pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(10);
+
+/// A layer that cannot be built, with what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The rules are not valid (none at all, too many, a bad rule).
+    #[error(transparent)]
+    Rules(#[from] ConfigError),
+    /// A namespace that is empty or longer than 255 bytes.
+    #[error("namespace {0:?} must be 1 to 255 bytes long")]
+    BadNamespace(String),
+    /// A tier name that is empty, longer than 64 bytes, or not `[A-Za-z0-9_.-]`.
+    #[error("tier name {0:?} must be 1 to 64 characters of A-Z, a-z, 0-9, `_`, `-`, `.`")]
+    BadTierName(String),
+    /// The same tier name twice.
+    #[error("tier {0:?} is configured twice")]
+    DuplicateTier(String),
+    /// Tiers without a selector, or a selector without tiers.
+    #[error(
+        "tiers and `select_tier` go together: add tiers with `.tier(name, rules)` and choose \
+         one per request with `.select_tier(|req| ...)`"
+    )]
+    TiersWithoutSelector,
+    /// A default tier that is not configured.
+    #[error("default tier {0:?} is not one of the configured tiers")]
+    UnknownDefaultTier(String),
+    /// A fleet share that leaves a rule nothing.
+    #[error(
+        "rule `{rule}` cannot be shared by {instances} instances: its {field} of {value} \
+         divided by {instances} is 0; give the fallback rules of its own with \
+         `fallback_rules`, or share among fewer instances"
+    )]
+    ShareTooSmall {
+        /// The rule.
+        rule: String,
+        /// `limit`, `capacity` or `burst`.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// The number of instances.
+        instances: u64,
+    },
+}
 
 /// Configures a [`RateLimitLayer`]; made by [`RateLimitLayer::builder`].
 ///
@@ -94,6 +236,7 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(10);
 /// let layer = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new())
 ///     .rules("1/s; 5/min")?
 ///     .rule(Rule::sliding_window(100, Duration::from_secs(3600), 6)?.named("hourly")?)
+///     .namespace("api")
 ///     .failure_policy(FailurePolicy::Fallback)
 ///     .build()?;
 /// assert_eq!(layer.rules().len(), 3);
@@ -101,16 +244,24 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(10);
 /// // Nothing to enforce is a configuration error, not a layer that admits everything.
 /// let err = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new()).build().unwrap_err();
 /// assert!(err.to_string().contains("at least one rule"));
-/// # Ok::<(), ratelimit_core::ConfigError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[must_use = "a builder does nothing until `build` is called"]
-pub struct RateLimitLayerBuilder<S, K, C = UnitCost, R = DefaultRejection> {
+pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     store: S,
     key: K,
     cost: C,
-    on_rejection: R,
+    select: T,
+    selector_set: bool,
     rules: Vec<Rule>,
+    tiers: Vec<(String, RuleSet)>,
+    default_tier: Option<String>,
+    namespace: Option<String>,
+    location: &'static Location<'static>,
+    on_rejection: Arc<dyn OnRejection>,
     failure_policy: FailurePolicy,
+    fallback: FallbackRules,
+    missing_key: MissingKey,
     blocked_status: BlockedStatus,
     admitted_headers: bool,
     shadow: bool,
@@ -119,16 +270,47 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, R = DefaultRejection> {
     store_timeout: Option<Duration>,
 }
 
-impl<S, K, C, R> fmt::Debug for RateLimitLayerBuilder<S, K, C, R> {
+impl<S, K, C, T> fmt::Debug for RateLimitLayerBuilder<S, K, C, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
             .field("rules", &self.rules)
+            .field("tiers", &self.tiers)
+            .field("namespace", &self.namespace)
             .field("failure_policy", &self.failure_policy)
             .finish_non_exhaustive()
     }
 }
 
-impl<S: Store, K, C, R> RateLimitLayerBuilder<S, K, C, R> {
+impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
+    fn retype<C2, T2>(
+        self,
+        f: impl FnOnce(C, T) -> (C2, T2),
+    ) -> RateLimitLayerBuilder<S, K, C2, T2> {
+        let (cost, select) = f(self.cost, self.select);
+        RateLimitLayerBuilder {
+            store: self.store,
+            key: self.key,
+            cost,
+            select,
+            selector_set: self.selector_set,
+            rules: self.rules,
+            tiers: self.tiers,
+            default_tier: self.default_tier,
+            namespace: self.namespace,
+            location: self.location,
+            on_rejection: self.on_rejection,
+            failure_policy: self.failure_policy,
+            fallback: self.fallback,
+            missing_key: self.missing_key,
+            blocked_status: self.blocked_status,
+            admitted_headers: self.admitted_headers,
+            shadow: self.shadow,
+            max_delay: self.max_delay,
+            deny_cache: self.deny_cache,
+            store_timeout: self.store_timeout,
+        }
+    }
+
     /// Adds a rule. All rules of a layer are decided together on the request's key: it
     /// is admitted only if every rule admits it.
     pub fn rule(mut self, rule: Rule) -> Self {
@@ -150,48 +332,84 @@ impl<S: Store, K, C, R> RateLimitLayerBuilder<S, K, C, R> {
         self
     }
 
-    /// Charges each request `cost` units (a [`RequestCost`](crate::RequestCost), e.g. a
-    /// closure over the request) instead of 1.
-    pub fn cost<C2>(self, cost: C2) -> RateLimitLayerBuilder<S, K, C2, R> {
-        RateLimitLayerBuilder {
-            store: self.store,
-            key: self.key,
-            cost,
-            on_rejection: self.on_rejection,
-            rules: self.rules,
-            failure_policy: self.failure_policy,
-            blocked_status: self.blocked_status,
-            admitted_headers: self.admitted_headers,
-            shadow: self.shadow,
-            max_delay: self.max_delay,
-            deny_cache: self.deny_cache,
-            store_timeout: self.store_timeout,
-        }
+    /// Names the budgets of this layer. Layers with the same namespace (on the same store)
+    /// share budgets, within a process and across a fleet; a layer without one gets a
+    /// namespace of its own derived from where it is built in the source (see
+    /// [namespaces](crate#budgets-and-namespaces)). At most 255 bytes.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
     }
 
-    /// Builds refusal responses with `hook` (an [`OnRejection`](crate::OnRejection))
-    /// instead of an empty body. The layer still sets the status and the rate-limit
-    /// fields.
-    pub fn on_rejection<R2>(self, hook: R2) -> RateLimitLayerBuilder<S, K, C, R2> {
-        RateLimitLayerBuilder {
-            store: self.store,
-            key: self.key,
-            cost: self.cost,
-            on_rejection: hook,
-            rules: self.rules,
-            failure_policy: self.failure_policy,
-            blocked_status: self.blocked_status,
-            admitted_headers: self.admitted_headers,
-            shadow: self.shadow,
-            max_delay: self.max_delay,
-            deny_cache: self.deny_cache,
-            store_timeout: self.store_timeout,
-        }
+    /// Adds a tier (a plan): requests the [tier selector](Self::select_tier) puts in
+    /// tier `name` are decided against `rules`, with budgets and a `RateLimit-Policy` of
+    /// their own. The rules of [`rules`](Self::rules), if any, form the tier `""`.
+    pub fn tier(mut self, name: &str, rules: RuleSet) -> Self {
+        self.tiers.push((name.to_owned(), rules));
+        self
+    }
+
+    /// The tier for requests the selector puts in no tier (`""`, the tier of
+    /// [`rules`](Self::rules), by default, when there are such rules). Without a default
+    /// tier such requests are a misconfiguration, refused with 500.
+    pub fn default_tier(mut self, name: &str) -> Self {
+        self.default_tier = Some(name.to_owned());
+        self
+    }
+
+    /// Chooses the tier of each request with `select` (a [`SelectTier`], e.g. a closure
+    /// `|req| req.extensions().get::<Plan>().map(|p| p.name())`). A name that is not a
+    /// configured tier is a misconfiguration: the request is refused with 500 and the
+    /// layer logs an error at a bounded rate.
+    ///
+    /// [`SelectTier`]: crate::SelectTier
+    pub fn select_tier<T2>(mut self, select: T2) -> RateLimitLayerBuilder<S, K, C, T2> {
+        self.selector_set = true;
+        self.retype(|cost, _| (cost, select))
+    }
+
+    /// Charges each request `cost` units (a [`RequestCost`](crate::RequestCost), e.g. a
+    /// closure over the request) instead of 1.
+    pub fn cost<C2>(self, cost: C2) -> RateLimitLayerBuilder<S, K, C2, T> {
+        self.retype(|_, select| (cost, select))
+    }
+
+    /// Builds refusal bodies with `hook` (an [`OnRejection`]; [`PlainText`] by default,
+    /// [`ProblemJson`](crate::ProblemJson) for RFC 9457). The layer still sets the status
+    /// and the rate-limit fields.
+    pub fn on_rejection(mut self, hook: impl OnRejection) -> Self {
+        self.on_rejection = Arc::new(hook);
+        self
     }
 
     /// What to do when the store fails ([`FailurePolicy::FailOpen`] by default).
     pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
         self.failure_policy = policy;
+        self
+    }
+
+    /// Falls back to a local store (as [`FailurePolicy::Fallback`], which this sets)
+    /// holding each rule's limit and burst divided by `instances`, rounded down: a fleet
+    /// of that many instances then admits at most the limit while the store is down
+    /// (a rule that would be left nothing fails [`build`](Self::build)).
+    pub fn fallback_share(mut self, instances: NonZeroU32) -> Self {
+        self.failure_policy = FailurePolicy::Fallback;
+        self.fallback = FallbackRules::Share(instances);
+        self
+    }
+
+    /// Falls back to a local store (as [`FailurePolicy::Fallback`], which this sets)
+    /// deciding with `rules`, for every tier.
+    pub fn fallback_rules(mut self, rules: RuleSet) -> Self {
+        self.failure_policy = FailurePolicy::Fallback;
+        self.fallback = FallbackRules::Rules(rules);
+        self
+    }
+
+    /// What to do with a request in which no key is found ([`MissingKey::Refuse`] by
+    /// default).
+    pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
+        self.missing_key = policy;
         self
     }
 
@@ -210,9 +428,9 @@ impl<S: Store, K, C, R> RateLimitLayerBuilder<S, K, C, R> {
 
     /// Shadow mode: decide, count and report, but never refuse or delay. A request that
     /// would have been refused or delayed passes with a `RateLimit-Shadow` field
-    /// (`limited`, `blocked`, `delayed`, `cost-exceeded`, `store-unavailable`) and an
-    /// `INFO` event; no other rate-limit field is sent. For trying new limits on real
-    /// traffic before enforcing them.
+    /// (`limited`, `blocked`, `delayed`, `cost-exceeded`, `store-unavailable`,
+    /// `missing-key`, `unknown-tier`) and an `INFO` event; no other rate-limit field is
+    /// sent. For trying new limits on real traffic before enforcing them.
     pub fn shadow(mut self, enabled: bool) -> Self {
         self.shadow = enabled;
         self
@@ -228,7 +446,8 @@ impl<S: Store, K, C, R> RateLimitLayerBuilder<S, K, C, R> {
 
     /// Configures the local deny cache (on by default, see [`DenyCacheConfig`]): a key
     /// denied with retry time T is answered in process, without a store call, until T
-    /// has passed. A request of lower cost than the denied one still asks the store.
+    /// has passed on the store's clock. A request of lower cost than the denied one
+    /// still asks the store.
     pub fn deny_cache(mut self, config: DenyCacheConfig) -> Self {
         self.deny_cache = Some(config);
         self
@@ -247,21 +466,85 @@ impl<S: Store, K, C, R> RateLimitLayerBuilder<S, K, C, R> {
         self
     }
 
-    /// The layer; fails when there is no rule or more than the core accepts in one set.
-    pub fn build(self) -> Result<RateLimitLayer<S, K, C, R>, ConfigError> {
-        let rules = RuleSet::new(self.rules)?;
-        let names = policy_names(&rules);
+    /// The layer; fails when there is no rule, more than the core accepts in one set,
+    /// or the namespace, tiers or fallback share cannot work.
+    pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
+        let namespace = match self.namespace {
+            Some(ns) if ns.is_empty() || ns.len() > 255 => {
+                return Err(BuildError::BadNamespace(ns))
+            }
+            Some(ns) => ns,
+            None => implicit_namespace(self.location),
+        };
+        let mut tiers: Vec<(String, RuleSet)> = Vec::new();
+        if !self.rules.is_empty() || self.tiers.is_empty() {
+            tiers.push((String::new(), RuleSet::new(self.rules)?));
+        }
+        for (name, rules) in self.tiers {
+            let ok = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+            if !ok {
+                return Err(BuildError::BadTierName(name));
+            }
+            if tiers.iter().any(|(n, _)| *n == name) {
+                return Err(BuildError::DuplicateTier(name));
+            }
+            tiers.push((name, rules));
+        }
+        let tiered = tiers.iter().any(|(n, _)| !n.is_empty());
+        if tiered != self.selector_set {
+            return Err(BuildError::TiersWithoutSelector);
+        }
+        let default_tier = match self.default_tier {
+            Some(name) => Some(
+                tiers
+                    .iter()
+                    .position(|(n, _)| *n == name)
+                    .ok_or(BuildError::UnknownDefaultTier(name))?,
+            ),
+            None => tiers.iter().position(|(n, _)| n.is_empty()),
+        };
+        let fallback = self.failure_policy == FailurePolicy::Fallback;
+        let tiers = tiers
+            .into_iter()
+            .map(|(name, rules)| {
+                let fallback_rules = if fallback {
+                    Some(self.fallback.for_tier(&rules)?)
+                } else {
+                    None
+                };
+                Ok(Tier::new(
+                    &namespace,
+                    &name,
+                    rules,
+                    self.failure_policy,
+                    fallback_rules,
+                ))
+            })
+            .collect::<Result<Vec<_>, BuildError>>()?;
+        let store = Arc::new(self.store);
         let shared = Shared {
-            policy_header: policy_value(&rules, &names),
-            metrics: Metrics::new(&names, self.failure_policy),
-            names,
-            fallback: (self.failure_policy == FailurePolicy::Fallback).then(MemoryStore::new),
-            store: self.store,
+            fallback: fallback.then(|| {
+                let clock_of = Arc::clone(&store);
+                MemoryStore::builder()
+                    .clock(StoreClock(Arc::new(move || clock_of.now_us())))
+                    .build()
+            }),
+            store,
             key: self.key,
             cost: self.cost,
+            select: self.select,
+            tiers: tiers.into(),
+            default_tier,
+            namespace: namespace.into(),
             on_rejection: self.on_rejection,
-            rules,
             failure_policy: self.failure_policy,
+            missing_key: self.missing_key,
+            missing_log: BoundedLog::default(),
+            tier_log: BoundedLog::default(),
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
             shadow: self.shadow,
@@ -275,22 +558,96 @@ impl<S: Store, K, C, R> RateLimitLayerBuilder<S, K, C, R> {
     }
 }
 
+/// `@` and 16 hex digits of the FNV-1a hash of `file:line:column`: the same in every
+/// process running the same build, different for layers built in different places.
+fn implicit_namespace(location: &Location<'_>) -> String {
+    let site = format!(
+        "{}:{}:{}",
+        location.file(),
+        location.line(),
+        location.column()
+    );
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in site.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("@{hash:016x}")
+}
+
 /// Everything a layer's services share.
-pub(crate) struct Shared<S, K, C, R> {
-    pub(crate) store: S,
+pub(crate) struct Shared<S, K, C, T> {
+    pub(crate) store: Arc<S>,
     pub(crate) key: K,
     pub(crate) cost: C,
-    pub(crate) on_rejection: R,
-    pub(crate) rules: RuleSet,
-    pub(crate) names: Vec<String>,
-    pub(crate) policy_header: HeaderValue,
+    pub(crate) select: T,
+    pub(crate) tiers: Box<[Tier]>,
+    pub(crate) default_tier: Option<usize>,
+    pub(crate) namespace: Box<str>,
+    pub(crate) on_rejection: Arc<dyn OnRejection>,
     pub(crate) failure_policy: FailurePolicy,
-    pub(crate) fallback: Option<MemoryStore>,
+    pub(crate) fallback: Option<FallbackStore>,
+    pub(crate) missing_key: MissingKey,
+    pub(crate) missing_log: BoundedLog,
+    pub(crate) tier_log: BoundedLog,
     pub(crate) blocked_status: BlockedStatus,
     pub(crate) admitted_headers: bool,
     pub(crate) shadow: bool,
     pub(crate) max_delay: Duration,
     pub(crate) deny_cache: Option<DenyCache>,
     pub(crate) store_timeout: Option<Duration>,
-    pub(crate) metrics: Metrics,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::GlobalKey;
+
+    #[test]
+    fn implicit_namespaces_differ_by_call_site_and_are_stable() {
+        let a = RateLimitLayer::new(MemoryStore::new(), GlobalKey, "2/min".parse().unwrap());
+        let b = RateLimitLayer::new(MemoryStore::new(), GlobalKey, "2/min".parse().unwrap());
+        assert_ne!(a.namespace(), b.namespace());
+        assert_eq!(a.namespace().len(), 17);
+        assert_eq!(a.clone().namespace(), a.namespace());
+        let site = Location::caller();
+        assert_eq!(implicit_namespace(site), implicit_namespace(site));
+    }
+
+    #[test]
+    fn bad_configuration_says_what_to_change() {
+        let tiers = || {
+            RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
+                .tier("free", "100/h".parse().unwrap())
+        };
+        let err = tiers().build().unwrap_err();
+        assert!(err.to_string().contains("select_tier"), "{err}");
+        let select = |_: &http::Request<()>| Some("free");
+        let err = tiers()
+            .tier("free", "5/h".parse().unwrap())
+            .select_tier(select)
+            .build()
+            .unwrap_err();
+        assert_eq!(err, BuildError::DuplicateTier("free".into()));
+        let err = tiers()
+            .default_tier("gold")
+            .select_tier(select)
+            .build()
+            .unwrap_err();
+        assert_eq!(err, BuildError::UnknownDefaultTier("gold".into()));
+        let err = RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
+            .rules("1/s")
+            .unwrap()
+            .namespace("")
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, BuildError::BadNamespace(_)));
+        let err = RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
+            .rules("1/s")
+            .unwrap()
+            .fallback_share(NonZeroU32::new(2).unwrap())
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("fallback_rules"), "{err}");
+    }
 }

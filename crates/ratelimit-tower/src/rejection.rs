@@ -1,10 +1,16 @@
 //! What a refused request gets: the reason, the status, and the hook that builds the
-//! response body.
+//! response body ([`PlainText`] by default, [`ProblemJson`] for RFC 9457).
 
+use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Response, StatusCode};
 use ratelimit_core::Decision;
+
+use crate::headers::{ceil_secs, write_refusal};
 
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +32,12 @@ pub enum RejectReason {
     DelayTooLong,
     /// The store failed and the failure policy is fail closed (503).
     StoreUnavailable,
+    /// No key was found in the request and the [`MissingKey`](crate::MissingKey) policy
+    /// refuses (500): the layer or the server is misconfigured.
+    MissingKey,
+    /// The tier selector chose a tier the layer does not have, or none without a default
+    /// tier (500): the layer is misconfigured.
+    UnknownTier,
 }
 
 /// The status for blocked keys.
@@ -55,9 +67,21 @@ pub struct Rejection {
     pub(crate) status: StatusCode,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) decision: Option<Decision>,
+    pub(crate) detail: Option<Cow<'static, str>>,
 }
 
 impl Rejection {
+    #[cfg(test)]
+    pub(crate) fn new(reason: RejectReason, status: StatusCode) -> Self {
+        Self {
+            reason,
+            status,
+            retry_after: None,
+            decision: None,
+            detail: None,
+        }
+    }
+
     /// Why.
     pub fn reason(&self) -> RejectReason {
         self.reason
@@ -69,7 +93,8 @@ impl Rejection {
     }
 
     /// When the same request would be admitted; `None` when it never will be without a
-    /// change (an endless block, a cost above capacity, a store outage).
+    /// change (an endless block, a cost above capacity, a store outage, a
+    /// misconfiguration).
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
     }
@@ -78,16 +103,43 @@ impl Rejection {
     pub fn decision(&self) -> Option<&Decision> {
         self.decision.as_ref()
     }
+
+    /// A one-line explanation for people: "rate limit exceeded, retry in 3 s", or for a
+    /// misconfiguration what is missing.
+    pub fn message(&self) -> String {
+        let retry = self.retry_after.map(|d| ceil_secs(d).max(1));
+        match (self.reason, retry) {
+            (RejectReason::Limited | RejectReason::DelayTooLong, Some(s)) => {
+                format!("rate limit exceeded, retry in {s} s")
+            }
+            (RejectReason::Limited | RejectReason::DelayTooLong, None) => {
+                "rate limit exceeded".into()
+            }
+            (RejectReason::Blocked, Some(s)) => format!("access blocked, retry in {s} s"),
+            (RejectReason::Blocked, None) => "access blocked".into(),
+            (RejectReason::CostExceedsCapacity { cost, capacity }, _) => format!(
+                "request cost {cost} exceeds the rate limit's capacity of {capacity}; \
+                 it can never be admitted"
+            ),
+            (RejectReason::StoreUnavailable, _) => "rate limiter unavailable, retry later".into(),
+            (RejectReason::MissingKey | RejectReason::UnknownTier, _) => format!(
+                "rate limiting is misconfigured: {}",
+                self.detail.as_deref().unwrap_or("no key")
+            ),
+        }
+    }
 }
 
 /// Builds the response for a refused request. The layer then sets its status and adds
 /// `Retry-After`, `RateLimit-Policy` and `RateLimit`, so the hook only chooses the body
 /// and any headers of its own.
 ///
-/// Implemented for closures `Fn(&Rejection) -> Response<B>`.
+/// Implemented for closures `Fn(&Rejection) -> Response<T>` where the body `T` converts
+/// into [`Bytes`] (`String`, `&'static str`, `Vec<u8>`), and by [`PlainText`] (the
+/// default) and [`ProblemJson`]. The hook is held boxed, so it is not part of the
+/// layer's type.
 ///
 /// ```
-/// use axum::body::Body;
 /// use http::Response;
 /// use ratelimit_tower::{OnRejection, Rejection};
 ///
@@ -95,32 +147,130 @@ impl Rejection {
 ///     let secs = r.retry_after().map_or(0, |d| d.as_secs());
 ///     Response::builder()
 ///         .header("content-type", "application/json")
-///         .body(Body::from(format!(r#"{{"error":"slow down","retry_after":{secs}}}"#)))
+///         .body(format!(r#"{{"error":"slow down","retry_after":{secs}}}"#))
 ///         .unwrap()
 /// };
-/// # fn takes<H: OnRejection<Body>>(_: H) {}
+/// # fn takes<H: OnRejection>(_: H) {}
 /// # takes(json);
 /// ```
-pub trait OnRejection<B>: Send + Sync + 'static {
+pub trait OnRejection: Send + Sync + 'static {
     /// The response for `rejection`.
-    fn rejection(&self, rejection: &Rejection) -> Response<B>;
+    fn rejection(&self, rejection: &Rejection) -> Response<Bytes>;
 }
 
-impl<B, F> OnRejection<B> for F
+impl<F, T> OnRejection for F
 where
-    F: Fn(&Rejection) -> Response<B> + Send + Sync + 'static,
+    F: Fn(&Rejection) -> Response<T> + Send + Sync + 'static,
+    T: Into<Bytes>,
 {
-    fn rejection(&self, rejection: &Rejection) -> Response<B> {
-        self(rejection)
+    fn rejection(&self, rejection: &Rejection) -> Response<Bytes> {
+        self(rejection).map(Into::into)
     }
 }
 
-/// An empty body.
+/// A short `text/plain` body: `rate limit exceeded, retry in 3 s` (the default).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct DefaultRejection;
+pub struct PlainText;
 
-impl<B: Default> OnRejection<B> for DefaultRejection {
-    fn rejection(&self, _: &Rejection) -> Response<B> {
-        Response::new(B::default())
+impl OnRejection for PlainText {
+    fn rejection(&self, rejection: &Rejection) -> Response<Bytes> {
+        let mut body = rejection.message();
+        body.push('\n');
+        let mut response = Response::new(Bytes::from(body));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        response
+    }
+}
+
+/// An RFC 9457 `application/problem+json` body:
+/// `{"type":"about:blank","title":"Too Many Requests","status":429,"detail":"rate limit
+/// exceeded, retry in 3 s","retry_after":3}` (`retry_after` only when known).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProblemJson;
+
+impl OnRejection for ProblemJson {
+    fn rejection(&self, rejection: &Rejection) -> Response<Bytes> {
+        let status = rejection.status;
+        let mut body = format!(
+            r#"{{"type":"about:blank","title":"{}","status":{},"detail":""#,
+            status.canonical_reason().unwrap_or("Error"),
+            status.as_u16()
+        );
+        json_escape_into(&rejection.message(), &mut body);
+        body.push('"');
+        if let Some(retry) = rejection.retry_after {
+            body.push_str(&format!(r#","retry_after":{}"#, ceil_secs(retry).max(1)));
+        }
+        body.push('}');
+        let mut response = Response::new(Bytes::from(body));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        response
+    }
+}
+
+fn json_escape_into(text: &str, out: &mut String) {
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+}
+
+/// A refusal as decided, turned into a response only where the response body type is
+/// known.
+pub(crate) struct Refusal {
+    pub(crate) rejection: Rejection,
+    pub(crate) policy: Option<HeaderValue>,
+    pub(crate) ratelimit: Option<HeaderValue>,
+    pub(crate) hook: Arc<dyn OnRejection>,
+}
+
+impl Refusal {
+    pub(crate) fn into_response<B: From<Bytes>>(self) -> Response<B> {
+        let mut response = self.hook.rejection(&self.rejection).map(B::from);
+        *response.status_mut() = self.rejection.status;
+        write_refusal(
+            response.headers_mut(),
+            self.rejection.retry_after,
+            self.policy,
+            self.ratelimit,
+        );
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_text_and_problem_json() {
+        let mut r = Rejection::new(RejectReason::Limited, StatusCode::TOO_MANY_REQUESTS);
+        r.retry_after = Some(Duration::from_millis(2500));
+        let plain = PlainText.rejection(&r);
+        assert_eq!(plain.headers()[CONTENT_TYPE], "text/plain; charset=utf-8");
+        assert_eq!(plain.body(), "rate limit exceeded, retry in 3 s\n");
+        let json = ProblemJson.rejection(&r);
+        assert_eq!(json.headers()[CONTENT_TYPE], "application/problem+json");
+        assert_eq!(
+            json.body(),
+            r#"{"type":"about:blank","title":"Too Many Requests","status":429,"detail":"rate limit exceeded, retry in 3 s","retry_after":3}"#
+        );
+        let mut m = Rejection::new(RejectReason::MissingKey, StatusCode::INTERNAL_SERVER_ERROR);
+        m.detail = Some("no \"peer\" address".into());
+        let json = ProblemJson.rejection(&m);
+        assert_eq!(
+            json.body(),
+            r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"rate limiting is misconfigured: no \"peer\" address"}"#
+        );
     }
 }

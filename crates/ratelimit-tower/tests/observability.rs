@@ -103,6 +103,52 @@ fn each_failure_policy_is_visible_in_tracing() {
     }
 }
 
+#[test]
+fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
+    use ratelimit_core::{ManualClock, MemoryStore};
+    use ratelimit_tower::HeaderKey;
+
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::ERROR)
+        .finish();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    tracing::subscriber::with_default(subscriber, || {
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(RateLimitLayer::new(
+                store,
+                HeaderKey::new("x-api-key"),
+                "5/min".parse().unwrap(),
+            ));
+        let send = |n: usize| {
+            for _ in 0..n {
+                let req = Request::get("/").body(Body::empty()).unwrap();
+                let res = run(app.clone().oneshot(req)).unwrap();
+                assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            }
+        };
+        send(50);
+        clock.advance(Duration::from_secs(9));
+        send(50);
+        clock.advance(Duration::from_secs(1));
+        send(1);
+    });
+    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    assert!(
+        lines[0].contains("ERROR") && lines[0].contains("requests=1"),
+        "{log}"
+    );
+    assert!(lines[0].contains("x-api-key"), "{log}");
+    assert!(lines[1].contains("requests=100"), "{log}");
+}
+
 #[cfg(feature = "metrics")]
 mod counters {
     use super::*;
@@ -151,8 +197,7 @@ mod counters {
     fn counters_labelled_by_rule() {
         let counters = Counters::default();
         let store = Arc::new(MemoryStore::new());
-        store.block_now(b"blocked", None);
-        let (app, down) = metrics::with_local_recorder(&counters, || {
+        let (app, down, layer) = metrics::with_local_recorder(&counters, || {
             let layer = RateLimitLayer::builder(store.clone(), |req: &Request<Body>| {
                 req.headers().get("x-key").map(|v| v.as_bytes().to_vec())
             })
@@ -168,10 +213,12 @@ mod counters {
             (
                 Router::new()
                     .route("/", get(|| async { "ok" }))
-                    .layer(layer),
+                    .layer(layer.clone()),
                 Router::new().route("/", get(|| async { "ok" })).layer(down),
+                layer,
             )
         });
+        run(layer.block(b"blocked", None)).unwrap();
         let req = |key: &str| {
             Request::get("/")
                 .header("x-key", key)

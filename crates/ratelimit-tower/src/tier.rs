@@ -1,0 +1,139 @@
+//! Rules chosen per request: tiers (plans) and the selector that picks one.
+
+use http::{HeaderValue, Request};
+use ratelimit_core::{MemoryStore, RuleSet};
+
+use crate::headers::{policy_names, policy_value};
+use crate::metrics::Metrics;
+use crate::policy::FailurePolicy;
+
+/// Picks the tier (plan) a request is decided under, by name; `None` is the layer's
+/// default tier. Set with
+/// [`select_tier`](crate::RateLimitLayerBuilder::select_tier).
+///
+/// Implemented for closures `Fn(&Request<B>) -> Option<T>` where `T: AsRef<str>`
+/// (`&'static str`, `String`).
+pub trait SelectTier<B>: Send + Sync + 'static {
+    /// A tier name.
+    type Name: AsRef<str>;
+
+    /// The tier of `req`, or `None` for the default tier.
+    fn select(&self, req: &Request<B>) -> Option<Self::Name>;
+}
+
+impl<B, F, T> SelectTier<B> for F
+where
+    F: Fn(&Request<B>) -> Option<T> + Send + Sync + 'static,
+    T: AsRef<str>,
+{
+    type Name = T;
+
+    fn select(&self, req: &Request<B>) -> Option<T> {
+        self(req)
+    }
+}
+
+/// Every request is decided under the layer's one tier (the default selector).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OneTier;
+
+impl<B> SelectTier<B> for OneTier {
+    type Name = &'static str;
+
+    #[inline]
+    fn select(&self, _: &Request<B>) -> Option<&'static str> {
+        None
+    }
+}
+
+/// A tier as built: its rules, the fields that describe them, and the bytes that put its
+/// budgets apart from every other tier's and layer's in the store.
+pub(crate) struct Tier {
+    pub(crate) name: Box<str>,
+    pub(crate) rules: RuleSet,
+    /// The smallest capacity of the rules: a cost up to it fits every rule.
+    pub(crate) min_capacity: u64,
+    pub(crate) names: Vec<String>,
+    pub(crate) policy_header: HeaderValue,
+    /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
+    pub(crate) prefix: Box<[u8]>,
+    pub(crate) fallback_rules: Option<RuleSet>,
+    pub(crate) metrics: Metrics,
+}
+
+impl Tier {
+    pub(crate) fn new(
+        namespace: &str,
+        name: &str,
+        rules: RuleSet,
+        failure_policy: FailurePolicy,
+        fallback_rules: Option<RuleSet>,
+    ) -> Self {
+        let names = policy_names(&rules);
+        Self {
+            name: name.into(),
+            policy_header: policy_value(&rules, &names),
+            metrics: Metrics::new(&names, failure_policy),
+            names,
+            prefix: key_prefix(namespace, name),
+            min_capacity: rules
+                .rules()
+                .iter()
+                .map(|r| r.capacity())
+                .min()
+                .unwrap_or(0),
+            rules,
+            fallback_rules,
+        }
+    }
+
+    /// The store key for `client`: the prefix, then the client key's bytes as they are.
+    #[inline]
+    pub(crate) fn store_key(&self, client: &[u8]) -> StoreKey {
+        let mut key = StoreKey::with_capacity(self.prefix.len() + client.len());
+        key.extend_from_slice(&self.prefix);
+        key.extend_from_slice(client);
+        key
+    }
+}
+
+/// A store key, inline up to the length of any IP key under a namespace of 32 bytes.
+pub(crate) type StoreKey = smallvec::SmallVec<[u8; 96]>;
+
+/// Length-prefixed, so that no two (namespace, tier, client key) triples give the same
+/// bytes: the namespace and tier names are at most 255 bytes (checked when the layer is
+/// built).
+fn key_prefix(namespace: &str, tier: &str) -> Box<[u8]> {
+    let mut prefix = Vec::with_capacity(2 + namespace.len() + tier.len());
+    prefix.push(u8::try_from(namespace.len()).expect("checked at build"));
+    prefix.extend_from_slice(namespace.as_bytes());
+    prefix.push(u8::try_from(tier.len()).expect("checked at build"));
+    prefix.extend_from_slice(tier.as_bytes());
+    prefix.into()
+}
+
+/// A local store for the fallback policy, on the main store's clock.
+pub(crate) type FallbackStore = MemoryStore<StoreClock>;
+
+/// The clock of a store, for what runs beside it.
+pub(crate) struct StoreClock(pub(crate) std::sync::Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl ratelimit_core::Clock for StoreClock {
+    fn now_us(&self) -> u64 {
+        (self.0)()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_keep_namespaces_tiers_and_keys_apart() {
+        // Without lengths, ("ab", "", "c") and ("a", "b", "c") would both read "abc".
+        let a = key_prefix("ab", "");
+        let b = key_prefix("a", "b");
+        assert_ne!([&a[..], b"c"].concat(), [&b[..], b"c"].concat());
+        assert_eq!(&*key_prefix("ns", "pro"), b"\x02ns\x03pro");
+    }
+}
