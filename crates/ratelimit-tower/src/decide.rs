@@ -97,6 +97,7 @@ where
         if let Some(cache) = &this.deny_cache {
             if let Some(hit) = cache.get(&key, cost, || this.store.now_us()) {
                 tracing::trace!(key = %KeyDisplay(&key), "rate limit: denied from the local deny cache");
+                #[cfg(feature = "metrics")]
                 tier.metrics.decision(&hit.decision);
                 let ratelimit = ratelimit_value_of(hit.decision.rules(), &tier.names, hit.elapsed);
                 let verdict = this.denial(tier, &key, hit.decision, hit.retry_after, ratelimit);
@@ -238,6 +239,7 @@ where
         decision: Decision,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
+        #[cfg(feature = "metrics")]
         tier.metrics.decision(&decision);
         match decision.outcome() {
             Outcome::Allowed => {
@@ -354,6 +356,7 @@ where
         error: &str,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
+        #[cfg(feature = "metrics")]
         tier.metrics.store_error();
         let policy = self.failure_policy.label();
         match self.failure_policy {

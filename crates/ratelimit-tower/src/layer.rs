@@ -1,3 +1,4 @@
+use std::borrow::Borrow;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::panic::Location;
@@ -66,7 +67,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
     #[track_caller]
     pub fn new(store: S, key: K, rules: RuleSet) -> Self {
         let location = Location::caller();
-        let mut builder = Self::builder(store, key).rule_set(&rules);
+        let mut builder = Self::builder(store, key).rule_set(rules);
         builder.location = location;
         builder
             .build()
@@ -320,15 +321,14 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
 
     /// Adds the rules of `text`, e.g. `"1/s; 5/min"` (see [`RuleSet`]'s syntax); fails
     /// with the parser's explanation.
-    pub fn rules(mut self, text: &str) -> Result<Self, ConfigError> {
+    pub fn rules(self, text: &str) -> Result<Self, ConfigError> {
         let set: RuleSet = text.parse()?;
-        self.rules.extend(set.rules().iter().cloned());
-        Ok(self)
+        Ok(self.rule_set(set))
     }
 
-    /// Adds the rules of `set`.
-    pub fn rule_set(mut self, set: &RuleSet) -> Self {
-        self.rules.extend(set.rules().iter().cloned());
+    /// Adds the rules of `set` (a `RuleSet` or a `&RuleSet`).
+    pub fn rule_set(mut self, set: impl Borrow<RuleSet>) -> Self {
+        self.rules.extend(set.borrow().rules().iter().cloned());
         self
     }
 

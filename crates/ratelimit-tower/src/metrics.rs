@@ -67,21 +67,7 @@ mod enabled {
     }
 }
 
+// Without the feature there is no `Metrics` at all: the field that holds it and the calls
+// that count are compiled out with it.
 #[cfg(feature = "metrics")]
 pub(crate) use enabled::Metrics;
-
-#[cfg(not(feature = "metrics"))]
-pub(crate) struct Metrics;
-
-#[cfg(not(feature = "metrics"))]
-impl Metrics {
-    pub(crate) fn new(_: &[String], _: crate::policy::FailurePolicy) -> Self {
-        Metrics
-    }
-
-    #[inline]
-    pub(crate) fn decision(&self, _: &ratelimit_core::Decision) {}
-
-    #[inline]
-    pub(crate) fn store_error(&self) {}
-}

@@ -4,6 +4,7 @@ use http::{HeaderValue, Request};
 use ratelimit_core::{MemoryStore, RuleSet};
 
 use crate::headers::{policy_names, policy_value};
+#[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
 use crate::policy::FailurePolicy;
 
@@ -58,6 +59,7 @@ pub(crate) struct Tier {
     /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
     pub(crate) prefix: Box<[u8]>,
     pub(crate) fallback_rules: Option<RuleSet>,
+    #[cfg(feature = "metrics")]
     pub(crate) metrics: Metrics,
 }
 
@@ -69,10 +71,14 @@ impl Tier {
         failure_policy: FailurePolicy,
         fallback_rules: Option<RuleSet>,
     ) -> Self {
+        // The failure policy only labels the store-error counter.
+        #[cfg(not(feature = "metrics"))]
+        let _ = failure_policy;
         let names = policy_names(&rules);
         Self {
             name: name.into(),
             policy_header: policy_value(&rules, &names),
+            #[cfg(feature = "metrics")]
             metrics: Metrics::new(&names, failure_policy),
             names,
             prefix: key_prefix(namespace, name),
