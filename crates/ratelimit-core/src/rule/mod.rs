@@ -99,71 +99,93 @@ fn period_us(period: Duration) -> Result<u64, ConfigError> {
     if period.subsec_nanos() % 1_000 != 0 {
         return Err(ConfigError::SubMicrosecondPeriod(period));
     }
-    u64::try_from(period.as_micros()).map_err(|_| ConfigError::OutOfExactRange {
-        capacity: 1,
-        period_us: u64::MAX,
-        max: MAX_EXACT_PRODUCT,
-    })
+    let us = u64::try_from(period.as_micros()).unwrap_or(u64::MAX);
+    at_most("period", us, MAX_EXACT_PRODUCT)?;
+    Ok(us)
+}
+
+/// Refuses `value` above `max`, naming the field.
+fn at_most(field: &'static str, value: u64, max: u64) -> Result<(), ConfigError> {
+    if value > max {
+        return Err(ConfigError::TooLarge { field, value, max });
+    }
+    Ok(())
 }
 
 impl Rule {
+    /// Every field is checked on its own before any arithmetic on it, so no value (up to
+    /// `u64::MAX`) can overflow here or in a decision: each bound keeps every
+    /// intermediate of the algorithms below 2^53.
     fn build(algorithm: Algorithm, limit: u64, period: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {
             return Err(ConfigError::ZeroLimit);
         }
+        at_most("limit", limit, MAX_EXACT_PRODUCT)?;
         let period_us = period_us(period)?;
-        let rule = Rule {
-            algorithm,
-            limit,
-            period_us,
-            name: None,
+        // The count that multiplies a (sub-)period in the arithmetic, its field, and that
+        // span; fixed windows and logs only compare counts.
+        let (field, count, span_us) = match algorithm {
+            Algorithm::FixedWindow => ("limit", limit, 1),
+            Algorithm::SlidingLog => {
+                if limit > MAX_LOG_LIMIT {
+                    return Err(ConfigError::LogTooLong {
+                        limit,
+                        max: MAX_LOG_LIMIT,
+                    });
+                }
+                ("limit", limit, 1)
+            }
+            Algorithm::SlidingWindow { precision } => {
+                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 {
+                    return Err(ConfigError::BadPrecision {
+                        precision,
+                        period_us,
+                        max: MAX_PRECISION,
+                    });
+                }
+                ("limit", limit, period_us / precision)
+            }
+            Algorithm::TokenBucket { capacity }
+            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
+                if capacity == 0 {
+                    return Err(ConfigError::ZeroBurst { field: "capacity" });
+                }
+                at_most("capacity", capacity, MAX_EXACT_PRODUCT)?;
+                ("capacity", capacity, period_us)
+            }
+            Algorithm::Gcra { burst } => {
+                if burst == 0 {
+                    return Err(ConfigError::ZeroBurst { field: "burst" });
+                }
+                at_most("burst", burst, MAX_EXACT_PRODUCT)?;
+                ("burst", burst, period_us)
+            }
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+                // The queue plus the request being served.
+                at_most("burst", burst, MAX_EXACT_PRODUCT - 1)?;
+                if delay > burst {
+                    return Err(ConfigError::DelayExceedsBurst { delay, burst });
+                }
+                ("burst", burst + 1, period_us)
+            }
         };
-        match algorithm {
-            Algorithm::SlidingWindow { precision }
-                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 =>
-            {
-                return Err(ConfigError::BadPrecision {
-                    precision,
-                    period_us,
-                    max: MAX_PRECISION,
-                });
-            }
-            Algorithm::SlidingLog if limit > MAX_LOG_LIMIT => {
-                return Err(ConfigError::LogTooLong {
-                    limit,
-                    max: MAX_LOG_LIMIT,
-                })
-            }
-            Algorithm::TokenBucket { capacity: 0 }
-            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity: 0 }) => {
-                return Err(ConfigError::ZeroBurst { field: "capacity" })
-            }
-            Algorithm::Gcra { burst: 0 } => return Err(ConfigError::ZeroBurst { field: "burst" }),
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) if delay > burst => {
-                return Err(ConfigError::DelayExceedsBurst { delay, burst })
-            }
-            _ => {}
-        }
-        // Fixed windows and logs only compare counts; the others multiply a count by a
-        // (sub-)period, which must stay exact in Lua's doubles.
-        let (capacity, span_us) = match algorithm {
-            Algorithm::FixedWindow | Algorithm::SlidingLog => (limit, 1),
-            Algorithm::SlidingWindow { precision } => (limit, period_us / precision),
-            _ => (rule.capacity().max(1), period_us),
-        };
-        if limit > MAX_EXACT_PRODUCT
-            || period_us > MAX_EXACT_PRODUCT
-            || capacity
-                .checked_mul(span_us)
-                .is_none_or(|p| p > MAX_EXACT_PRODUCT)
+        if count
+            .checked_mul(span_us)
+            .is_none_or(|p| p > MAX_EXACT_PRODUCT)
         {
             return Err(ConfigError::OutOfExactRange {
-                capacity,
+                field,
+                capacity: count,
                 period_us,
                 max: MAX_EXACT_PRODUCT,
             });
         }
-        Ok(rule)
+        Ok(Rule {
+            algorithm,
+            limit,
+            period_us,
+            name: None,
+        })
     }
 
     /// A fixed window: at most `limit` units per window of `period`, windows aligned to
@@ -267,7 +289,8 @@ impl Rule {
             }
             Algorithm::TokenBucket { capacity }
             | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst + 1,
+            // Validation keeps `burst` below `MAX_EXACT_PRODUCT`.
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst.saturating_add(1),
             Algorithm::Gcra { burst } => burst,
         }
     }
@@ -352,7 +375,8 @@ impl RuleSet {
         })
     }
 
-    /// Parses `"1/s; 20/min; 200/h; 800/day"`: rules separated by `;`.
+    /// Parses `"1/s; 20/min; 200/h; 800/day"` or `"10/minute, 100/day"`: rules separated by `;`,
+    /// `,` or `|`.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
         text.parse()
     }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use super::{Algorithm, LeakyMode, Rule, RuleSet};
+use super::{Algorithm, LeakyMode, Rule, RuleSet, MAX_EXACT_PRODUCT};
 use crate::error::ConfigError;
 
 fn fmt_period(us: u64) -> String {
@@ -49,11 +49,6 @@ impl fmt::Display for Rule {
     }
 }
 
-const RULE_SYNTAX: &str = "expected `<limit>/<period> [algorithm] [option=value ...]`, \
-e.g. `10/second`, `100 per minute`, `5/2 seconds`, `20/min sliding-window precision=4`, \
-`100/s gcra burst=6`, `2/s leaky-bucket mode=shaper burst=10 delay=2`; algorithms: \
-fixed-window, sliding-window, sliding-log, token-bucket, leaky-bucket, gcra (the default)";
-
 fn unit_us(unit: &str) -> Option<u64> {
     Some(match unit.to_ascii_lowercase().as_str() {
         "us" | "µs" | "micro" | "micros" | "microsecond" | "microseconds" => 1,
@@ -62,6 +57,7 @@ fn unit_us(unit: &str) -> Option<u64> {
         "m" | "min" | "mins" | "minute" | "minutes" => 60_000_000,
         "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000_000,
         "d" | "day" | "days" => 86_400_000_000,
+        "w" | "wk" | "wks" | "week" | "weeks" => 604_800_000_000,
         _ => return None,
     })
 }
@@ -73,7 +69,7 @@ fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
         .next()
         .ok_or("empty rule")?
         .parse()
-        .map_err(|_| "the limit must be a whole number")?;
+        .map_err(|_| "`limit` must be a whole number")?;
     match tokens.next() {
         Some("/") => {}
         Some(t) if t.eq_ignore_ascii_case("per") => {}
@@ -93,16 +89,28 @@ fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
     let count: u64 = if count.is_empty() {
         1
     } else {
-        count.parse().map_err(|_| "bad period count")?
+        count
+            .parse()
+            .map_err(|_| "the `period` count must be a whole number")?
     };
     let unit = unit_us(unit).ok_or_else(|| format!("unknown time unit {unit:?}"))?;
-    let period_us = count.checked_mul(unit).ok_or("period too long")?;
+    let period_us =
+        count
+            .checked_mul(unit)
+            .ok_or(ParseFailure::Invalid(ConfigError::TooLarge {
+                field: "period",
+                value: u64::MAX,
+                max: MAX_EXACT_PRODUCT,
+            }))?;
     let period = Duration::from_micros(period_us);
 
     let mut algorithm: Option<&str> = None;
     let mut options: Vec<(&str, &str)> = Vec::new();
     for token in tokens {
         if let Some((k, v)) = token.split_once('=') {
+            if options.iter().any(|(seen, _)| seen.eq_ignore_ascii_case(k)) {
+                return Err(format!("`{k}` given twice").into());
+            }
             options.push((k, v));
         } else if algorithm.is_none() {
             algorithm = Some(token);
@@ -185,23 +193,46 @@ impl FromStr for Rule {
             ParseFailure::Invalid(e) => e,
             ParseFailure::Syntax(reason) => ConfigError::Parse {
                 input: s.to_owned(),
-                reason: format!("{reason}; {RULE_SYNTAX}"),
+                reason,
             },
         })
     }
 }
 
+/// Rules are separated by `;`, `,` or `|`, as in `limits` and Flask-Limiter
+/// (`"10/minute, 100/day"`). Every rule is parsed; when several are malformed, one error
+/// lists each with its reason.
 impl FromStr for RuleSet {
     type Err = ConfigError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let rules = s
-            .split(';')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .map(str::parse)
-            .collect::<Result<Vec<Rule>, _>>()?;
-        RuleSet::new(rules)
+        let mut rules = Vec::new();
+        let mut malformed = Vec::new();
+        for text in s.split([';', ',', '|']).map(str::trim) {
+            if text.is_empty() {
+                continue;
+            }
+            match parse_rule(text) {
+                Ok(rule) => rules.push(rule),
+                Err(ParseFailure::Invalid(e)) => return Err(e),
+                Err(ParseFailure::Syntax(reason)) => malformed.push((text, reason)),
+            }
+        }
+        match malformed.as_slice() {
+            [] => RuleSet::new(rules),
+            [(text, reason)] => Err(ConfigError::Parse {
+                input: (*text).to_owned(),
+                reason: reason.clone(),
+            }),
+            all => Err(ConfigError::Parse {
+                input: s.to_owned(),
+                reason: all
+                    .iter()
+                    .map(|(text, reason)| format!("{text:?}: {reason}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            }),
+        }
     }
 }
 
