@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use proptest::test_runner::FileFailurePersistence;
 use ratelimit_core::algo::{decide, RuleState};
+use ratelimit_core::testing::proptest_config;
 use ratelimit_core::{ConfigError, Rule, RuleSet, MAX_EXACT_PRODUCT};
 
 const EXTREMES: [u64; 9] = [
@@ -115,13 +115,7 @@ fn decides_correctly(rule: &Rule) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 2_000,
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
-            "proptest-regressions/overflow.txt",
-        ))),
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(proptest_config(2_000, "proptest-regressions/overflow.txt"))]
 
     #[test]
     fn extreme_fields_are_refused_by_name_or_decide_correctly(
