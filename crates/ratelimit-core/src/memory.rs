@@ -100,6 +100,7 @@ impl Meta {
     /// Denying, or no unit left.
     const AT_LIMIT: u8 = 3;
 
+    #[inline]
     fn new(expires_at: u64, tier: u8, digest: bool) -> Self {
         Meta(
             expires_at.min(Self::EXPIRY)
@@ -108,23 +109,28 @@ impl Meta {
         )
     }
 
+    #[inline]
     fn expires_at(self) -> u64 {
         self.0 & Self::EXPIRY
     }
 
+    #[inline]
     fn is_digest(self) -> bool {
         self.0 & Self::DIGEST != 0
     }
 
     /// Eviction order: lower ranks go first.
+    #[inline]
     fn rank(self) -> u64 {
         self.0 & !Self::DIGEST
     }
 
+    #[inline]
     fn with(self, expires_at: u64, tier: u8) -> Self {
         Self::new(expires_at, tier, self.is_digest())
     }
 
+    #[inline]
     fn with_tier(self, tier: u8) -> Self {
         Self::new(self.expires_at(), tier, self.is_digest())
     }
@@ -134,6 +140,7 @@ impl Meta {
 /// of 0 (at most one unit or an eighth of the capacity in use), 1 (at most half), 2 (more
 /// than half) or [`Meta::AT_LIMIT`] (nothing left). Multiplications only: it runs on every
 /// admitted check.
+#[inline]
 fn tier(rules: &RuleSet, decision: &Decision) -> u8 {
     let mut tier = 0;
     for (rule, outcome) in rules.rules().iter().zip(decision.rules()) {
@@ -300,7 +307,9 @@ impl<C: Clock> MemoryStore<C> {
 
     #[inline]
     fn locate(&self, key: StoredKey<'_>) -> (u64, &Mutex<Shard>) {
-        let hash = self.hasher.hash_one(key);
+        // The held bytes alone: a digest and a short key with the same bytes may share a
+        // hash, never an entry (the key's kind is compared too).
+        let hash = self.hasher.hash_one(key.as_bytes());
         // The table hashes with the low bits, the shard is picked with the high ones.
         let shard = (hash >> 32) as usize & (self.shards.len() - 1);
         (hash, &self.shards[shard].0)
@@ -356,7 +365,7 @@ impl<C: Clock> MemoryStore<C> {
                     meta: Meta::new(t.expires_at_us, tier(rules, &t.decision), held.is_digest()),
                     states,
                 }),
-                |e| hasher.hash_one(e.held()) ^ e.fingerprint,
+                |e| hasher.hash_one(&*e.key) ^ e.fingerprint,
             );
         }
         Ok(t.decision)
@@ -399,14 +408,6 @@ impl<C: Clock> MemoryStore<C> {
 }
 
 impl Entry {
-    /// The key as held, with its kind.
-    fn held(&self) -> StoredKey<'_> {
-        match <[u8; DIGEST_LEN]>::try_from(&*self.key) {
-            Ok(digest) if self.meta.is_digest() => StoredKey::Digest(digest),
-            _ => StoredKey::Inline(&self.key),
-        }
-    }
-
     /// Whether this is the entry of `key` under the rule set of fingerprint `fp`: the
     /// key's kind is compared too, so a short key equal to some digest is another key.
     #[inline]

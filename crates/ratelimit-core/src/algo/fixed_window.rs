@@ -8,11 +8,11 @@ use crate::rule::Rule;
 
 /// Admits `cost` units when the current window's count plus `cost` stays within the
 /// limit; a denied request waits for the next window.
-#[inline]
+#[inline(always)]
 pub(super) fn evaluate(rule: &Rule, state: &RuleState, now: u64, cost: u64) -> Eval {
     let limit = rule.limit();
     let period = rule.period_us();
-    let index = now / period;
+    let index = rule.span_div().div(now);
     let count = match *state {
         RuleState::Window { index: i, count } if i == index => count,
         _ => 0,

@@ -10,7 +10,7 @@ use super::{Eval, Next, RuleState};
 use crate::rule::Rule;
 
 /// Admits up to `burst` units at once from idle.
-#[inline]
+#[inline(always)]
 pub(super) fn evaluate(rule: &Rule, burst: u64, state: &RuleState, now: u64, cost: u64) -> Eval {
     arrival(rule, burst, state, now, cost).0
 }
@@ -18,7 +18,7 @@ pub(super) fn evaluate(rule: &Rule, burst: u64, state: &RuleState, now: u64, cos
 /// The GCRA step for a bucket of `capacity` emission intervals: the verdict and, beside
 /// it, how far the new TAT lies ahead of `now` in 1/limit µs (the leaky shaper's delay
 /// is measured from it).
-#[inline]
+#[inline(always)]
 pub(super) fn arrival(
     rule: &Rule,
     capacity: u64,
@@ -34,15 +34,15 @@ pub(super) fn arrival(
         _ => (now, 0),
     };
     let total = base_frac + cost * period;
-    let next_us = base_us + total / limit;
-    let next_frac = total % limit;
+    let (whole, next_frac) = rule.limit_div().div_rem(total);
+    let next_us = base_us + whole;
     let ahead_before = (base_us - now) * limit + base_frac;
     let ahead = (next_us - now) * limit + next_frac;
     let max = capacity * period;
     let allowed = ahead <= max;
     let eval = Eval {
         allowed,
-        remaining_before: max.saturating_sub(ahead_before) / period,
+        remaining_before: rule.span_div().div(max.saturating_sub(ahead_before)),
         retry_us: if allowed {
             0
         } else {

@@ -10,7 +10,7 @@ use super::{gcra, Eval, RuleState};
 use crate::rule::{LeakyMode, Rule};
 
 /// The meter's verdict, or the shaper's with the delay an admitted request waits.
-#[inline]
+#[inline(always)]
 pub(super) fn evaluate(
     rule: &Rule,
     mode: LeakyMode,
@@ -36,7 +36,7 @@ pub(super) fn evaluate(
 fn shaper_delay(rule: &Rule, delay: u64, ahead: u64) -> u64 {
     let free = (delay + 1) * rule.period_us();
     if ahead > free {
-        (ahead - free).div_ceil(rule.limit())
+        rule.limit_div().div_ceil(ahead - free)
     } else {
         0
     }

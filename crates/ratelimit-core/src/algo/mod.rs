@@ -110,12 +110,21 @@ fn us(d: u64) -> Duration {
 /// verdict is the one a request of cost 1 would get, and `remaining` counts what is left.
 ///
 /// The caller must have checked `cost` with [`RuleSet::check_cost`].
+#[inline(always)]
 pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {
     debug_assert_eq!(states.len(), rules.len());
-    let c = cost.max(1);
+    // Inlined into the caller (a store's check), the one-rule case builds its decision in
+    // place instead of copying it out.
     if let ([rule], [state]) = (rules.rules(), &mut *states) {
         return decide_one(rule, state, rules.log_limit(), now, cost);
     }
+    decide_many(rules, states, now, cost)
+}
+
+/// [`decide`] for several rules, all or nothing.
+#[inline(never)]
+fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {
+    let c = cost.max(1);
     // Plain loops and pushes: iterator adaptors collecting into SmallVec cost more than
     // the arithmetic of a decision.
     let mut evals: SmallVec<[Eval; 4]> = SmallVec::new();
@@ -179,7 +188,9 @@ pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) ->
     }
 }
 
-/// [`decide`] for the most common case, one rule: no per-rule buffers.
+/// [`decide`] for the most common case, one rule: no per-rule buffers, and the decision
+/// built directly from the one verdict.
+#[inline(always)]
 fn decide_one(
     rule: &Rule,
     state: &mut RuleState,
@@ -187,18 +198,12 @@ fn decide_one(
     now: u64,
     cost: u64,
 ) -> Transition {
-    let e = evaluate(
-        rule,
-        state,
-        shared_log(std::slice::from_ref(state)),
-        now,
-        cost.max(1),
-    );
+    let e = evaluate(rule, state, own_log(state), now, cost.max(1));
     let committed = cost > 0 && e.allowed;
     if committed {
         commit(rule, state, &e.next, log_limit, now, cost);
     }
-    let expires = expires_at(rule, state, shared_log(std::slice::from_ref(state)));
+    let expires = expires_at(rule, state, own_log(state));
     let outcome = RuleOutcome {
         allowed: e.allowed,
         limit: rule.limit(),
@@ -210,12 +215,17 @@ fn decide_one(
         reset_after: us(expires.saturating_sub(now)),
         retry_after: (!e.allowed).then(|| us(e.retry_us)),
     };
-    let mut outcomes = SmallVec::new();
-    outcomes.push(outcome);
     Transition {
-        decision: Decision::from_outcomes(outcomes, us(e.delay_us)),
+        decision: Decision::single(outcome, us(e.delay_us)),
         committed,
         expires_at_us: if committed { expires } else { 0 },
+    }
+}
+
+fn own_log(state: &RuleState) -> Option<&VecDeque<u64>> {
+    match state {
+        RuleState::Log(log) => Some(log),
+        _ => None,
     }
 }
 
@@ -227,7 +237,7 @@ fn shared_log(states: &[RuleState]) -> Option<&VecDeque<u64>> {
 }
 
 /// One rule's verdict on the states as they stand.
-#[inline]
+#[inline(always)]
 fn evaluate(
     rule: &Rule,
     state: &RuleState,
@@ -250,7 +260,7 @@ fn evaluate(
 }
 
 /// Writes the state a rule decided on, once the whole check commits.
-#[inline]
+#[inline(always)]
 fn commit(rule: &Rule, state: &mut RuleState, next: &Next, log_limit: u64, now: u64, cost: u64) {
     match *next {
         Next::Window { index, count } => fixed_window::commit(state, index, count),
@@ -267,7 +277,7 @@ fn commit(rule: &Rule, state: &mut RuleState, next: &Next, log_limit: u64, now: 
 }
 
 /// The moment from which the rule's state is equivalent to `Fresh`.
-#[inline]
+#[inline(always)]
 fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>) -> u64 {
     match rule.algorithm() {
         Algorithm::FixedWindow => fixed_window::expires_at(rule, state),

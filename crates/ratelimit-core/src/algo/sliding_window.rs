@@ -41,7 +41,7 @@ fn window_sums(state: &RuleState, precision: u64, w: u64) -> (u64, u64) {
 }
 
 /// Admits when the weighted count plus `cost` stays within the limit.
-#[inline]
+#[inline(always)]
 pub(super) fn evaluate(
     rule: &Rule,
     precision: u64,
@@ -50,13 +50,16 @@ pub(super) fn evaluate(
     cost: u64,
 ) -> Eval {
     let limit = rule.limit();
-    let sub = rule.period_us() / precision;
-    let cur = now / sub;
-    let elapsed = now - cur * sub;
+    // The sub-window, period / precision.
+    let sub = rule.span_div().get();
+    let (cur, elapsed) = rule.span_div().div_rem(now);
     let (old, recent) = window_sums(state, precision, cur);
     let weighted = old * (sub - elapsed);
     let allowed = weighted + sub * (recent + cost) <= limit * sub;
-    let remaining_before = ((limit * sub).saturating_sub(weighted) / sub).saturating_sub(recent);
+    let remaining_before = rule
+        .span_div()
+        .div((limit * sub).saturating_sub(weighted))
+        .saturating_sub(recent);
     Eval {
         allowed,
         remaining_before,
@@ -75,7 +78,8 @@ pub(super) fn evaluate(
 /// is solved for directly; at most `precision + 2` sub-windows are looked at.
 fn retry_after(rule: &Rule, precision: u64, state: &RuleState, now: u64, cost: u64) -> u64 {
     let limit = rule.limit();
-    let sub = rule.period_us() / precision;
+    // The sub-window, period / precision.
+    let sub = rule.span_div().get();
     let cur = now / sub;
     for j in 0..=precision + 1 {
         let w = cur + j;
@@ -124,7 +128,8 @@ pub(super) fn expires_at(rule: &Rule, precision: u64, state: &RuleState) -> u64 
     let RuleState::Counters { index, counts } = state else {
         return 0;
     };
-    let sub = rule.period_us() / precision;
+    // The sub-window, period / precision.
+    let sub = rule.span_div().get();
     match counts.iter().position(|c| *c > 0) {
         Some(i) => (index - i as u64 + precision + 1) * sub,
         None => 0,

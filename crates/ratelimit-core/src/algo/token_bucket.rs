@@ -20,7 +20,7 @@ fn level_at(rule: &Rule, capacity: u64, state: &RuleState, now: u64) -> u64 {
 }
 
 /// Admits when the bucket holds `cost` tokens.
-#[inline]
+#[inline(always)]
 pub(super) fn evaluate(rule: &Rule, capacity: u64, state: &RuleState, now: u64, cost: u64) -> Eval {
     let period = rule.period_us();
     let level = level_at(rule, capacity, state, now);
@@ -33,7 +33,7 @@ pub(super) fn evaluate(rule: &Rule, capacity: u64, state: &RuleState, now: u64, 
     };
     Eval {
         allowed,
-        remaining_before: level / period,
+        remaining_before: rule.span_div().div(level),
         retry_us: if allowed {
             0
         } else {
@@ -59,5 +59,5 @@ pub(super) fn expires_at(rule: &Rule, capacity: u64, state: &RuleState) -> u64 {
         return 0;
     };
     let full = capacity * rule.period_us();
-    last + (full - level.min(full)).div_ceil(rule.limit())
+    last + rule.limit_div().div_ceil(full - level.min(full))
 }

@@ -3,9 +3,12 @@ use std::time::Duration;
 
 use crate::error::{CapacityError, ConfigError};
 
+mod divisor;
 #[cfg(feature = "serde")]
 mod serde;
 mod text;
+
+pub(crate) use divisor::Divisor;
 
 /// The largest `capacity × period_us` accepted. Every intermediate product of the
 /// algorithms stays below 2^53, so Rust's `u64` and Redis Lua's doubles compute the very
@@ -90,6 +93,10 @@ pub struct Rule {
     limit: u64,
     period_us: u64,
     name: Option<Arc<str>>,
+    /// Division by `limit`, and by the span a decision divides time by: the sub-window of
+    /// a sliding window counter, the period otherwise. Fixed by the fields above.
+    limit_div: Divisor,
+    span_div: Divisor,
 }
 
 fn period_us(period: Duration) -> Result<u64, ConfigError> {
@@ -180,11 +187,17 @@ impl Rule {
                 max: MAX_EXACT_PRODUCT,
             });
         }
+        let span = match algorithm {
+            Algorithm::SlidingWindow { precision } => period_us / precision,
+            _ => period_us,
+        };
         Ok(Rule {
             algorithm,
             limit,
             period_us,
             name: None,
+            limit_div: Divisor::new(limit),
+            span_div: Divisor::new(span),
         })
     }
 
@@ -257,11 +270,13 @@ impl Rule {
     }
 
     /// The algorithm and its parameters.
+    #[inline]
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
     }
 
     /// Units per period.
+    #[inline]
     pub fn limit(&self) -> u64 {
         self.limit
     }
@@ -272,8 +287,21 @@ impl Rule {
     }
 
     /// The period in microseconds.
+    #[inline]
     pub fn period_us(&self) -> u64 {
         self.period_us
+    }
+
+    /// Divides by the limit.
+    #[inline]
+    pub(crate) fn limit_div(&self) -> Divisor {
+        self.limit_div
+    }
+
+    /// Divides by the sub-window of a sliding window counter, by the period otherwise.
+    #[inline]
+    pub(crate) fn span_div(&self) -> Divisor {
+        self.span_div
     }
 
     /// The name, if one was given.
@@ -282,6 +310,7 @@ impl Rule {
     }
 
     /// The most units a single check can be granted: larger costs can never be admitted.
+    #[inline]
     pub fn capacity(&self) -> u64 {
         match self.algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
@@ -331,6 +360,8 @@ struct RuleSetInner {
     fingerprint: u64,
     log_limit: u64,
     log_period_us: u64,
+    /// The smallest capacity over the rules: the largest cost every rule can grant.
+    max_cost: u64,
 }
 
 impl PartialEq for RuleSet {
@@ -364,6 +395,7 @@ impl RuleSet {
             .filter(|r| r.algorithm == Algorithm::SlidingLog);
         let log_limit = logs.clone().map(|r| r.limit).max().unwrap_or(0);
         let log_period_us = logs.map(|r| r.period_us).max().unwrap_or(0);
+        let max_cost = rules.iter().map(Rule::capacity).min().unwrap_or(0);
         Ok(Self {
             inner: Arc::new(RuleSetInner {
                 rules,
@@ -371,6 +403,7 @@ impl RuleSet {
                 fingerprint,
                 log_limit,
                 log_period_us,
+                max_cost,
             }),
         })
     }
@@ -382,11 +415,13 @@ impl RuleSet {
     }
 
     /// The rules, in the order given.
+    #[inline]
     pub fn rules(&self) -> &[Rule] {
         &self.inner.rules
     }
 
     /// Number of rules.
+    #[inline]
     pub fn len(&self) -> usize {
         self.inner.rules.len()
     }
@@ -402,11 +437,13 @@ impl RuleSet {
     }
 
     /// A 64-bit hash (FNV-1a) of [`RuleSet::id`], stable across versions and processes.
+    #[inline]
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }
 
     /// Entries the shared sliding log keeps (the largest sliding-log limit), 0 if none.
+    #[inline]
     pub fn log_limit(&self) -> u64 {
         self.inner.log_limit
     }
@@ -417,7 +454,11 @@ impl RuleSet {
     }
 
     /// Refuses a cost that some rule could never grant. Stores call this before deciding.
+    #[inline]
     pub fn check_cost(&self, cost: u64) -> Result<(), CapacityError> {
+        if cost <= self.inner.max_cost {
+            return Ok(());
+        }
         for (i, rule) in self.rules().iter().enumerate() {
             if cost > rule.capacity() {
                 return Err(CapacityError {
