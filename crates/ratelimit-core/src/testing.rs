@@ -1,10 +1,12 @@
 //! The store conformance suite: the same traces, with the same injected times, must give
 //! the same decisions from every [`Store`].
 //!
-//! [`conformance`] runs every algorithm, multi-rule, cost, peek, block and key-isolation
-//! case against stores made by a factory, asserting exact decisions. [`run_trace`] and
-//! the [`strategy`] module drive random traces, so a test can require identical answers
-//! from two stores.
+//! Every case (algorithms, multi-rule, cost, peek, blocks, key isolation, long keys) is a
+//! function in [`cases`]. [`conformance_tests!`](crate::conformance_tests) expands each
+//! into its own `#[test]` for a store, so a failure names its case and the others still
+//! run; [`conformance`] runs them all in one call. [`run_trace`] and the [`strategy`]
+//! module drive random traces, so a test can require identical answers from two stores,
+//! and [`proptest_config`] keeps their shrunk failures in a committed file.
 //!
 //! ```
 //! use ratelimit_core::{testing, MemoryStore};

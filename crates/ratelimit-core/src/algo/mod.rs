@@ -10,6 +10,22 @@
 //! state as it stands, and the state to write), `commit` (writing it), and `expires_at`
 //! (when the state has become equivalent to a fresh one). This module only runs several
 //! rules all or nothing: every rule is evaluated, and only if all admit are all committed.
+//!
+//! Divisions by a rule's limit, period or sub-window go through multipliers computed when
+//! the rule is built; they give exactly the quotients a division gives.
+//!
+//! ```
+//! use ratelimit_core::algo::{decide, RuleState};
+//! use ratelimit_core::RuleSet;
+//!
+//! let rules: RuleSet = "2/s fixed-window".parse().unwrap();
+//! let mut states = vec![RuleState::Fresh; rules.len()];
+//! let now = 1_700_000_000_000_000;
+//! assert!(decide(&rules, &mut states, now, 1).decision.is_allowed());
+//! assert!(decide(&rules, &mut states, now, 1).decision.is_allowed());
+//! let third = decide(&rules, &mut states, now, 1);
+//! assert!(!third.decision.is_allowed() && !third.committed);
+//! ```
 
 use std::collections::VecDeque;
 use std::time::Duration;
