@@ -228,3 +228,17 @@ fn the_largest_accepted_values_decide_correctly() {
         assert!(t.decision.rules()[0].remaining < rule.capacity(), "{rule}");
     }
 }
+
+#[test]
+fn periods_beyond_u64_microseconds_are_refused_naming_period() {
+    for period in [
+        Duration::MAX,
+        Duration::from_secs(u64::MAX / 1_000),
+        Duration::from_micros(u64::MAX),
+    ] {
+        let err = Rule::gcra(1, period, 1).unwrap_err();
+        assert!(err.to_string().contains("`period`"), "{period:?}: {err}");
+    }
+    let err = "1/18446744073709551615d".parse::<Rule>().unwrap_err();
+    assert!(err.to_string().contains("`period`"), "{err}");
+}
