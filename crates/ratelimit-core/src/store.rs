@@ -10,8 +10,8 @@ use crate::rule::RuleSet;
 /// Redis, or anything else that can apply the core's transitions atomically per key.
 ///
 /// The trait is generic (its methods return `impl Future + Send`) rather than object safe:
-/// the middleware is generic over its store, so a check through [`MemoryStore`]
-/// (crate::MemoryStore) costs no allocation and no dynamic call. Wrap a store in an
+/// the middleware is generic over its store, so a check through
+/// [`MemoryStore`](crate::MemoryStore) costs no allocation and no dynamic call. Wrap a store in an
 /// [`Arc`] to share it between layers; `Arc<S>` is a store too.
 ///
 /// Keys are arbitrary bytes (an IP, an API key, a user id). A key's state belongs to the

@@ -230,7 +230,7 @@ macro_rules! __conformance_test {
 /// The conformance cases, one function each: every store's suite runs each as its own test
 /// (see [`conformance_tests!`](crate::conformance_tests)), so a failure names its case and
 /// the others still run. Each expects a fresh store on `clock`, set to
-/// [`T0_US`](super::T0_US).
+/// [`T0_US`].
 pub mod cases {
     use std::time::Duration;
 
