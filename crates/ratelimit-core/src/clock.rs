@@ -21,18 +21,34 @@ pub trait Clock: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
 
-static ANCHOR: OnceLock<(u64, quanta::Instant)> = OnceLock::new();
+/// The epoch time at `start`, and the clock `start` was read from. Reading a clock of our
+/// own (as governor does) skips the global and thread-local lookups of
+/// `quanta::Instant::now`.
+struct Anchor {
+    epoch_us: u64,
+    clock: quanta::Clock,
+    start: quanta::Instant,
+}
+
+static ANCHOR: OnceLock<Anchor> = OnceLock::new();
 
 impl Clock for SystemClock {
     #[inline]
     fn now_us(&self) -> u64 {
-        let (epoch_us, start) = ANCHOR.get_or_init(|| {
-            let epoch = SystemTime::now()
+        let anchor = ANCHOR.get_or_init(|| {
+            let clock = quanta::Clock::new();
+            let epoch_us = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64);
-            (epoch, quanta::Instant::now())
+            let start = clock.now();
+            Anchor {
+                epoch_us,
+                clock,
+                start,
+            }
         });
-        epoch_us + quanta::Instant::now().duration_since(*start).as_micros() as u64
+        let since = anchor.clock.now().duration_since(anchor.start);
+        anchor.epoch_us + since.as_micros() as u64
     }
 }
 

@@ -46,6 +46,24 @@ impl Decision {
         Self::from_outcomes(rules.into_iter().collect(), delay)
     }
 
+    /// The decision of a one-rule check.
+    #[inline]
+    pub(crate) fn single(rule: RuleOutcome, delay: Duration) -> Self {
+        let (outcome, delay, retry_after) = if rule.allowed {
+            (Outcome::Allowed, delay, None)
+        } else {
+            (Outcome::Limited, Duration::ZERO, rule.retry_after)
+        };
+        let mut rules = SmallVec::new();
+        rules.push(rule);
+        Decision {
+            outcome,
+            delay,
+            retry_after,
+            rules,
+        }
+    }
+
     pub(crate) fn from_outcomes(rules: SmallVec<[RuleOutcome; 2]>, delay: Duration) -> Self {
         let allowed = rules.iter().all(|r| r.allowed);
         if allowed {

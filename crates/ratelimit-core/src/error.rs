@@ -1,5 +1,13 @@
 use std::time::Duration;
 
+/// The accepted rule syntax, shown once in every parse error.
+const RULE_SYNTAX: &str = "expected `<limit>/<period> [algorithm] [option=value ...]` with \
+rules separated by `;`, `,` or `|`, e.g. `10/second`, `100 per minute`, `5/2 seconds`, \
+`10/minute, 100/day`, `20/min sliding-window precision=4`, `100/s gcra burst=6`, \
+`2/s leaky-bucket mode=shaper burst=10 delay=2`; units: us, ms, s, min, h, day, week; \
+algorithms: fixed-window, sliding-window, sliding-log, token-bucket, leaky-bucket, gcra \
+(the default)";
+
 /// A rule or rule set that cannot be built, with what to change.
 ///
 /// Every variant names the offending field and its `Display` text says how to fix it, so
@@ -45,15 +53,31 @@ pub enum ConfigError {
         /// The queue size.
         burst: u64,
     },
+    /// A field on its own is beyond the range where decisions are exact.
+    #[error(
+        "`{field}` {value} exceeds {max}, the largest value for which decisions are exact in \
+         both Rust and Redis Lua; use a smaller `{field}`"
+    )]
+    TooLarge {
+        /// The field: `limit`, `period` (in microseconds), `burst` or `capacity`.
+        field: &'static str,
+        /// The value given (`u64::MAX` for a period beyond it).
+        value: u64,
+        /// The largest accepted value.
+        max: u64,
+    },
     /// capacity × period (or limit × sub-window) is outside the range where the shared
     /// integer arithmetic is exact.
     #[error(
-        "capacity {capacity} × period {period_us} µs exceeds {max}, the bound within which decisions \
-         are exact in both Rust and Redis Lua; use a smaller burst or capacity, a shorter period \
-         with a proportional limit (1000/hour instead of 24000/day), or a sliding window with a \
-         higher precision"
+        "`{field}` {capacity} × period {period_us} µs exceeds {max}, the bound within which \
+         decisions are exact in both Rust and Redis Lua; use a smaller `{field}`, a shorter \
+         period with a proportional limit (1000/hour instead of 24000/day), or a sliding window \
+         with a higher precision"
     )]
     OutOfExactRange {
+        /// The field multiplied by the period: `limit` (sliding window counter, per
+        /// sub-window), `burst` (GCRA, shaper: burst + 1) or `capacity`.
+        field: &'static str,
         /// The count multiplied: the burst or capacity (bucket algorithms) or the limit.
         capacity: u64,
         /// The rule's period in microseconds.
@@ -86,12 +110,13 @@ pub enum ConfigError {
     /// A rule name contains characters that cannot appear in a header or store key.
     #[error("rule name {0:?} must be 1-64 characters of [A-Za-z0-9_.-]")]
     BadName(String),
-    /// A rule string could not be parsed.
-    #[error("cannot parse rule {input:?}: {reason}")]
+    /// A rule string could not be parsed. The message shows the accepted syntax once,
+    /// after what is wrong.
+    #[error("cannot parse rule {input:?}: {reason}; {}", RULE_SYNTAX)]
     Parse {
         /// The text given.
         input: String,
-        /// What is wrong and the accepted form.
+        /// What is wrong (the syntax help is not repeated here).
         reason: String,
     },
 }

@@ -50,6 +50,7 @@ pub enum StoredKey<'a> {
 impl<'a> StoredKey<'a> {
     /// Maps a client key to the form every store holds it in.
     #[must_use]
+    #[inline]
     pub fn new(key: &'a [u8]) -> Self {
         if key.len() <= MAX_INLINE_KEY_LEN {
             StoredKey::Inline(key)
@@ -62,6 +63,7 @@ impl<'a> StoredKey<'a> {
     /// bytes (a short key that equals a digest); compare [`StoredKey`]s, or keep the
     /// variant beside the bytes, to tell them apart.
     #[must_use]
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         match self {
             StoredKey::Inline(key) => key,
@@ -71,6 +73,7 @@ impl<'a> StoredKey<'a> {
 
     /// Whether this is the digest of a long key.
     #[must_use]
+    #[inline]
     pub fn is_digest(&self) -> bool {
         matches!(self, StoredKey::Digest(_))
     }

@@ -1,9 +1,8 @@
-use std::collections::HashMap;
 use std::future::{ready, Future};
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::time::Duration;
 
-use hashbrown::HashTable;
+use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
@@ -11,6 +10,7 @@ use crate::algo::{decide, RuleState};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
+use crate::key::{StoredKey, DIGEST_LEN};
 use crate::rule::RuleSet;
 use crate::store::Store;
 
@@ -27,10 +27,20 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 ///   size since its last sweep (amortized O(1) per insert; nothing for the user to run).
 /// * **The cap.** At most `max_keys` entries are tracked (default 1,000,000). When a shard
 ///   is full it first drops expired entries; if that frees less than an eighth of it, it
-///   also drops the eighth of its entries whose state would expire soonest (those closest
-///   to fresh). A flood of distinct keys (spoofed addresses) therefore cannot grow memory
-///   past the cap; the price is that, under such a flood, some clients' partly used
-///   quotas are forgotten early, which errs toward admitting them.
+///   also drops the eighth of its entries that cost least to forget. Each entry is ranked
+///   by how much of its quota its last check left in use, in four tiers: at most one unit
+///   or an eighth used (a one-shot key), at most half, more than half, and at its limit
+///   (no unit left, or its last check denied); within a tier, the entry whose state
+///   expires soonest (the one nearest to fresh) goes first. A flood of one-shot keys
+///   (spoofed addresses) therefore evicts only other one-shot keys: it cannot grow memory
+///   past the cap, and it cannot reset a client that is at its limit. To evict such a
+///   client an attacker must fill the shards with entries that are themselves at their
+///   limit and expire later: about `max_keys` distinct keys, each driven to its own limit
+///   (`max_keys × limit` admitted requests) within one period of the client's rule. Keys
+///   are spread over shards with a per-process random seed, so no cheaper targeted attack
+///   on one shard exists.
+/// * **Long keys** are held as a 32-byte digest (see [`key`](crate::key)): memory per
+///   entry does not grow with the length of the client's key.
 ///
 /// ```
 /// use ratelimit_core::{ManualClock, MemoryStore, RuleSet, Store};
@@ -67,10 +77,87 @@ impl<C: Clock> std::fmt::Debug for MemoryStore<C> {
 struct Padded<T>(T);
 
 struct Entry {
+    /// The held key: the client key, or its digest when [`Meta::is_digest`].
     key: Box<[u8]>,
     fingerprint: u64,
-    expires_at: u64,
+    meta: Meta,
     states: SmallVec<[RuleState; 1]>,
+}
+
+/// An entry's expiry, eviction tier and key kind in one word (the entry stays 72 bytes).
+///
+/// Bits 0-55: the time from which the state is equivalent to a fresh one (µs, saturated;
+/// 2^56 µs is two thousand years after the epoch). Bit 61: the key is a digest. Bits
+/// 62-63: the tier, how close the entry is to its limit (0 to 3). With the key bit
+/// cleared, a larger word is an entry that costs more to forget.
+#[derive(Clone, Copy)]
+struct Meta(u64);
+
+impl Meta {
+    const EXPIRY: u64 = (1 << 56) - 1;
+    const DIGEST: u64 = 1 << 61;
+    const TIER_SHIFT: u32 = 62;
+    /// Denying, or no unit left.
+    const AT_LIMIT: u8 = 3;
+
+    #[inline]
+    fn new(expires_at: u64, tier: u8, digest: bool) -> Self {
+        Meta(
+            expires_at.min(Self::EXPIRY)
+                | (u64::from(tier) << Self::TIER_SHIFT)
+                | if digest { Self::DIGEST } else { 0 },
+        )
+    }
+
+    #[inline]
+    fn expires_at(self) -> u64 {
+        self.0 & Self::EXPIRY
+    }
+
+    #[inline]
+    fn is_digest(self) -> bool {
+        self.0 & Self::DIGEST != 0
+    }
+
+    /// Eviction order: lower ranks go first.
+    #[inline]
+    fn rank(self) -> u64 {
+        self.0 & !Self::DIGEST
+    }
+
+    #[inline]
+    fn with(self, expires_at: u64, tier: u8) -> Self {
+        Self::new(expires_at, tier, self.is_digest())
+    }
+
+    #[inline]
+    fn with_tier(self, tier: u8) -> Self {
+        Self::new(self.expires_at(), tier, self.is_digest())
+    }
+}
+
+/// How close an admitted check left its rules to their limits: the largest over the rules
+/// of 0 (at most one unit or an eighth of the capacity in use), 1 (at most half), 2 (more
+/// than half) or [`Meta::AT_LIMIT`] (nothing left). Multiplications only: it runs on every
+/// admitted check.
+#[inline]
+fn tier(rules: &RuleSet, decision: &Decision) -> u8 {
+    let mut tier = 0;
+    for (rule, outcome) in rules.rules().iter().zip(decision.rules()) {
+        // Both at most 2^51: the products cannot overflow.
+        let (cap, left) = (rule.capacity(), outcome.remaining);
+        let t = if left == 0 {
+            Meta::AT_LIMIT
+        } else if left + 1 >= cap || left * 8 >= cap * 7 {
+            0
+        } else if left * 2 >= cap {
+            1
+        } else {
+            2
+        };
+        tier = tier.max(t);
+    }
+    tier
 }
 
 #[derive(Default)]
@@ -78,7 +165,7 @@ struct Shard {
     // Boxed entries keep the table's slots at one pointer: a hash table is often only half
     // full right after it grows, and empty slots then cost 8 bytes, not a whole entry.
     table: HashTable<Box<Entry>>,
-    blocks: HashMap<Box<[u8]>, u64>,
+    blocks: HashMap<HeldKey, u64, foldhash::fast::RandomState>,
     sweep_at: usize,
 }
 
@@ -86,7 +173,7 @@ const MIN_SWEEP: usize = 1024;
 
 impl Shard {
     fn sweep(&mut self, now: u64) {
-        self.table.retain(|e| e.expires_at > now);
+        self.table.retain(|e| e.meta.expires_at() > now);
         self.blocks.retain(|_, until| *until > now);
     }
 
@@ -101,17 +188,18 @@ impl Shard {
         }
         self.sweep(now);
         if self.table.len() > cap - cap / 8 {
-            let mut expiries: Vec<u64> = self.table.iter().map(|e| e.expires_at).collect();
-            let evict = (cap / 8).max(1).min(expiries.len());
-            let (below, threshold, _) = expiries.select_nth_unstable(evict - 1);
+            let mut ranks: Vec<u64> = self.table.iter().map(|e| e.meta.rank()).collect();
+            let evict = (cap / 8).max(1).min(ranks.len());
+            let (below, threshold, _) = ranks.select_nth_unstable(evict - 1);
             let threshold = *threshold;
-            // Entries sharing the threshold expiry are dropped only as far as needed, so
+            // Entries sharing the threshold rank are dropped only as far as needed, so
             // a flood of keys seen at the same instant loses an eighth, not all of them.
             let mut ties = evict - below.iter().filter(|&&x| x < threshold).count();
             self.table.retain(|e| {
-                if e.expires_at < threshold {
+                let rank = e.meta.rank();
+                if rank < threshold {
                     false
-                } else if e.expires_at == threshold && ties > 0 {
+                } else if rank == threshold && ties > 0 {
                     ties -= 1;
                     false
                 } else {
@@ -218,8 +306,10 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     #[inline]
-    fn locate(&self, key: &[u8]) -> (u64, &Mutex<Shard>) {
-        let hash = self.hasher.hash_one(key);
+    fn locate(&self, key: StoredKey<'_>) -> (u64, &Mutex<Shard>) {
+        // The held bytes alone: a digest and a short key with the same bytes may share a
+        // hash, never an entry (the key's kind is compared too).
+        let hash = self.hasher.hash_one(key.as_bytes());
         // The table hashes with the low bits, the shard is picked with the high ones.
         let shard = (hash >> 32) as usize & (self.shards.len() - 1);
         (hash, &self.shards[shard].0)
@@ -234,26 +324,29 @@ impl<C: Clock> MemoryStore<C> {
     ) -> Result<Decision, CapacityError> {
         rules.check_cost(cost)?;
         let now = self.clock.now_us();
-        let (hash, shard) = self.locate(key);
+        let held = StoredKey::new(key);
+        let (hash, shard) = self.locate(held);
         let fp = rules.fingerprint();
         let table_hash = hash ^ fp;
         let mut shard = shard.lock();
         if !shard.blocks.is_empty() {
-            if let Some(&until) = shard.blocks.get(key) {
+            if let Some(&until) = shard.blocks.get(&held) {
                 if until > now {
                     let left = (until != u64::MAX).then(|| Duration::from_micros(until - now));
                     return Ok(Decision::blocked(left));
                 }
-                shard.blocks.remove(key);
+                shard.blocks.remove(&held);
             }
         }
-        let found = shard.table.find_mut(table_hash, |e| {
-            e.fingerprint == fp && e.states.len() == rules.len() && *e.key == *key
-        });
+        let found = shard
+            .table
+            .find_mut(table_hash, |e| e.holds(held, fp, rules.len()));
         if let Some(entry) = found {
             let t = decide(rules, &mut entry.states, now, cost);
             if t.committed {
-                entry.expires_at = t.expires_at_us;
+                entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));
+            } else if !t.decision.is_allowed() {
+                entry.meta = entry.meta.with_tier(Meta::AT_LIMIT);
             }
             return Ok(t.decision);
         }
@@ -267,9 +360,9 @@ impl<C: Clock> MemoryStore<C> {
             shard.table.insert_unique(
                 table_hash,
                 Box::new(Entry {
-                    key: key.into(),
+                    key: held.as_bytes().into(),
                     fingerprint: fp,
-                    expires_at: t.expires_at_us,
+                    meta: Meta::new(t.expires_at_us, tier(rules, &t.decision), held.is_digest()),
                     states,
                 }),
                 |e| hasher.hash_one(&*e.key) ^ e.fingerprint,
@@ -287,27 +380,80 @@ impl<C: Clock> MemoryStore<C> {
                 .min(u64::MAX - 1),
             None => u64::MAX,
         };
-        let (_, shard) = self.locate(key);
-        shard.lock().blocks.insert(key.into(), until);
+        let held = StoredKey::new(key);
+        let (_, shard) = self.locate(held);
+        shard.lock().blocks.insert(HeldKey::from(held), until);
     }
 
     /// The synchronous form of [`Store::unblock`].
     pub fn unblock_now(&self, key: &[u8]) {
-        let (_, shard) = self.locate(key);
-        shard.lock().blocks.remove(key);
+        let held = StoredKey::new(key);
+        let (_, shard) = self.locate(held);
+        shard.lock().blocks.remove(&held);
     }
 
     /// The synchronous form of [`Store::reset`].
     pub fn reset_now(&self, key: &[u8], rules: &RuleSet) {
-        let (hash, shard) = self.locate(key);
+        let held = StoredKey::new(key);
+        let (hash, shard) = self.locate(held);
         let fp = rules.fingerprint();
         let mut shard = shard.lock();
         if let Ok(entry) = shard
             .table
-            .find_entry(hash ^ fp, |e| e.fingerprint == fp && *e.key == *key)
+            .find_entry(hash ^ fp, |e| e.holds(held, fp, rules.len()))
         {
             entry.remove();
         }
+    }
+}
+
+impl Entry {
+    /// Whether this is the entry of `key` under the rule set of fingerprint `fp`: the
+    /// key's kind is compared too, so a short key equal to some digest is another key.
+    #[inline]
+    fn holds(&self, key: StoredKey<'_>, fp: u64, rules: usize) -> bool {
+        self.fingerprint == fp
+            && self.states.len() == rules
+            && self.meta.is_digest() == key.is_digest()
+            && *self.key == *key.as_bytes()
+    }
+}
+
+/// A blocked key as the block map owns it.
+#[derive(PartialEq, Eq)]
+enum HeldKey {
+    Inline(Box<[u8]>),
+    Digest([u8; DIGEST_LEN]),
+}
+
+impl From<StoredKey<'_>> for HeldKey {
+    fn from(key: StoredKey<'_>) -> Self {
+        match key {
+            StoredKey::Inline(bytes) => HeldKey::Inline(bytes.into()),
+            StoredKey::Digest(digest) => HeldKey::Digest(digest),
+        }
+    }
+}
+
+impl HeldKey {
+    fn as_stored(&self) -> StoredKey<'_> {
+        match self {
+            HeldKey::Inline(bytes) => StoredKey::Inline(bytes),
+            HeldKey::Digest(digest) => StoredKey::Digest(*digest),
+        }
+    }
+}
+
+/// Hashes as the [`StoredKey`] it stands for, so a block is found without allocating.
+impl Hash for HeldKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_stored().hash(state);
+    }
+}
+
+impl Equivalent<HeldKey> for StoredKey<'_> {
+    fn equivalent(&self, key: &HeldKey) -> bool {
+        *self == key.as_stored()
     }
 }
 

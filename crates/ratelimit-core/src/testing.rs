@@ -1,10 +1,12 @@
 //! The store conformance suite: the same traces, with the same injected times, must give
 //! the same decisions from every [`Store`].
 //!
-//! [`conformance`] runs every algorithm, multi-rule, cost, peek, block and key-isolation
-//! case against stores made by a factory, asserting exact decisions. [`run_trace`] and
-//! the [`strategy`] module drive random traces, so a test can require identical answers
-//! from two stores.
+//! Every case (algorithms, multi-rule, cost, peek, blocks, key isolation, long keys) is a
+//! function in [`cases`]. [`conformance_tests!`](crate::conformance_tests) expands each
+//! into its own `#[test]` for a store, so a failure names its case and the others still
+//! run; [`conformance`] runs them all in one call. [`run_trace`] and the [`strategy`]
+//! module drive random traces, so a test can require identical answers from two stores,
+//! and [`proptest_config`] keeps their shrunk failures in a committed file.
 //!
 //! ```
 //! use ratelimit_core::{testing, MemoryStore};
@@ -31,7 +33,11 @@ struct Case<'a, St> {
     clock: &'a ManualClock,
 }
 
-impl<St: Store> Case<'_, St> {
+impl<'a, St: Store> Case<'a, St> {
+    fn new(store: &'a St, clock: &'a ManualClock, name: &'static str) -> Self {
+        Case { name, store, clock }
+    }
+
     fn rules(&self, text: &str) -> RuleSet {
         text.parse()
             .unwrap_or_else(|e| panic!("[{}] bad rules {text:?}: {e}", self.name))
@@ -102,8 +108,10 @@ impl<St: Store> Case<'_, St> {
     }
 }
 
-/// Runs every conformance case, each against a fresh store made by `make` with a manual
-/// clock; panics with the case's name and the differing decision on the first mismatch.
+/// Runs every conformance case in turn, each against a fresh store made by `make` with a
+/// manual clock; panics with the case's name and the differing decision on the first
+/// mismatch. [`conformance_tests!`](crate::conformance_tests) runs each case as its own
+/// test instead.
 ///
 /// Stores made by successive calls must not share state (use a fresh key prefix or
 /// database per call when the backend is shared).
@@ -113,20 +121,128 @@ where
     F: FnMut(ManualClock) -> Fut,
     Fut: Future<Output = St>,
 {
-    macro_rules! case {
-        ($name:literal, |$c:ident| $body:block) => {{
+    macro_rules! run_all {
+        ($($case:ident),* $(,)?) => {$(
             let clock = ManualClock::new(T0_US);
             let store = make(clock.clone()).await;
-            let $c = Case {
-                name: $name,
-                store: &store,
-                clock: &clock,
-            };
-            $body
-        }};
+            cases::$case(&store, &clock).await;
+        )*};
     }
+    crate::__conformance_cases!(run_all);
+}
 
-    case!("fixed window: limit, remaining, reset, retry", |c| {
+/// Calls `$callback!` with the names of every conformance case.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($callback:ident $(, $($args:tt)*)?) => {
+        $callback!($($($args)*,)?
+            fixed_window_limit_remaining_reset_retry,
+            fixed_window_double_burst_across_a_boundary,
+            sliding_log_no_double_burst_across_a_boundary,
+            sliding_window_precision_1_weights_the_previous_window,
+            sliding_window_precision_2_weights_half_windows,
+            sliding_window_retry_after_is_the_first_admitting_instant,
+            sliding_log_rules_share_one_log,
+            token_bucket_capacity_then_refill,
+            gcra_burst_then_emission_interval,
+            gcra_fractional_emission_interval,
+            leaky_meter_admits_like_gcra,
+            leaky_shaper_nginx_burst_and_delay,
+            multi_rule_all_or_nothing,
+            multi_rule_retry_after_is_the_largest,
+            cost_consumes_units_and_too_large_is_an_error,
+            peek_consumes_nothing,
+            blocks_with_duration_without_end_lifted,
+            reset_forgets_one_rule_set,
+            keys_are_data,
+            idle_state_expires,
+            long_keys_are_digests_distinct_from_short_keys,
+        );
+    };
+}
+
+/// Expands every conformance case into its own `#[test]` for one store, inside a module:
+/// a failure names its case (`memory_store::gcra_fractional_emission_interval`) and the
+/// other cases still run; one case runs alone with `cargo test <name>`.
+///
+/// * `setup` (optional): statements run at the start of each test, whose bindings live
+///   for the whole test (a server to talk to, say);
+/// * `run`: a closure that drives a future to completion (`block_on` of some runtime);
+/// * `store`: an expression giving a `FnMut(ManualClock) -> impl Future<Output = impl
+///   Store>`, called once per test with a manual clock set to [`testing::T0_US`](T0_US).
+///
+/// ```
+/// use ratelimit_core::MemoryStore;
+///
+/// ratelimit_core::conformance_tests! {
+///     mod memory_store {
+///         run: |test| futures::executor::block_on(test),
+///         store: |clock| async move { MemoryStore::builder().clock(clock).build() },
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    (mod $module:ident {
+        $(setup: { $($setup:stmt;)* },)?
+        run: $run:expr,
+        store: $store:expr $(,)?
+    }) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            use $crate::__conformance_test;
+            $crate::__conformance_cases!(
+                __conformance_test, [$($($setup;)*)?] ($run) ($store)
+            );
+        }
+    };
+}
+
+/// The statements inside a bracketed group, in the caller's scope.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __unbracket {
+    ($($t:tt)*) => { $($t)* };
+}
+
+/// One `#[test]` per case; the implementation of [`conformance_tests!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_test {
+    ($setup:tt $run:tt $store:tt, $($case:ident),* $(,)?) => {$(
+        #[test]
+        fn $case() {
+            $crate::__unbracket! $setup;
+            let mut make = $store;
+            let run = $run;
+            run(async move {
+                let clock = $crate::ManualClock::new($crate::testing::T0_US);
+                let store = make(clock.clone()).await;
+                $crate::testing::cases::$case(&store, &clock).await;
+            });
+        }
+    )*};
+}
+
+/// The conformance cases, one function each: every store's suite runs each as its own test
+/// (see [`conformance_tests!`](crate::conformance_tests)), so a failure names its case and
+/// the others still run. Each expects a fresh store on `clock`, set to
+/// [`T0_US`].
+pub mod cases {
+    use std::time::Duration;
+
+    use super::{Case, MS, S};
+    use crate::{ManualClock, Outcome, Store};
+
+    /// Fixed window: limit, remaining, reset, retry.
+    pub async fn fixed_window_limit_remaining_reset_retry<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "fixed window: limit, remaining, reset, retry");
         let r = c.rules("3/min fixed-window");
         c.at(10 * S);
         let d = c.check(b"k", &r, 1).await;
@@ -142,30 +258,45 @@ where
             .await;
         c.at(60 * S);
         c.allowed(b"k", &r, 3, "next window").await;
-    });
+    }
 
-    case!(
-        "fixed window: double burst across a boundary (documented weakness)",
-        |c| {
-            let r = c.rules("100/min fixed-window");
-            c.at(55 * S);
-            assert_eq!(
-                c.count_allowed(b"k", &r, 150).await,
-                100,
-                "[{}] before boundary",
-                c.name
-            );
-            c.at(61 * S);
-            assert_eq!(
-                c.count_allowed(b"k", &r, 150).await,
-                100,
-                "[{}] after boundary",
-                c.name
-            );
-        }
-    );
+    /// Fixed window: double burst across a boundary (documented weakness).
+    pub async fn fixed_window_double_burst_across_a_boundary<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "fixed window: double burst across a boundary (documented weakness)",
+        );
+        let r = c.rules("100/min fixed-window");
+        c.at(55 * S);
+        assert_eq!(
+            c.count_allowed(b"k", &r, 150).await,
+            100,
+            "[{}] before boundary",
+            c.name
+        );
+        c.at(61 * S);
+        assert_eq!(
+            c.count_allowed(b"k", &r, 150).await,
+            100,
+            "[{}] after boundary",
+            c.name
+        );
+    }
 
-    case!("sliding log: no double burst across a boundary", |c| {
+    /// Sliding log: no double burst across a boundary.
+    pub async fn sliding_log_no_double_burst_across_a_boundary<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "sliding log: no double burst across a boundary",
+        );
         let r = c.rules("100/min sliding-log");
         c.at(55 * S);
         assert_eq!(
@@ -188,33 +319,48 @@ where
             "[{}] a minute later",
             c.name
         );
-    });
+    }
 
-    case!(
-        "sliding window counter, precision 1: 25 at 1.25 min, 75 at 1.75 min",
-        |c| {
-            let r = c.rules("100/min sliding-window precision=1");
-            c.at(0);
-            c.allowed(b"a", &r, 100, "first quarter minute").await;
-            c.allowed(b"b", &r, 100, "first quarter minute").await;
-            c.at(75 * S);
-            assert_eq!(
-                c.count_allowed(b"a", &r, 200).await,
-                25,
-                "[{}] at 1.25 min",
-                c.name
-            );
-            c.at(105 * S);
-            assert_eq!(
-                c.count_allowed(b"b", &r, 200).await,
-                75,
-                "[{}] at 1.75 min",
-                c.name
-            );
-        }
-    );
+    /// Sliding window counter, precision 1: 25 at 1.25 min, 75 at 1.75 min.
+    pub async fn sliding_window_precision_1_weights_the_previous_window<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "sliding window counter, precision 1: 25 at 1.25 min, 75 at 1.75 min",
+        );
+        let r = c.rules("100/min sliding-window precision=1");
+        c.at(0);
+        c.allowed(b"a", &r, 100, "first quarter minute").await;
+        c.allowed(b"b", &r, 100, "first quarter minute").await;
+        c.at(75 * S);
+        assert_eq!(
+            c.count_allowed(b"a", &r, 200).await,
+            25,
+            "[{}] at 1.25 min",
+            c.name
+        );
+        c.at(105 * S);
+        assert_eq!(
+            c.count_allowed(b"b", &r, 200).await,
+            75,
+            "[{}] at 1.75 min",
+            c.name
+        );
+    }
 
-    case!("sliding window counter, precision 2: 50 at 1.25 min", |c| {
+    /// Sliding window counter, precision 2: 50 at 1.25 min.
+    pub async fn sliding_window_precision_2_weights_half_windows<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "sliding window counter, precision 2: 50 at 1.25 min",
+        );
         let r = c.rules("100/min sliding-window precision=2");
         c.at(0);
         c.allowed(b"a", &r, 100, "first quarter minute").await;
@@ -225,58 +371,69 @@ where
             "[{}] at 1.25 min",
             c.name
         );
-    });
+    }
 
-    case!(
-        "sliding window counter: retry_after is the exact first admitting instant",
-        |c| {
-            let r = c.rules("10/min sliding-window precision=4");
-            c.at(S);
-            c.allowed(b"k", &r, 10, "burst").await;
-            c.at(20 * S);
-            let d = c.check(b"k", &r, 1).await;
-            let retry = d.retry_after().expect("denied");
-            c.at(20 * S + retry.as_micros() as u64 - 1);
-            assert!(
-                !c.check(b"k", &r, 1).await.is_allowed(),
-                "[{}] just before retry_after",
-                c.name
-            );
-            c.at(20 * S + retry.as_micros() as u64);
-            assert!(
-                c.check(b"k", &r, 1).await.is_allowed(),
-                "[{}] at retry_after {retry:?}",
-                c.name
-            );
+    /// Sliding window counter: retry_after is the exact first admitting instant.
+    pub async fn sliding_window_retry_after_is_the_first_admitting_instant<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "sliding window counter: retry_after is the exact first admitting instant",
+        );
+        let r = c.rules("10/min sliding-window precision=4");
+        c.at(S);
+        c.allowed(b"k", &r, 10, "burst").await;
+        c.at(20 * S);
+        let d = c.check(b"k", &r, 1).await;
+        let retry = d.retry_after().expect("denied");
+        c.at(20 * S + retry.as_micros() as u64 - 1);
+        assert!(
+            !c.check(b"k", &r, 1).await.is_allowed(),
+            "[{}] just before retry_after",
+            c.name
+        );
+        c.at(20 * S + retry.as_micros() as u64);
+        assert!(
+            c.check(b"k", &r, 1).await.is_allowed(),
+            "[{}] at retry_after {retry:?}",
+            c.name
+        );
+    }
+
+    /// Sliding log: 1/s and 5/min share one log (the four-second wait).
+    pub async fn sliding_log_rules_share_one_log<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "sliding log: 1/s and 5/min share one log (the four-second wait)",
+        );
+        let r = c.rules("1/s sliding-log; 5/min sliding-log");
+        let hms = |m: u64, s: u64| (12 * 3600 + m * 60 + s) * S;
+        for (m, s) in [(33, 35), (33, 37), (34, 14), (34, 26), (34, 28)] {
+            c.at(hms(m, s));
+            c.allowed(b"k", &r, 1, "the five logged requests").await;
         }
-    );
+        c.at(hms(34, 31));
+        let d = c
+            .denied(b"k", &r, 1, Duration::from_secs(4), "at 12:34:31")
+            .await;
+        assert!(
+            d.rules()[0].allowed && !d.rules()[1].allowed,
+            "[{}] {d:?}",
+            c.name
+        );
+        c.at(hms(34, 40));
+        c.allowed(b"k", &r, 1, "at 12:34:40").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "right after")
+            .await;
+    }
 
-    case!(
-        "sliding log: 1/s and 5/min share one log (the four-second wait)",
-        |c| {
-            let r = c.rules("1/s sliding-log; 5/min sliding-log");
-            let hms = |m: u64, s: u64| (12 * 3600 + m * 60 + s) * S;
-            for (m, s) in [(33, 35), (33, 37), (34, 14), (34, 26), (34, 28)] {
-                c.at(hms(m, s));
-                c.allowed(b"k", &r, 1, "the five logged requests").await;
-            }
-            c.at(hms(34, 31));
-            let d = c
-                .denied(b"k", &r, 1, Duration::from_secs(4), "at 12:34:31")
-                .await;
-            assert!(
-                d.rules()[0].allowed && !d.rules()[1].allowed,
-                "[{}] {d:?}",
-                c.name
-            );
-            c.at(hms(34, 40));
-            c.allowed(b"k", &r, 1, "at 12:34:40").await;
-            c.denied(b"k", &r, 1, Duration::from_secs(1), "right after")
-                .await;
-        }
-    );
-
-    case!("token bucket: capacity then refill", |c| {
+    /// Token bucket: capacity then refill.
+    pub async fn token_bucket_capacity_then_refill<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "token bucket: capacity then refill");
         let r = c.rules("1/s token-bucket capacity=5");
         c.at(0);
         c.allowed(b"k", &r, 5, "full bucket").await;
@@ -286,56 +443,66 @@ where
         c.allowed(b"k", &r, 2, "2.5 tokens").await;
         c.denied(b"k", &r, 1, Duration::from_millis(500), "half a token")
             .await;
-    });
+    }
 
-    case!(
-        "GCRA: 100/s with burst 6 (the seed's burst of 5 on top of one)",
-        |c| {
-            let r = c.rules("100/s gcra burst=6");
-            c.at(500 * MS);
-            for left in (0..6).rev() {
-                let d = c.check(b"k", &r, 1).await;
-                assert!(d.is_allowed(), "[{}] {d:?}", c.name);
-                assert_eq!(d.rules()[0].remaining, left, "[{}] {d:?}", c.name);
-            }
-            c.denied(b"k", &r, 1, Duration::from_millis(10), "seventh")
-                .await;
-            c.at(510 * MS);
-            c.allowed(b"k", &r, 1, "one emission interval later").await;
-            c.denied(b"k", &r, 1, Duration::from_millis(10), "again")
-                .await;
-            c.at(10 * S);
-            c.allowed(b"k", &r, 6, "idle again").await;
+    /// GCRA: 100/s with burst 6 (the seed's burst of 5 on top of one).
+    pub async fn gcra_burst_then_emission_interval<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "GCRA: 100/s with burst 6 (the seed's burst of 5 on top of one)",
+        );
+        let r = c.rules("100/s gcra burst=6");
+        c.at(500 * MS);
+        for left in (0..6).rev() {
+            let d = c.check(b"k", &r, 1).await;
+            assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+            assert_eq!(d.rules()[0].remaining, left, "[{}] {d:?}", c.name);
         }
-    );
+        c.denied(b"k", &r, 1, Duration::from_millis(10), "seventh")
+            .await;
+        c.at(510 * MS);
+        c.allowed(b"k", &r, 1, "one emission interval later").await;
+        c.denied(b"k", &r, 1, Duration::from_millis(10), "again")
+            .await;
+        c.at(10 * S);
+        c.allowed(b"k", &r, 6, "idle again").await;
+    }
 
-    case!(
-        "GCRA: emission interval that is not a whole microsecond",
-        |c| {
-            let r = c.rules("3/10us gcra burst=1");
-            c.at(0);
-            let mut admitted = 0;
-            for _ in 0..30 {
-                admitted += c.count_allowed(b"k", &r, 2).await;
-                c.clock.advance(Duration::from_micros(1));
-            }
-            // The emission interval is 3⅓ µs and requests arrive on whole microseconds, so each
-            // admission lands on the first whole microsecond at or after its theoretical time:
-            // 0, 4, 8, ..., 28. Rounding the interval to 3 µs would admit 10, to 4 µs 8 at
-            // other instants; the exact fraction is what both stores must agree on.
-            assert_eq!(admitted, 8, "[{}] 3 per 10 µs over 30 µs", c.name);
+    /// GCRA: emission interval that is not a whole microsecond.
+    pub async fn gcra_fractional_emission_interval<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "GCRA: emission interval that is not a whole microsecond",
+        );
+        let r = c.rules("3/10us gcra burst=1");
+        c.at(0);
+        let mut admitted = 0;
+        for _ in 0..30 {
+            admitted += c.count_allowed(b"k", &r, 2).await;
+            c.clock.advance(Duration::from_micros(1));
         }
-    );
+        // The emission interval is 3⅓ µs and requests arrive on whole microseconds, so each
+        // admission lands on the first whole microsecond at or after its theoretical time:
+        // 0, 4, 8, ..., 28. Rounding the interval to 3 µs would admit 10, to 4 µs 8 at
+        // other instants; the exact fraction is what both stores must agree on.
+        assert_eq!(admitted, 8, "[{}] 3 per 10 µs over 30 µs", c.name);
+    }
 
-    case!("leaky bucket meter admits like GCRA", |c| {
+    /// Leaky bucket meter admits like GCRA.
+    pub async fn leaky_meter_admits_like_gcra<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "leaky bucket meter admits like GCRA");
         let r = c.rules("100/s leaky-bucket mode=meter capacity=6");
         c.at(0);
         c.allowed(b"k", &r, 6, "bucket").await;
         c.denied(b"k", &r, 1, Duration::from_millis(10), "full")
             .await;
-    });
+    }
 
-    case!("leaky bucket shaper: nginx burst and delay", |c| {
+    /// Leaky bucket shaper: nginx burst and delay.
+    pub async fn leaky_shaper_nginx_burst_and_delay<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "leaky bucket shaper: nginx burst and delay");
         let r = c.rules("10/s leaky-bucket mode=shaper burst=3 delay=0");
         c.at(0);
         for want in [0, 100, 200, 300] {
@@ -353,9 +520,11 @@ where
         c.at(1_000 * MS);
         let d = c.check(b"b", &r, 1).await;
         assert_eq!(d.delay(), Duration::ZERO, "[{}] drained: {d:?}", c.name);
-    });
+    }
 
-    case!("multi-rule: all or nothing", |c| {
+    /// Multi-rule: all or nothing.
+    pub async fn multi_rule_all_or_nothing<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "multi-rule: all or nothing");
         let r = c.rules("10/min fixed-window; 1/s gcra burst=1");
         c.at(0);
         let d = c.check(b"k", &r, 1).await;
@@ -379,90 +548,107 @@ where
         c.at(S);
         let d = c.check(b"k", &r, 1).await;
         assert_eq!(d.rules()[0].remaining, 8, "[{}] {d:?}", c.name);
-    });
+    }
 
-    case!(
-        "multi-rule: retry_after is the largest over denying rules",
-        |c| {
-            let r = c.rules("2/min fixed-window; 1/s fixed-window");
-            c.at(0);
-            c.allowed(b"k", &r, 1, "first").await;
-            c.denied(b"k", &r, 1, Duration::from_secs(1), "second, same second")
-                .await;
-            c.at(S);
-            c.allowed(b"k", &r, 1, "second").await;
-            c.denied(b"k", &r, 1, Duration::from_secs(59), "both deny")
-                .await;
-        }
-    );
-
-    case!(
-        "cost: consumes several units; too large a cost is an error",
-        |c| {
-            let r = c.rules("10/s gcra burst=10");
-            c.at(0);
-            let d = c.check(b"k", &r, 4).await;
-            assert_eq!(d.rules()[0].remaining, 6, "[{}] {d:?}", c.name);
-            c.denied(
-                b"k",
-                &r,
-                7,
-                Duration::from_millis(100),
-                "cost 7 with 6 left",
-            )
+    /// Multi-rule: retry_after is the largest over denying rules.
+    pub async fn multi_rule_retry_after_is_the_largest<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "multi-rule: retry_after is the largest over denying rules",
+        );
+        let r = c.rules("2/min fixed-window; 1/s fixed-window");
+        c.at(0);
+        c.allowed(b"k", &r, 1, "first").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "second, same second")
             .await;
-            let d = c.check(b"k", &r, 6).await;
-            assert!(
-                d.is_allowed() && d.rules()[0].remaining == 0,
-                "[{}] {d:?}",
-                c.name
-            );
-            assert!(
-                c.store.check(b"k", &r, 11).await.is_err(),
-                "[{}] cost 11 > burst 10",
-                c.name
-            );
-            let log = c.rules("5/min sliding-log");
-            let d = c.check(b"log", &log, 3).await;
-            assert_eq!(d.rules()[0].remaining, 2, "[{}] {d:?}", c.name);
-            c.denied(
-                b"log",
-                &log,
-                3,
-                Duration::from_secs(60),
-                "cost 3 with 2 left",
-            )
+        c.at(S);
+        c.allowed(b"k", &r, 1, "second").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(59), "both deny")
             .await;
-        }
-    );
+    }
 
-    case!(
-        "peek: cost 0 consumes nothing and predicts a request of cost 1",
-        |c| {
-            let r = c.rules("3/min fixed-window; 5/min sliding-window precision=2");
-            c.at(0);
-            for _ in 0..3 {
-                let d = c.check(b"k", &r, 0).await;
-                assert!(d.is_allowed(), "[{}] {d:?}", c.name);
-                assert_eq!(d.rules()[0].remaining, 3, "[{}] {d:?}", c.name);
-            }
-            c.allowed(b"k", &r, 3, "after peeks").await;
+    /// Cost: consumes several units; too large a cost is an error.
+    pub async fn cost_consumes_units_and_too_large_is_an_error<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "cost: consumes several units; too large a cost is an error",
+        );
+        let r = c.rules("10/s gcra burst=10");
+        c.at(0);
+        let d = c.check(b"k", &r, 4).await;
+        assert_eq!(d.rules()[0].remaining, 6, "[{}] {d:?}", c.name);
+        c.denied(
+            b"k",
+            &r,
+            7,
+            Duration::from_millis(100),
+            "cost 7 with 6 left",
+        )
+        .await;
+        let d = c.check(b"k", &r, 6).await;
+        assert!(
+            d.is_allowed() && d.rules()[0].remaining == 0,
+            "[{}] {d:?}",
+            c.name
+        );
+        assert!(
+            c.store.check(b"k", &r, 11).await.is_err(),
+            "[{}] cost 11 > burst 10",
+            c.name
+        );
+        let log = c.rules("5/min sliding-log");
+        let d = c.check(b"log", &log, 3).await;
+        assert_eq!(d.rules()[0].remaining, 2, "[{}] {d:?}", c.name);
+        c.denied(
+            b"log",
+            &log,
+            3,
+            Duration::from_secs(60),
+            "cost 3 with 2 left",
+        )
+        .await;
+    }
+
+    /// Peek: cost 0 consumes nothing and predicts a request of cost 1.
+    pub async fn peek_consumes_nothing<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "peek: cost 0 consumes nothing and predicts a request of cost 1",
+        );
+        let r = c.rules("3/min fixed-window; 5/min sliding-window precision=2");
+        c.at(0);
+        for _ in 0..3 {
             let d = c.check(b"k", &r, 0).await;
-            assert_eq!(d.outcome(), Outcome::Limited, "[{}] {d:?}", c.name);
-            assert_eq!(d.rules()[0].remaining, 0, "[{}] {d:?}", c.name);
-            assert_eq!(d.rules()[1].remaining, 2, "[{}] {d:?}", c.name);
-            let g = c.rules("1/s gcra burst=2");
-            assert_eq!(
-                c.check(b"g", &g, 0).await.rules()[0].remaining,
-                2,
-                "[{}]",
-                c.name
-            );
-            c.allowed(b"g", &g, 2, "peek left the burst").await;
+            assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+            assert_eq!(d.rules()[0].remaining, 3, "[{}] {d:?}", c.name);
         }
-    );
+        c.allowed(b"k", &r, 3, "after peeks").await;
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(d.outcome(), Outcome::Limited, "[{}] {d:?}", c.name);
+        assert_eq!(d.rules()[0].remaining, 0, "[{}] {d:?}", c.name);
+        assert_eq!(d.rules()[1].remaining, 2, "[{}] {d:?}", c.name);
+        let g = c.rules("1/s gcra burst=2");
+        assert_eq!(
+            c.check(b"g", &g, 0).await.rules()[0].remaining,
+            2,
+            "[{}]",
+            c.name
+        );
+        c.allowed(b"g", &g, 2, "peek left the burst").await;
+    }
 
-    case!("blocks: with a duration, without end, lifted", |c| {
+    /// Blocks: with a duration, without end, lifted.
+    pub async fn blocks_with_duration_without_end_lifted<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "blocks: with a duration, without end, lifted");
         let r = c.rules("100/s gcra burst=100");
         c.at(0);
         c.block(b"k", Some(Duration::from_secs(30))).await;
@@ -499,9 +685,11 @@ where
             .await
             .unwrap_or_else(|e| panic!("unblock: {e}"));
         c.allowed(b"k", &r, 1, "unblocked").await;
-    });
+    }
 
-    case!("reset forgets a key's state for one rule set", |c| {
+    /// Reset forgets a key's state for one rule set.
+    pub async fn reset_forgets_one_rule_set<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "reset forgets a key's state for one rule set");
         let r = c.rules("2/min fixed-window");
         let other = c.rules("2/min fixed-window name=other");
         c.at(0);
@@ -520,40 +708,85 @@ where
             "other rule set untouched",
         )
         .await;
-    });
+    }
 
-    case!(
-        "keys are data: no collisions between awkward keys or rule sets",
-        |c| {
-            let long = vec![b'x'; 10 * 1024];
-            let keys: [&[u8]; 10] = [
-                b"",
-                b"a",
-                b"a:b",
-                b"a:",
-                b":b",
-                b"{a}",
-                b"a}",
-                b"{",
-                b"\r\n*1\r\n$4\r\nPING\r\n",
-                &long,
-            ];
-            let binary: &[u8] = &[0xff, 0xfe, 0x00, 0x7b, 0x7d];
-            let r = c.rules("1/min fixed-window");
-            let r2 = c.rules("1/min sliding-log");
-            c.at(0);
-            for key in keys.iter().copied().chain([binary]) {
-                c.allowed(key, &r, 1, "first use of each key").await;
-                c.allowed(key, &r2, 1, "same key, other rule set").await;
-            }
-            for key in keys.iter().copied().chain([binary]) {
-                c.denied(key, &r, 1, Duration::from_secs(60), "second use")
-                    .await;
-            }
+    /// Keys are data: no collisions between awkward keys or rule sets.
+    pub async fn keys_are_data<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "keys are data: no collisions between awkward keys or rule sets",
+        );
+        let long = vec![b'x'; 10 * 1024];
+        let keys: [&[u8]; 10] = [
+            b"",
+            b"a",
+            b"a:b",
+            b"a:",
+            b":b",
+            b"{a}",
+            b"a}",
+            b"{",
+            b"\r\n*1\r\n$4\r\nPING\r\n",
+            &long,
+        ];
+        let binary: &[u8] = &[0xff, 0xfe, 0x00, 0x7b, 0x7d];
+        let r = c.rules("1/min fixed-window");
+        let r2 = c.rules("1/min sliding-log");
+        c.at(0);
+        for key in keys.iter().copied().chain([binary]) {
+            c.allowed(key, &r, 1, "first use of each key").await;
+            c.allowed(key, &r2, 1, "same key, other rule set").await;
         }
-    );
+        for key in keys.iter().copied().chain([binary]) {
+            c.denied(key, &r, 1, Duration::from_secs(60), "second use")
+                .await;
+        }
+    }
 
-    case!("state expires: a long-idle key starts fresh", |c| {
+    /// Long keys: a key above the inline threshold is held by its digest, so it is one key
+    /// (blocks and resets included), and a short key equal to that digest is another.
+    pub async fn long_keys_are_digests_distinct_from_short_keys<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "long keys are digests, distinct from short keys",
+        );
+        let r = c.rules("2/min fixed-window");
+        let mut long = vec![b'L'; 64 * 1024];
+        let digest = crate::key::digest(&long);
+        c.at(0);
+        c.allowed(&long, &r, 2, "a 64 KiB key").await;
+        c.denied(&long, &r, 1, Duration::from_secs(60), "the same 64 KiB key")
+            .await;
+        c.allowed(&digest, &r, 2, "a short key equal to its digest")
+            .await;
+        long[32 * 1024] = b'M';
+        c.allowed(&long, &r, 2, "a 64 KiB key differing in one byte")
+            .await;
+        long[32 * 1024] = b'L';
+        c.block(&long, None).await;
+        let d = c.check(&long, &r, 0).await;
+        assert_eq!(d.outcome(), Outcome::Blocked, "[{}] {d:?}", c.name);
+        let d = c.check(&digest, &r, 0).await;
+        assert_eq!(d.outcome(), Outcome::Limited, "[{}] {d:?}", c.name);
+        c.store
+            .unblock(&long)
+            .await
+            .unwrap_or_else(|e| panic!("unblock: {e}"));
+        c.store
+            .reset(&long, &r)
+            .await
+            .unwrap_or_else(|e| panic!("reset: {e}"));
+        c.allowed(&long, &r, 2, "after the reset").await;
+    }
+
+    /// State expires: a long-idle key starts fresh.
+    pub async fn idle_state_expires<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "state expires: a long-idle key starts fresh");
         let r = c.rules(
             "2/h sliding-window precision=6; 3/day sliding-log; 1/min token-bucket capacity=1",
         );
@@ -563,7 +796,7 @@ where
         let d = c.check(b"k", &r, 1).await;
         assert!(d.is_allowed(), "[{}] {d:?}", c.name);
         assert_eq!(d.rules()[1].remaining, 2, "[{}] {d:?}", c.name);
-    });
+    }
 }
 
 /// One step of a trace for [`run_trace`].
@@ -652,6 +885,20 @@ pub async fn run_trace<St: Store>(
         });
     }
     out
+}
+
+/// A proptest configuration running `cases` cases that keeps every shrunk failure in
+/// `path` (relative to the package being tested, e.g.
+/// `"proptest-regressions/traces.txt"`), so the failure is replayed first on every later
+/// run until it passes. Commit the file.
+pub fn proptest_config(cases: u32, path: &'static str) -> proptest::test_runner::Config {
+    proptest::test_runner::Config {
+        cases,
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::Direct(path),
+        )),
+        ..proptest::test_runner::Config::default()
+    }
 }
 
 /// proptest strategies for rules, rule sets and traces.

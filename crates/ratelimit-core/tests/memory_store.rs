@@ -9,6 +9,15 @@ use ratelimit_core::{ManualClock, MemoryStore, RuleSet};
 
 const T0: u64 = 1_700_000_000_000_000;
 
+/// A store on `clock` with `shards` shards and room for `max_keys` entries.
+fn capped(clock: &ManualClock, shards: usize, max_keys: usize) -> MemoryStore<ManualClock> {
+    MemoryStore::builder()
+        .clock(clock.clone())
+        .shards(shards)
+        .max_keys(max_keys)
+        .build()
+}
+
 /// Every algorithm: 8 threads hammering one key while the clock moves admit exactly what
 /// one thread replaying the same instants admits.
 #[test]
@@ -70,11 +79,7 @@ fn eight_threads_on_one_key_admit_exactly_what_a_serial_run_admits() {
 #[test]
 fn a_flood_of_distinct_keys_stays_under_the_cap() {
     let clock = ManualClock::new(T0);
-    let store = MemoryStore::builder()
-        .clock(clock.clone())
-        .shards(4)
-        .max_keys(4_000)
-        .build();
+    let store = capped(&clock, 4, 4_000);
     let rules: RuleSet = "10/h gcra burst=10".parse().unwrap();
     for i in 0..50_000u32 {
         assert!(store
@@ -97,11 +102,7 @@ fn a_flood_of_distinct_keys_stays_under_the_cap() {
 #[test]
 fn at_the_cap_the_entries_nearest_to_fresh_go_first() {
     let clock = ManualClock::new(T0);
-    let store = MemoryStore::builder()
-        .clock(clock.clone())
-        .shards(1)
-        .max_keys(80)
-        .build();
+    let store = capped(&clock, 1, 80);
     let rules: RuleSet = "1/min gcra burst=1".parse().unwrap();
     // 40 keys used early (their state expires first), then 40 used 30 s later.
     for i in 0..40u32 {
@@ -153,4 +154,120 @@ fn peeks_and_denials_create_no_entries() {
         store.check_now(b"a", &rules, 2).is_err(),
         "cost above capacity"
     );
+}
+
+/// The attack from the issue, at a small cap: a client at its limit, then a flood of
+/// one-shot keys many times the cap. Fixed windows give every flood key the same expiry as
+/// the client (they tie on expiry); GCRA gives the flood keys a later one.
+#[test]
+fn a_flood_of_one_shot_keys_never_resets_a_client_at_its_limit() {
+    for text in [
+        "5/min fixed-window",
+        "5/min",
+        "5/min sliding-log; 100/h fixed-window",
+    ] {
+        let clock = ManualClock::new(T0 - T0 % 60_000_000);
+        let store = capped(&clock, 2, 64);
+        let rules: RuleSet = text.parse().unwrap();
+        for _ in 0..5 {
+            assert!(store.check_now(b"victim", &rules, 1).unwrap().is_allowed());
+        }
+        // A client that used 4 of its 5 is near its limit: it must outlive the flood too.
+        for _ in 0..4 {
+            assert!(store.check_now(b"near", &rules, 1).unwrap().is_allowed());
+        }
+        assert!(!store.check_now(b"victim", &rules, 1).unwrap().is_allowed());
+        for i in 0..20_000u32 {
+            clock.advance(Duration::from_micros(5));
+            assert!(store
+                .check_now(&i.to_be_bytes(), &rules, 1)
+                .unwrap()
+                .is_allowed());
+            if i % 97 == 0 {
+                let d = store.check_now(b"victim", &rules, 1).unwrap();
+                assert!(!d.is_allowed(), "{text}: victim reset after {i} keys");
+            }
+            assert!(store.len() <= 64);
+        }
+        let near = store.check_now(b"near", &rules, 1).unwrap();
+        assert!(near.is_allowed(), "{text}: the fifth unit of `near`");
+        assert!(
+            !store.check_now(b"near", &rules, 1).unwrap().is_allowed(),
+            "{text}: `near` kept its four units through the flood"
+        );
+    }
+}
+
+/// Tier beats expiry: clients at their limit whose state expires first still outlive
+/// one-shot keys that expire later; within a tier, the soonest expiry goes first.
+#[test]
+fn eviction_order_is_closeness_to_the_limit_then_expiry() {
+    let clock = ManualClock::new(T0);
+    let store = capped(&clock, 1, 80);
+    // GCRA 5/min: one unit costs 12 s of state, five cost 60 s.
+    let rules: RuleSet = "5/min".parse().unwrap();
+    let limited = |i: u32| format!("limited-{i}");
+    for i in 0..20 {
+        for _ in 0..5 {
+            store.check_now(limited(i).as_bytes(), &rules, 1).unwrap();
+        }
+    }
+    // One-shot keys 50 s and 55 s later: their states expire at 62 s and 67 s, after the
+    // limited ones' 60 s.
+    clock.advance(Duration::from_secs(50));
+    for i in 0..30u32 {
+        store.check_now(&i.to_be_bytes(), &rules, 1).unwrap();
+    }
+    clock.advance(Duration::from_secs(5));
+    for i in 30..60u32 {
+        store.check_now(&i.to_be_bytes(), &rules, 1).unwrap();
+    }
+    assert_eq!(store.len(), 80);
+    // The 81st key evicts an eighth (10 entries): the earliest one-shot keys.
+    store.check_now(b"new", &rules, 1).unwrap();
+    assert_eq!(store.len(), 71);
+    // 55 s after their five units the limited keys have 4 back (GCRA returns one per
+    // 12 s); forgotten, they would have 5.
+    for i in 0..20 {
+        let d = store.check_now(limited(i).as_bytes(), &rules, 0).unwrap();
+        assert_eq!(d.rules()[0].remaining, 4, "limited key {i} was forgotten");
+    }
+    let remaining = |i: u32| {
+        store
+            .check_now(&i.to_be_bytes(), &rules, 0)
+            .unwrap()
+            .rules()[0]
+            .remaining
+    };
+    let forgotten = (0..60).filter(|&i| remaining(i) == 5).collect::<Vec<_>>();
+    assert_eq!(forgotten.len(), 10, "{forgotten:?}");
+    assert!(forgotten.iter().all(|&i| i < 30), "{forgotten:?}");
+}
+
+/// Long keys are held as digests: distinct long keys stay distinct, one long key maps to
+/// one entry, and a short key equal to a long key's digest is another key.
+#[test]
+fn long_keys_are_held_by_digest_and_never_collide_with_short_ones() {
+    let clock = ManualClock::new(T0);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let rules: RuleSet = "1/min fixed-window".parse().unwrap();
+    let mut long = vec![b'k'; 64 * 1024];
+    for i in 0..50u32 {
+        long[..4].copy_from_slice(&i.to_be_bytes());
+        assert!(store.check_now(&long, &rules, 1).unwrap().is_allowed());
+        assert!(!store.check_now(&long, &rules, 1).unwrap().is_allowed());
+    }
+    assert_eq!(store.len(), 50);
+    let digest = ratelimit_core::key::digest(&long);
+    assert!(store.check_now(&digest, &rules, 1).unwrap().is_allowed());
+    // Blocks and resets find long keys the same way.
+    store.block_now(&long, None);
+    assert!(!store.check_now(&long, &rules, 0).unwrap().is_allowed());
+    assert_ne!(
+        store.check_now(&digest, &rules, 0).unwrap().outcome(),
+        ratelimit_core::Outcome::Blocked
+    );
+    store.unblock_now(&long);
+    store.reset_now(&long, &rules);
+    assert!(store.check_now(&long, &rules, 1).unwrap().is_allowed());
 }

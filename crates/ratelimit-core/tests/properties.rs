@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use ratelimit_core::algo::{decide, RuleState};
-use ratelimit_core::testing::strategy;
+use ratelimit_core::testing::{proptest_config, strategy};
 use ratelimit_core::{Rule, RuleSet};
 use std::time::Duration;
 
@@ -56,7 +56,7 @@ fn max_in_window(times: &[u64], period: u64) -> usize {
 const PERIODS: [u64; 4] = [1_000, 10_000, 1_000_000, 60_000_000];
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(proptest_config(256, "proptest-regressions/properties.txt"))]
 
     #[test]
     fn sliding_log_never_exceeds_limit_in_any_window(

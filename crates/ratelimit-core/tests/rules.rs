@@ -89,7 +89,7 @@ fn nonsense_is_refused_with_the_field_and_the_fix() {
         ),
         (
             Rule::gcra(1_000_000, Duration::from_secs(86_400), 1_000_000),
-            "use a smaller burst",
+            "use a smaller `burst`",
         ),
         (
             Rule::fixed_window(1, Duration::from_secs(72 * 365 * 86_400)),
@@ -153,4 +153,79 @@ fn the_exactness_bound_admits_everyday_quotas() {
         text.parse::<Rule>()
             .unwrap_or_else(|e| panic!("{text}: {e}"));
     }
+}
+
+#[test]
+fn rule_lists_as_limits_and_flask_limiter_write_them() {
+    let want: RuleSet = "10/minute; 100/day".parse().unwrap();
+    for text in [
+        "10/minute, 100/day",
+        "10/minute,100/day",
+        "10 per minute | 100 per day",
+        "10/minute; 100/day;",
+        " 10/minute ,, 100/day ",
+    ] {
+        let set: RuleSet = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(set, want, "{text}");
+    }
+}
+
+#[test]
+fn week_is_a_unit_and_keeps_the_canonical_text() {
+    for text in ["3/week", "3/1w", "3 per week", "3/wk", "6/2weeks"] {
+        let rule: Rule = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(
+            rule.period_us() / rule.limit(),
+            604_800_000_000 / 3,
+            "{text}"
+        );
+    }
+    // The canonical text (and with it the fingerprint that names stored state) is in days.
+    assert_eq!(
+        "3/week".parse::<Rule>().unwrap().to_string(),
+        "3/7d gcra burst=3"
+    );
+}
+
+#[test]
+fn a_repeated_option_is_reported_as_repeated() {
+    for (text, field) in [
+        ("10/s gcra burst=2 burst=3", "burst"),
+        ("10/s gcra burst=2 BURST=2", "BURST"),
+        (
+            "10/s leaky-bucket mode=shaper burst=2 delay=1 delay=1",
+            "delay",
+        ),
+        ("10/s token-bucket capacity=5 name=a capacity=6", "capacity"),
+        ("10/s fixed-window name=a name=b", "name"),
+    ] {
+        let err = text.parse::<Rule>().unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("`{field}` given twice")),
+            "{text}: {err}"
+        );
+    }
+}
+
+#[test]
+fn the_syntax_help_appears_once_per_error() {
+    let help = "expected `<limit>/<period>";
+    let one = "10/fortnight".parse::<Rule>().unwrap_err().to_string();
+    assert_eq!(one.matches(help).count(), 1, "{one}");
+    assert!(one.contains("unknown time unit \"fortnight\""), "{one}");
+    // Several malformed rules: each named with its reason, the help once.
+    let many = "10/fortnight; 5/s bogus, 1/s"
+        .parse::<RuleSet>()
+        .unwrap_err();
+    let text = many.to_string();
+    assert_eq!(text.matches(help).count(), 1, "{text}");
+    assert!(
+        text.contains("\"10/fortnight\": unknown time unit"),
+        "{text}"
+    );
+    assert!(text.contains("\"5/s bogus\": unknown algorithm"), "{text}");
+    // A value error needs no syntax help: it names the field and the fix.
+    let invalid = "0/s, 1/s".parse::<RuleSet>().unwrap_err().to_string();
+    assert!(!invalid.contains(help), "{invalid}");
+    assert!(invalid.contains("`limit` must be at least 1"), "{invalid}");
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::TestRunner;
 use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
 use ratelimit_core::{ManualClock, MemoryStore, Rule, RuleSet, Store};
 use ratelimit_redis::testing::{RedisCluster, RedisServer};
@@ -81,11 +81,11 @@ fn traces_agree<St, F>(
         .ok()
         .and_then(|c| c.parse().ok())
         .unwrap_or(cases);
-    let mut runner = TestRunner::new(Config {
+    // Shrunk failures are kept, and replayed first on later runs.
+    let mut runner = TestRunner::new(testing::proptest_config(
         cases,
-        failure_persistence: None,
-        ..Config::default()
-    });
+        "proptest-regressions/conformance.txt",
+    ));
     // proptest wants a `Fn` test; each case builds its store through the cell.
     let make = std::cell::RefCell::new(make);
     let result = runner.run(&traces, |(sets, steps)| {
@@ -160,10 +160,15 @@ fn fine_sliding_windows() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
         .prop_flat_map(|sets| (Just(sets), strategy::steps(1, 80)))
 }
 
-#[test]
-fn redis_store_passes_the_conformance_suite() {
-    let server = RedisServer::start();
-    runtime().block_on(testing::conformance(single(server.url(), "conf")));
+// Each conformance case its own test, against its own redis-server.
+ratelimit_core::conformance_tests! {
+    mod redis_store {
+        setup: {
+            let server = RedisServer::start();
+        },
+        run: |test| runtime().block_on(test),
+        store: single(server.url(), "conf"),
+    }
 }
 
 #[test]

@@ -1,9 +1,14 @@
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{CapacityError, ConfigError};
+
+mod divisor;
+#[cfg(feature = "serde")]
+mod serde;
+mod text;
+
+pub(crate) use divisor::Divisor;
 
 /// The largest `capacity × period_us` accepted. Every intermediate product of the
 /// algorithms stays below 2^53, so Rust's `u64` and Redis Lua's doubles compute the very
@@ -88,6 +93,10 @@ pub struct Rule {
     limit: u64,
     period_us: u64,
     name: Option<Arc<str>>,
+    /// Division by `limit`, and by the span a decision divides time by: the sub-window of
+    /// a sliding window counter, the period otherwise. Fixed by the fields above.
+    limit_div: Divisor,
+    span_div: Divisor,
 }
 
 fn period_us(period: Duration) -> Result<u64, ConfigError> {
@@ -97,71 +106,99 @@ fn period_us(period: Duration) -> Result<u64, ConfigError> {
     if period.subsec_nanos() % 1_000 != 0 {
         return Err(ConfigError::SubMicrosecondPeriod(period));
     }
-    u64::try_from(period.as_micros()).map_err(|_| ConfigError::OutOfExactRange {
-        capacity: 1,
-        period_us: u64::MAX,
-        max: MAX_EXACT_PRODUCT,
-    })
+    let us = u64::try_from(period.as_micros()).unwrap_or(u64::MAX);
+    at_most("period", us, MAX_EXACT_PRODUCT)?;
+    Ok(us)
+}
+
+/// Refuses `value` above `max`, naming the field.
+fn at_most(field: &'static str, value: u64, max: u64) -> Result<(), ConfigError> {
+    if value > max {
+        return Err(ConfigError::TooLarge { field, value, max });
+    }
+    Ok(())
 }
 
 impl Rule {
+    /// Every field is checked on its own before any arithmetic on it, so no value (up to
+    /// `u64::MAX`) can overflow here or in a decision: each bound keeps every
+    /// intermediate of the algorithms below 2^53.
     fn build(algorithm: Algorithm, limit: u64, period: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {
             return Err(ConfigError::ZeroLimit);
         }
+        at_most("limit", limit, MAX_EXACT_PRODUCT)?;
         let period_us = period_us(period)?;
-        let rule = Rule {
-            algorithm,
-            limit,
-            period_us,
-            name: None,
+        // The count that multiplies a (sub-)period in the arithmetic, its field, and that
+        // span; fixed windows and logs only compare counts.
+        let (field, count, span_us) = match algorithm {
+            Algorithm::FixedWindow => ("limit", limit, 1),
+            Algorithm::SlidingLog => {
+                if limit > MAX_LOG_LIMIT {
+                    return Err(ConfigError::LogTooLong {
+                        limit,
+                        max: MAX_LOG_LIMIT,
+                    });
+                }
+                ("limit", limit, 1)
+            }
+            Algorithm::SlidingWindow { precision } => {
+                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 {
+                    return Err(ConfigError::BadPrecision {
+                        precision,
+                        period_us,
+                        max: MAX_PRECISION,
+                    });
+                }
+                ("limit", limit, period_us / precision)
+            }
+            Algorithm::TokenBucket { capacity }
+            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
+                if capacity == 0 {
+                    return Err(ConfigError::ZeroBurst { field: "capacity" });
+                }
+                at_most("capacity", capacity, MAX_EXACT_PRODUCT)?;
+                ("capacity", capacity, period_us)
+            }
+            Algorithm::Gcra { burst } => {
+                if burst == 0 {
+                    return Err(ConfigError::ZeroBurst { field: "burst" });
+                }
+                at_most("burst", burst, MAX_EXACT_PRODUCT)?;
+                ("burst", burst, period_us)
+            }
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+                // The queue plus the request being served.
+                at_most("burst", burst, MAX_EXACT_PRODUCT - 1)?;
+                if delay > burst {
+                    return Err(ConfigError::DelayExceedsBurst { delay, burst });
+                }
+                ("burst", burst + 1, period_us)
+            }
         };
-        match algorithm {
-            Algorithm::SlidingWindow { precision }
-                if precision == 0 || precision > MAX_PRECISION || period_us % precision != 0 =>
-            {
-                return Err(ConfigError::BadPrecision {
-                    precision,
-                    period_us,
-                    max: MAX_PRECISION,
-                });
-            }
-            Algorithm::SlidingLog if limit > MAX_LOG_LIMIT => {
-                return Err(ConfigError::LogTooLong {
-                    limit,
-                    max: MAX_LOG_LIMIT,
-                })
-            }
-            Algorithm::TokenBucket { capacity: 0 }
-            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity: 0 }) => {
-                return Err(ConfigError::ZeroBurst { field: "capacity" })
-            }
-            Algorithm::Gcra { burst: 0 } => return Err(ConfigError::ZeroBurst { field: "burst" }),
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) if delay > burst => {
-                return Err(ConfigError::DelayExceedsBurst { delay, burst })
-            }
-            _ => {}
-        }
-        // Fixed windows and logs only compare counts; the others multiply a count by a
-        // (sub-)period, which must stay exact in Lua's doubles.
-        let (capacity, span_us) = match algorithm {
-            Algorithm::FixedWindow | Algorithm::SlidingLog => (limit, 1),
-            Algorithm::SlidingWindow { precision } => (limit, period_us / precision),
-            _ => (rule.capacity().max(1), period_us),
-        };
-        if limit > MAX_EXACT_PRODUCT
-            || period_us > MAX_EXACT_PRODUCT
-            || capacity
-                .checked_mul(span_us)
-                .is_none_or(|p| p > MAX_EXACT_PRODUCT)
+        if count
+            .checked_mul(span_us)
+            .is_none_or(|p| p > MAX_EXACT_PRODUCT)
         {
             return Err(ConfigError::OutOfExactRange {
-                capacity,
+                field,
+                capacity: count,
                 period_us,
                 max: MAX_EXACT_PRODUCT,
             });
         }
-        Ok(rule)
+        let span = match algorithm {
+            Algorithm::SlidingWindow { precision } => period_us / precision,
+            _ => period_us,
+        };
+        Ok(Rule {
+            algorithm,
+            limit,
+            period_us,
+            name: None,
+            limit_div: Divisor::new(limit),
+            span_div: Divisor::new(span),
+        })
     }
 
     /// A fixed window: at most `limit` units per window of `period`, windows aligned to
@@ -233,11 +270,13 @@ impl Rule {
     }
 
     /// The algorithm and its parameters.
+    #[inline]
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
     }
 
     /// Units per period.
+    #[inline]
     pub fn limit(&self) -> u64 {
         self.limit
     }
@@ -248,8 +287,21 @@ impl Rule {
     }
 
     /// The period in microseconds.
+    #[inline]
     pub fn period_us(&self) -> u64 {
         self.period_us
+    }
+
+    /// Divides by the limit.
+    #[inline]
+    pub(crate) fn limit_div(&self) -> Divisor {
+        self.limit_div
+    }
+
+    /// Divides by the sub-window of a sliding window counter, by the period otherwise.
+    #[inline]
+    pub(crate) fn span_div(&self) -> Divisor {
+        self.span_div
     }
 
     /// The name, if one was given.
@@ -258,6 +310,7 @@ impl Rule {
     }
 
     /// The most units a single check can be granted: larger costs can never be admitted.
+    #[inline]
     pub fn capacity(&self) -> u64 {
         match self.algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
@@ -265,193 +318,10 @@ impl Rule {
             }
             Algorithm::TokenBucket { capacity }
             | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst + 1,
+            // Validation keeps `burst` below `MAX_EXACT_PRODUCT`.
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst.saturating_add(1),
             Algorithm::Gcra { burst } => burst,
         }
-    }
-}
-
-fn fmt_period(us: u64) -> String {
-    const UNITS: [(u64, &str); 5] = [
-        (86_400_000_000, "d"),
-        (3_600_000_000, "h"),
-        (60_000_000, "m"),
-        (1_000_000, "s"),
-        (1_000, "ms"),
-    ];
-    for (size, unit) in UNITS {
-        if us % size == 0 {
-            return format!("{}{unit}", us / size);
-        }
-    }
-    format!("{us}us")
-}
-
-impl fmt::Display for Rule {
-    /// The canonical text form; parsing it gives the same rule back.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.limit, fmt_period(self.period_us))?;
-        match self.algorithm {
-            Algorithm::FixedWindow => write!(f, " fixed-window")?,
-            Algorithm::SlidingWindow { precision } => {
-                write!(f, " sliding-window precision={precision}")?
-            }
-            Algorithm::SlidingLog => write!(f, " sliding-log")?,
-            Algorithm::TokenBucket { capacity } => write!(f, " token-bucket capacity={capacity}")?,
-            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
-                write!(f, " leaky-bucket mode=meter capacity={capacity}")?
-            }
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
-                write!(f, " leaky-bucket mode=shaper burst={burst} delay={delay}")?
-            }
-            Algorithm::Gcra { burst } => write!(f, " gcra burst={burst}")?,
-        }
-        if let Some(name) = &self.name {
-            write!(f, " name={name}")?;
-        }
-        Ok(())
-    }
-}
-
-const RULE_SYNTAX: &str = "expected `<limit>/<period> [algorithm] [option=value ...]`, \
-e.g. `10/second`, `100 per minute`, `5/2 seconds`, `20/min sliding-window precision=4`, \
-`100/s gcra burst=6`, `2/s leaky-bucket mode=shaper burst=10 delay=2`; algorithms: \
-fixed-window, sliding-window, sliding-log, token-bucket, leaky-bucket, gcra (the default)";
-
-fn unit_us(unit: &str) -> Option<u64> {
-    Some(match unit.to_ascii_lowercase().as_str() {
-        "us" | "µs" | "micro" | "micros" | "microsecond" | "microseconds" => 1,
-        "ms" | "milli" | "millis" | "millisecond" | "milliseconds" => 1_000,
-        "s" | "sec" | "secs" | "second" | "seconds" => 1_000_000,
-        "m" | "min" | "mins" | "minute" | "minutes" => 60_000_000,
-        "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000_000,
-        "d" | "day" | "days" => 86_400_000_000,
-        _ => return None,
-    })
-}
-
-fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
-    let spaced = input.replace('/', " / ");
-    let mut tokens = spaced.split_whitespace().peekable();
-    let limit: u64 = tokens
-        .next()
-        .ok_or("empty rule")?
-        .parse()
-        .map_err(|_| "the limit must be a whole number")?;
-    match tokens.next() {
-        Some("/") => {}
-        Some(t) if t.eq_ignore_ascii_case("per") => {}
-        _ => return Err("expected `/` or `per` after the limit".into()),
-    }
-    let period_token = tokens.next().ok_or("missing period")?;
-    let split = period_token
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(period_token.len());
-    let (count, unit) = period_token.split_at(split);
-    let (count, unit) = if unit.is_empty() {
-        let unit = tokens.next().ok_or("missing period unit")?;
-        (count, unit)
-    } else {
-        (count, unit)
-    };
-    let count: u64 = if count.is_empty() {
-        1
-    } else {
-        count.parse().map_err(|_| "bad period count")?
-    };
-    let unit = unit_us(unit).ok_or_else(|| format!("unknown time unit {unit:?}"))?;
-    let period_us = count.checked_mul(unit).ok_or("period too long")?;
-    let period = Duration::from_micros(period_us);
-
-    let mut algorithm: Option<&str> = None;
-    let mut options: Vec<(&str, &str)> = Vec::new();
-    for token in tokens {
-        if let Some((k, v)) = token.split_once('=') {
-            options.push((k, v));
-        } else if algorithm.is_none() {
-            algorithm = Some(token);
-        } else {
-            return Err(format!("unexpected {token:?}").into());
-        }
-    }
-    fn take<'a>(options: &mut Vec<(&'a str, &'a str)>, key: &str) -> Option<&'a str> {
-        let pos = options
-            .iter()
-            .position(|(k, _)| k.eq_ignore_ascii_case(key));
-        pos.map(|i| options.remove(i).1)
-    }
-    fn num<'a>(
-        options: &mut Vec<(&'a str, &'a str)>,
-        key: &str,
-        default: u64,
-    ) -> Result<u64, String> {
-        match take(options, key) {
-            Some(v) => v
-                .parse()
-                .map_err(|_| format!("`{key}` must be a whole number")),
-            None => Ok(default),
-        }
-    }
-    let o = &mut options;
-    let algo = algorithm.unwrap_or("gcra").to_ascii_lowercase();
-    let built = match algo.as_str() {
-        "fixed-window" | "fixed" => Rule::fixed_window(limit, period),
-        "sliding-window" | "sliding-counter" | "sliding" => {
-            Rule::sliding_window(limit, period, num(o, "precision", 1)?)
-        }
-        "sliding-log" | "log" => Rule::sliding_log(limit, period),
-        "token-bucket" | "token" => Rule::token_bucket(limit, period, num(o, "capacity", limit)?),
-        "gcra" => Rule::gcra(limit, period, num(o, "burst", limit)?),
-        "leaky-bucket" | "leaky" => {
-            let mode = take(o, "mode").unwrap_or("meter").to_ascii_lowercase();
-            match mode.as_str() {
-                "meter" => Rule::leaky_meter(limit, period, num(o, "capacity", limit)?),
-                "shaper" => {
-                    let burst = num(o, "burst", 0)?;
-                    Rule::leaky_shaper(limit, period, burst, num(o, "delay", 0)?)
-                }
-                other => {
-                    return Err(
-                        format!("unknown leaky-bucket mode {other:?}: meter or shaper").into(),
-                    )
-                }
-            }
-        }
-        other => return Err(format!("unknown algorithm {other:?}").into()),
-    };
-    let mut rule = built.map_err(ParseFailure::Invalid)?;
-    if let Some(name) = take(o, "name") {
-        rule = rule.named(name).map_err(ParseFailure::Invalid)?;
-    }
-    if let Some((k, _)) = options.first() {
-        return Err(format!("option `{k}` does not apply to {algo}").into());
-    }
-    Ok(rule)
-}
-
-/// Why a rule string was refused: bad syntax, or well-formed but invalid values.
-enum ParseFailure {
-    Syntax(String),
-    Invalid(ConfigError),
-}
-
-impl<T: Into<String>> From<T> for ParseFailure {
-    fn from(reason: T) -> Self {
-        ParseFailure::Syntax(reason.into())
-    }
-}
-
-impl FromStr for Rule {
-    type Err = ConfigError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        parse_rule(s).map_err(|failure| match failure {
-            ParseFailure::Invalid(e) => e,
-            ParseFailure::Syntax(reason) => ConfigError::Parse {
-                input: s.to_owned(),
-                reason: format!("{reason}; {RULE_SYNTAX}"),
-            },
-        })
     }
 }
 
@@ -490,6 +360,8 @@ struct RuleSetInner {
     fingerprint: u64,
     log_limit: u64,
     log_period_us: u64,
+    /// The smallest capacity over the rules: the largest cost every rule can grant.
+    max_cost: u64,
 }
 
 impl PartialEq for RuleSet {
@@ -523,6 +395,7 @@ impl RuleSet {
             .filter(|r| r.algorithm == Algorithm::SlidingLog);
         let log_limit = logs.clone().map(|r| r.limit).max().unwrap_or(0);
         let log_period_us = logs.map(|r| r.period_us).max().unwrap_or(0);
+        let max_cost = rules.iter().map(Rule::capacity).min().unwrap_or(0);
         Ok(Self {
             inner: Arc::new(RuleSetInner {
                 rules,
@@ -530,21 +403,25 @@ impl RuleSet {
                 fingerprint,
                 log_limit,
                 log_period_us,
+                max_cost,
             }),
         })
     }
 
-    /// Parses `"1/s; 20/min; 200/h; 800/day"`: rules separated by `;`.
+    /// Parses `"1/s; 20/min; 200/h; 800/day"` or `"10/minute, 100/day"`: rules separated by `;`,
+    /// `,` or `|`.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
         text.parse()
     }
 
     /// The rules, in the order given.
+    #[inline]
     pub fn rules(&self) -> &[Rule] {
         &self.inner.rules
     }
 
     /// Number of rules.
+    #[inline]
     pub fn len(&self) -> usize {
         self.inner.rules.len()
     }
@@ -560,11 +437,13 @@ impl RuleSet {
     }
 
     /// A 64-bit hash (FNV-1a) of [`RuleSet::id`], stable across versions and processes.
+    #[inline]
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }
 
     /// Entries the shared sliding log keeps (the largest sliding-log limit), 0 if none.
+    #[inline]
     pub fn log_limit(&self) -> u64 {
         self.inner.log_limit
     }
@@ -575,7 +454,11 @@ impl RuleSet {
     }
 
     /// Refuses a cost that some rule could never grant. Stores call this before deciding.
+    #[inline]
     pub fn check_cost(&self, cost: u64) -> Result<(), CapacityError> {
+        if cost <= self.inner.max_cost {
+            return Ok(());
+        }
         for (i, rule) in self.rules().iter().enumerate() {
             if cost > rule.capacity() {
                 return Err(CapacityError {
@@ -592,76 +475,5 @@ impl RuleSet {
 impl From<Rule> for RuleSet {
     fn from(rule: Rule) -> Self {
         RuleSet::new([rule]).expect("one valid rule is a valid rule set")
-    }
-}
-
-impl FromStr for RuleSet {
-    type Err = ConfigError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let rules = s
-            .split(';')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .map(str::parse)
-            .collect::<Result<Vec<Rule>, _>>()?;
-        RuleSet::new(rules)
-    }
-}
-
-impl fmt::Display for RuleSet {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.id())
-    }
-}
-
-#[cfg(feature = "serde")]
-mod serde_impls {
-    use super::{Rule, RuleSet};
-    use serde::de::{Error, SeqAccess, Visitor};
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use std::fmt;
-
-    impl Serialize for Rule {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            s.collect_str(self)
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Rule {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            let text = String::deserialize(d)?;
-            text.parse().map_err(D::Error::custom)
-        }
-    }
-
-    impl Serialize for RuleSet {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            s.collect_str(self)
-        }
-    }
-
-    /// A rule set deserializes from `"1/s; 20/min"` or from a list of rule strings.
-    impl<'de> Deserialize<'de> for RuleSet {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> Visitor<'de> for V {
-                type Value = RuleSet;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("a rule string such as \"1/s; 20/min\" or a list of rule strings")
-                }
-                fn visit_str<E: Error>(self, v: &str) -> Result<RuleSet, E> {
-                    v.parse().map_err(E::custom)
-                }
-                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RuleSet, A::Error> {
-                    let mut rules = Vec::new();
-                    while let Some(rule) = seq.next_element::<Rule>()? {
-                        rules.push(rule);
-                    }
-                    RuleSet::new(rules).map_err(A::Error::custom)
-                }
-            }
-            d.deserialize_any(V)
-        }
     }
 }

@@ -1,0 +1,45 @@
+//! Fixed window: one counter per window of `period`, windows aligned to the Unix epoch.
+//!
+//! State: [`RuleState::Window`] `{ index, count }`, the window number `now / period` and
+//! the units admitted in it. A count from an earlier window reads as 0.
+
+use super::{Eval, Next, RuleState};
+use crate::rule::Rule;
+
+/// Admits `cost` units when the current window's count plus `cost` stays within the
+/// limit; a denied request waits for the next window.
+#[inline(always)]
+pub(super) fn evaluate(rule: &Rule, state: &RuleState, now: u64, cost: u64) -> Eval {
+    let limit = rule.limit();
+    let period = rule.period_us();
+    let index = rule.span_div().div(now);
+    let count = match *state {
+        RuleState::Window { index: i, count } if i == index => count,
+        _ => 0,
+    };
+    Eval {
+        allowed: count + cost <= limit,
+        remaining_before: limit.saturating_sub(count),
+        retry_us: (index + 1) * period - now,
+        delay_us: 0,
+        next: Next::Window {
+            index,
+            count: count + cost,
+        },
+    }
+}
+
+/// Writes the window's new count.
+#[inline]
+pub(super) fn commit(state: &mut RuleState, index: u64, count: u64) {
+    *state = RuleState::Window { index, count };
+}
+
+/// The end of the counted window.
+#[inline]
+pub(super) fn expires_at(rule: &Rule, state: &RuleState) -> u64 {
+    match *state {
+        RuleState::Window { index, .. } => (index + 1) * rule.period_us(),
+        _ => 0,
+    }
+}

@@ -1,0 +1,73 @@
+//! GCRA: one theoretical arrival time (TAT) per key; the leaky bucket runs on the same
+//! arithmetic.
+//!
+//! State: [`RuleState::Tat`] `{ us, frac }`, the TAT as `us + frac / limit` µs, so an
+//! emission interval of `period / limit` µs that is not a whole microsecond stays exact.
+//! A request of `cost` units moves the TAT to `max(tat, now) + cost × period / limit`
+//! and is admitted when the new TAT is at most `burst × period / limit` ahead of `now`.
+
+use super::{Eval, Next, RuleState};
+use crate::rule::Rule;
+
+/// Admits up to `burst` units at once from idle.
+#[inline(always)]
+pub(super) fn evaluate(rule: &Rule, burst: u64, state: &RuleState, now: u64, cost: u64) -> Eval {
+    arrival(rule, burst, state, now, cost).0
+}
+
+/// The GCRA step for a bucket of `capacity` emission intervals: the verdict and, beside
+/// it, how far the new TAT lies ahead of `now` in 1/limit µs (the leaky shaper's delay
+/// is measured from it).
+#[inline(always)]
+pub(super) fn arrival(
+    rule: &Rule,
+    capacity: u64,
+    state: &RuleState,
+    now: u64,
+    cost: u64,
+) -> (Eval, u64) {
+    let limit = rule.limit();
+    let period = rule.period_us();
+    // max(tat, now)
+    let (base_us, base_frac) = match *state {
+        RuleState::Tat { us, frac } if us > now || (us == now && frac > 0) => (us, frac),
+        _ => (now, 0),
+    };
+    let total = base_frac + cost * period;
+    let (whole, next_frac) = rule.limit_div().div_rem(total);
+    let next_us = base_us + whole;
+    let ahead_before = (base_us - now) * limit + base_frac;
+    let ahead = (next_us - now) * limit + next_frac;
+    let max = capacity * period;
+    let allowed = ahead <= max;
+    let eval = Eval {
+        allowed,
+        remaining_before: rule.span_div().div(max.saturating_sub(ahead_before)),
+        retry_us: if allowed {
+            0
+        } else {
+            (ahead - max).div_ceil(limit)
+        },
+        delay_us: 0,
+        next: Next::Tat {
+            us: next_us,
+            frac: next_frac,
+        },
+    };
+    (eval, ahead)
+}
+
+/// Writes the new TAT.
+#[inline]
+pub(super) fn commit(state: &mut RuleState, us: u64, frac: u64) {
+    *state = RuleState::Tat { us, frac };
+}
+
+/// The TAT, rounded up to a whole microsecond: from then on the key is idle.
+#[inline]
+pub(super) fn expires_at(state: &RuleState) -> u64 {
+    match *state {
+        RuleState::Tat { us, frac } => us + u64::from(frac > 0),
+        _ => 0,
+    }
+}

@@ -1,0 +1,306 @@
+//! The algorithms as pure state transitions: `(state, now, rules, cost) -> (decision, state)`.
+//!
+//! All arithmetic is on unsigned integers whose every intermediate value stays below 2^53
+//! for rules that pass [`Rule`] validation, so the Redis store's Lua translation (which
+//! computes with doubles) reaches exactly the same numbers. Times are microseconds since
+//! the Unix epoch.
+//!
+//! Each algorithm lives in its own module, in the same three steps as the Redis store's
+//! `check.lua` (one Lua function per module, same names): `evaluate` (the verdict on the
+//! state as it stands, and the state to write), `commit` (writing it), and `expires_at`
+//! (when the state has become equivalent to a fresh one). This module only runs several
+//! rules all or nothing: every rule is evaluated, and only if all admit are all committed.
+//!
+//! Divisions by a rule's limit, period or sub-window go through multipliers computed when
+//! the rule is built; they give exactly the quotients a division gives.
+//!
+//! ```
+//! use ratelimit_core::algo::{decide, RuleState};
+//! use ratelimit_core::RuleSet;
+//!
+//! let rules: RuleSet = "2/s fixed-window".parse().unwrap();
+//! let mut states = vec![RuleState::Fresh; rules.len()];
+//! let now = 1_700_000_000_000_000;
+//! assert!(decide(&rules, &mut states, now, 1).decision.is_allowed());
+//! assert!(decide(&rules, &mut states, now, 1).decision.is_allowed());
+//! let third = decide(&rules, &mut states, now, 1);
+//! assert!(!third.decision.is_allowed() && !third.committed);
+//! ```
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::decision::{Decision, RuleOutcome};
+use crate::rule::{Algorithm, Rule, RuleSet};
+
+mod fixed_window;
+mod gcra;
+mod leaky_bucket;
+mod sliding_log;
+mod sliding_window;
+mod token_bucket;
+
+/// The stored state of one rule for one key.
+///
+/// `Fresh` is the state of a key never seen (or whose state expired): every algorithm
+/// treats it as "nothing consumed".
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum RuleState {
+    /// Nothing recorded.
+    #[default]
+    Fresh,
+    /// Fixed window: units counted in window number `index` (`now / period`).
+    Window {
+        /// Window number.
+        index: u64,
+        /// Units admitted in it.
+        count: u64,
+    },
+    /// Sliding window counter: `counts[i]` is the count of sub-window `index - i`.
+    Counters {
+        /// Newest sub-window number (`now / (period / precision)`).
+        index: u64,
+        /// `precision + 1` counts, newest first.
+        counts: Box<[u64]>,
+    },
+    /// Sliding log shared by all sliding-log rules of the set, newest timestamp first,
+    /// held in the slot of the first sliding-log rule.
+    Log(Box<VecDeque<u64>>),
+    /// Token bucket: `level` is tokens × period_us, as of `last`.
+    Tokens {
+        /// Tokens, scaled by the period in microseconds.
+        level: u64,
+        /// When `level` was computed.
+        last: u64,
+    },
+    /// GCRA and leaky bucket: theoretical arrival time `us + frac / limit` microseconds.
+    Tat {
+        /// Whole microseconds.
+        us: u64,
+        /// Fraction of a microsecond, in units of 1/limit.
+        frac: u64,
+    },
+}
+
+/// The result of [`decide`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    /// The answer.
+    pub decision: Decision,
+    /// Whether the states were changed (an admitted check with cost > 0).
+    pub committed: bool,
+    /// When committed: the time from which the key's state is equivalent to a fresh one,
+    /// the moment its store entry may be dropped (or its Redis key expire). 0 otherwise.
+    pub expires_at_us: u64,
+}
+
+/// One rule's verdict, with the state it writes if the whole check commits. Values only
+/// a denial needs (`retry_us`) are computed only on denial: 64-bit divisions dominate the
+/// cost of a decision.
+struct Eval {
+    allowed: bool,
+    remaining_before: u64,
+    retry_us: u64,
+    delay_us: u64,
+    next: Next,
+}
+
+/// The state a rule writes on commit.
+enum Next {
+    Window { index: u64, count: u64 },
+    Counters { cur: u64 },
+    Log,
+    Tokens { level: u64, last: u64 },
+    Tat { us: u64, frac: u64 },
+}
+
+fn us(d: u64) -> Duration {
+    Duration::from_micros(d)
+}
+
+/// Decides a check of `cost` units at `now` against `rules`, whose states are `states`
+/// (one per rule, in order). When every rule admits and `cost > 0`, the states are
+/// updated in place; otherwise they are left exactly as they were. `cost == 0` peeks: the
+/// verdict is the one a request of cost 1 would get, and `remaining` counts what is left.
+///
+/// The caller must have checked `cost` with [`RuleSet::check_cost`].
+pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {
+    debug_assert_eq!(states.len(), rules.len());
+    // Inlined into the caller (a store's check), the one-rule case builds its decision in
+    // place instead of copying it out.
+    if let ([rule], [state]) = (rules.rules(), &mut *states) {
+        return decide_one(rule, state, rules.log_limit(), now, cost);
+    }
+    decide_many(rules, states, now, cost)
+}
+
+/// [`decide`] for several rules, all or nothing.
+#[inline(never)]
+fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {
+    let c = cost.max(1);
+    // Plain loops and pushes: iterator adaptors collecting into SmallVec cost more than
+    // the arithmetic of a decision.
+    let mut evals: SmallVec<[Eval; 4]> = SmallVec::new();
+    let mut allowed = true;
+    let mut delay = 0;
+    {
+        let log = shared_log(states);
+        for (rule, state) in rules.rules().iter().zip(states.iter()) {
+            let e = evaluate(rule, state, log, now, c);
+            allowed &= e.allowed;
+            delay = delay.max(e.delay_us);
+            evals.push(e);
+        }
+    }
+    let mut outcomes: SmallVec<[RuleOutcome; 2]> = SmallVec::new();
+    if cost == 0 || !allowed {
+        let log = shared_log(states);
+        for ((rule, state), e) in rules.rules().iter().zip(states.iter()).zip(&evals) {
+            outcomes.push(RuleOutcome {
+                allowed: e.allowed,
+                limit: rule.limit(),
+                remaining: e.remaining_before,
+                reset_after: us(expires_at(rule, state, log).saturating_sub(now)),
+                retry_after: (!e.allowed).then(|| us(e.retry_us)),
+            });
+        }
+        return Transition {
+            decision: Decision::from_outcomes(outcomes, us(delay)),
+            committed: false,
+            expires_at_us: 0,
+        };
+    }
+    let mut log_done = false;
+    for ((rule, state), e) in rules.rules().iter().zip(states.iter_mut()).zip(&evals) {
+        // The log lives in the first sliding-log rule's slot and is shared.
+        if matches!(e.next, Next::Log) {
+            if log_done {
+                continue;
+            }
+            log_done = true;
+        }
+        commit(rule, state, &e.next, rules.log_limit(), now, cost);
+    }
+    let log = shared_log(states);
+    let mut expires_at_us = 0;
+    for ((rule, state), e) in rules.rules().iter().zip(states.iter()).zip(&evals) {
+        let expires = expires_at(rule, state, log);
+        expires_at_us = expires_at_us.max(expires);
+        outcomes.push(RuleOutcome {
+            allowed: true,
+            limit: rule.limit(),
+            remaining: e.remaining_before - cost,
+            reset_after: us(expires.saturating_sub(now)),
+            retry_after: None,
+        });
+    }
+    Transition {
+        decision: Decision::from_outcomes(outcomes, us(delay)),
+        committed: true,
+        expires_at_us,
+    }
+}
+
+/// [`decide`] for the most common case, one rule: no per-rule buffers, and the decision
+/// built directly from the one verdict.
+#[inline]
+fn decide_one(
+    rule: &Rule,
+    state: &mut RuleState,
+    log_limit: u64,
+    now: u64,
+    cost: u64,
+) -> Transition {
+    let e = evaluate(rule, state, own_log(state), now, cost.max(1));
+    let committed = cost > 0 && e.allowed;
+    if committed {
+        commit(rule, state, &e.next, log_limit, now, cost);
+    }
+    let expires = expires_at(rule, state, own_log(state));
+    let outcome = RuleOutcome {
+        allowed: e.allowed,
+        limit: rule.limit(),
+        remaining: if committed {
+            e.remaining_before - cost
+        } else {
+            e.remaining_before
+        },
+        reset_after: us(expires.saturating_sub(now)),
+        retry_after: (!e.allowed).then(|| us(e.retry_us)),
+    };
+    Transition {
+        decision: Decision::single(outcome, us(e.delay_us)),
+        committed,
+        expires_at_us: if committed { expires } else { 0 },
+    }
+}
+
+fn own_log(state: &RuleState) -> Option<&VecDeque<u64>> {
+    match state {
+        RuleState::Log(log) => Some(log),
+        _ => None,
+    }
+}
+
+fn shared_log(states: &[RuleState]) -> Option<&VecDeque<u64>> {
+    states.iter().find_map(|s| match s {
+        RuleState::Log(log) => Some(&**log),
+        _ => None,
+    })
+}
+
+/// One rule's verdict on the states as they stand.
+#[inline(always)]
+fn evaluate(
+    rule: &Rule,
+    state: &RuleState,
+    log: Option<&VecDeque<u64>>,
+    now: u64,
+    cost: u64,
+) -> Eval {
+    match rule.algorithm() {
+        Algorithm::FixedWindow => fixed_window::evaluate(rule, state, now, cost),
+        Algorithm::SlidingWindow { precision } => {
+            sliding_window::evaluate(rule, precision, state, now, cost)
+        }
+        Algorithm::SlidingLog => sliding_log::evaluate(rule, log, now, cost),
+        Algorithm::TokenBucket { capacity } => {
+            token_bucket::evaluate(rule, capacity, state, now, cost)
+        }
+        Algorithm::LeakyBucket(mode) => leaky_bucket::evaluate(rule, mode, state, now, cost),
+        Algorithm::Gcra { burst } => gcra::evaluate(rule, burst, state, now, cost),
+    }
+}
+
+/// Writes the state a rule decided on, once the whole check commits.
+#[inline(always)]
+fn commit(rule: &Rule, state: &mut RuleState, next: &Next, log_limit: u64, now: u64, cost: u64) {
+    match *next {
+        Next::Window { index, count } => fixed_window::commit(state, index, count),
+        Next::Counters { cur } => {
+            let Algorithm::SlidingWindow { precision } = rule.algorithm() else {
+                unreachable!("counters belong to the sliding window counter")
+            };
+            sliding_window::commit(precision, state, cur, cost)
+        }
+        Next::Log => sliding_log::commit(state, log_limit, now, cost),
+        Next::Tokens { level, last } => token_bucket::commit(state, level, last),
+        Next::Tat { us, frac } => gcra::commit(state, us, frac),
+    }
+}
+
+/// The moment from which the rule's state is equivalent to `Fresh`.
+#[inline(always)]
+fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>) -> u64 {
+    match rule.algorithm() {
+        Algorithm::FixedWindow => fixed_window::expires_at(rule, state),
+        Algorithm::SlidingWindow { precision } => {
+            sliding_window::expires_at(rule, precision, state)
+        }
+        Algorithm::SlidingLog => sliding_log::expires_at(rule, log),
+        Algorithm::TokenBucket { capacity } => token_bucket::expires_at(rule, capacity, state),
+        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => gcra::expires_at(state),
+    }
+}

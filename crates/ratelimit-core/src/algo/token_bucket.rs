@@ -1,0 +1,63 @@
+//! Token bucket: `limit` tokens per `period` refill a bucket of `capacity`, lazily.
+//!
+//! State: [`RuleState::Tokens`] `{ level, last }`, the tokens scaled by the period in
+//! microseconds (so a refill of `elapsed × limit` is exact) as of time `last`.
+
+use super::{Eval, Next, RuleState};
+use crate::rule::Rule;
+
+/// The level (tokens × period_us) at `now`.
+#[inline]
+fn level_at(rule: &Rule, capacity: u64, state: &RuleState, now: u64) -> u64 {
+    let full = capacity * rule.period_us();
+    match *state {
+        RuleState::Tokens { level, last } => {
+            let refill = now.saturating_sub(last).saturating_mul(rule.limit());
+            full.min(level.saturating_add(refill))
+        }
+        _ => full,
+    }
+}
+
+/// Admits when the bucket holds `cost` tokens.
+#[inline(always)]
+pub(super) fn evaluate(rule: &Rule, capacity: u64, state: &RuleState, now: u64, cost: u64) -> Eval {
+    let period = rule.period_us();
+    let level = level_at(rule, capacity, state, now);
+    let need = cost * period;
+    let allowed = level >= need;
+    // A clock that went back refills from the later time.
+    let last = match *state {
+        RuleState::Tokens { last, .. } => last.max(now),
+        _ => now,
+    };
+    Eval {
+        allowed,
+        remaining_before: rule.span_div().div(level),
+        retry_us: if allowed {
+            0
+        } else {
+            (need - level).div_ceil(rule.limit())
+        },
+        delay_us: 0,
+        next: Next::Tokens {
+            level: level.saturating_sub(need),
+            last,
+        },
+    }
+}
+
+/// Writes the level left after the request.
+#[inline]
+pub(super) fn commit(state: &mut RuleState, level: u64, last: u64) {
+    *state = RuleState::Tokens { level, last };
+}
+
+/// When the bucket is full again.
+pub(super) fn expires_at(rule: &Rule, capacity: u64, state: &RuleState) -> u64 {
+    let RuleState::Tokens { level, last } = *state else {
+        return 0;
+    };
+    let full = capacity * rule.period_us();
+    last + rule.limit_div().div_ceil(full - level.min(full))
+}

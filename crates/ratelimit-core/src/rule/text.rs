@@ -1,0 +1,243 @@
+//! The text form of rules: `"10/minute"`, `"100/s gcra burst=6"`, `"1/s; 20/min"`.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use super::{Algorithm, LeakyMode, Rule, RuleSet, MAX_EXACT_PRODUCT};
+use crate::error::ConfigError;
+
+fn fmt_period(us: u64) -> String {
+    const UNITS: [(u64, &str); 5] = [
+        (86_400_000_000, "d"),
+        (3_600_000_000, "h"),
+        (60_000_000, "m"),
+        (1_000_000, "s"),
+        (1_000, "ms"),
+    ];
+    for (size, unit) in UNITS {
+        if us % size == 0 {
+            return format!("{}{unit}", us / size);
+        }
+    }
+    format!("{us}us")
+}
+
+impl fmt::Display for Rule {
+    /// The canonical text form; parsing it gives the same rule back.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.limit, fmt_period(self.period_us))?;
+        match self.algorithm {
+            Algorithm::FixedWindow => write!(f, " fixed-window")?,
+            Algorithm::SlidingWindow { precision } => {
+                write!(f, " sliding-window precision={precision}")?
+            }
+            Algorithm::SlidingLog => write!(f, " sliding-log")?,
+            Algorithm::TokenBucket { capacity } => write!(f, " token-bucket capacity={capacity}")?,
+            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
+                write!(f, " leaky-bucket mode=meter capacity={capacity}")?
+            }
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+                write!(f, " leaky-bucket mode=shaper burst={burst} delay={delay}")?
+            }
+            Algorithm::Gcra { burst } => write!(f, " gcra burst={burst}")?,
+        }
+        if let Some(name) = &self.name {
+            write!(f, " name={name}")?;
+        }
+        Ok(())
+    }
+}
+
+fn unit_us(unit: &str) -> Option<u64> {
+    Some(match unit.to_ascii_lowercase().as_str() {
+        "us" | "µs" | "micro" | "micros" | "microsecond" | "microseconds" => 1,
+        "ms" | "milli" | "millis" | "millisecond" | "milliseconds" => 1_000,
+        "s" | "sec" | "secs" | "second" | "seconds" => 1_000_000,
+        "m" | "min" | "mins" | "minute" | "minutes" => 60_000_000,
+        "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000_000,
+        "d" | "day" | "days" => 86_400_000_000,
+        "w" | "wk" | "wks" | "week" | "weeks" => 604_800_000_000,
+        _ => return None,
+    })
+}
+
+fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
+    let spaced = input.replace('/', " / ");
+    let mut tokens = spaced.split_whitespace().peekable();
+    let limit: u64 = tokens
+        .next()
+        .ok_or("empty rule")?
+        .parse()
+        .map_err(|_| "`limit` must be a whole number")?;
+    match tokens.next() {
+        Some("/") => {}
+        Some(t) if t.eq_ignore_ascii_case("per") => {}
+        _ => return Err("expected `/` or `per` after the limit".into()),
+    }
+    let period_token = tokens.next().ok_or("missing period")?;
+    let split = period_token
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(period_token.len());
+    let (count, unit) = period_token.split_at(split);
+    let (count, unit) = if unit.is_empty() {
+        let unit = tokens.next().ok_or("missing period unit")?;
+        (count, unit)
+    } else {
+        (count, unit)
+    };
+    let count: u64 = if count.is_empty() {
+        1
+    } else {
+        count
+            .parse()
+            .map_err(|_| "the `period` count must be a whole number")?
+    };
+    let unit = unit_us(unit).ok_or_else(|| format!("unknown time unit {unit:?}"))?;
+    let period_us =
+        count
+            .checked_mul(unit)
+            .ok_or(ParseFailure::Invalid(ConfigError::TooLarge {
+                field: "period",
+                value: u64::MAX,
+                max: MAX_EXACT_PRODUCT,
+            }))?;
+    let period = Duration::from_micros(period_us);
+
+    let mut algorithm: Option<&str> = None;
+    let mut options: Vec<(&str, &str)> = Vec::new();
+    for token in tokens {
+        if let Some((k, v)) = token.split_once('=') {
+            if options.iter().any(|(seen, _)| seen.eq_ignore_ascii_case(k)) {
+                return Err(format!("`{k}` given twice").into());
+            }
+            options.push((k, v));
+        } else if algorithm.is_none() {
+            algorithm = Some(token);
+        } else {
+            return Err(format!("unexpected {token:?}").into());
+        }
+    }
+    fn take<'a>(options: &mut Vec<(&'a str, &'a str)>, key: &str) -> Option<&'a str> {
+        let pos = options
+            .iter()
+            .position(|(k, _)| k.eq_ignore_ascii_case(key));
+        pos.map(|i| options.remove(i).1)
+    }
+    fn num<'a>(
+        options: &mut Vec<(&'a str, &'a str)>,
+        key: &str,
+        default: u64,
+    ) -> Result<u64, String> {
+        match take(options, key) {
+            Some(v) => v
+                .parse()
+                .map_err(|_| format!("`{key}` must be a whole number")),
+            None => Ok(default),
+        }
+    }
+    let o = &mut options;
+    let algo = algorithm.unwrap_or("gcra").to_ascii_lowercase();
+    let built = match algo.as_str() {
+        "fixed-window" | "fixed" => Rule::fixed_window(limit, period),
+        "sliding-window" | "sliding-counter" | "sliding" => {
+            Rule::sliding_window(limit, period, num(o, "precision", 1)?)
+        }
+        "sliding-log" | "log" => Rule::sliding_log(limit, period),
+        "token-bucket" | "token" => Rule::token_bucket(limit, period, num(o, "capacity", limit)?),
+        "gcra" => Rule::gcra(limit, period, num(o, "burst", limit)?),
+        "leaky-bucket" | "leaky" => {
+            let mode = take(o, "mode").unwrap_or("meter").to_ascii_lowercase();
+            match mode.as_str() {
+                "meter" => Rule::leaky_meter(limit, period, num(o, "capacity", limit)?),
+                "shaper" => {
+                    let burst = num(o, "burst", 0)?;
+                    Rule::leaky_shaper(limit, period, burst, num(o, "delay", 0)?)
+                }
+                other => {
+                    return Err(
+                        format!("unknown leaky-bucket mode {other:?}: meter or shaper").into(),
+                    )
+                }
+            }
+        }
+        other => return Err(format!("unknown algorithm {other:?}").into()),
+    };
+    let mut rule = built.map_err(ParseFailure::Invalid)?;
+    if let Some(name) = take(o, "name") {
+        rule = rule.named(name).map_err(ParseFailure::Invalid)?;
+    }
+    if let Some((k, _)) = options.first() {
+        return Err(format!("option `{k}` does not apply to {algo}").into());
+    }
+    Ok(rule)
+}
+
+/// Why a rule string was refused: bad syntax, or well-formed but invalid values.
+enum ParseFailure {
+    Syntax(String),
+    Invalid(ConfigError),
+}
+
+impl<T: Into<String>> From<T> for ParseFailure {
+    fn from(reason: T) -> Self {
+        ParseFailure::Syntax(reason.into())
+    }
+}
+
+impl FromStr for Rule {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_rule(s).map_err(|failure| match failure {
+            ParseFailure::Invalid(e) => e,
+            ParseFailure::Syntax(reason) => ConfigError::Parse {
+                input: s.to_owned(),
+                reason,
+            },
+        })
+    }
+}
+
+/// Rules are separated by `;`, `,` or `|`, as in `limits` and Flask-Limiter
+/// (`"10/minute, 100/day"`). Every rule is parsed; when several are malformed, one error
+/// lists each with its reason.
+impl FromStr for RuleSet {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut rules = Vec::new();
+        let mut malformed = Vec::new();
+        for text in s.split([';', ',', '|']).map(str::trim) {
+            if text.is_empty() {
+                continue;
+            }
+            match parse_rule(text) {
+                Ok(rule) => rules.push(rule),
+                Err(ParseFailure::Invalid(e)) => return Err(e),
+                Err(ParseFailure::Syntax(reason)) => malformed.push((text, reason)),
+            }
+        }
+        match malformed.as_slice() {
+            [] => RuleSet::new(rules),
+            [(text, reason)] => Err(ConfigError::Parse {
+                input: (*text).to_owned(),
+                reason: reason.clone(),
+            }),
+            all => Err(ConfigError::Parse {
+                input: s.to_owned(),
+                reason: all
+                    .iter()
+                    .map(|(text, reason)| format!("{text:?}: {reason}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for RuleSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.id())
+    }
+}
