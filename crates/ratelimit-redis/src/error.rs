@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use ratelimit_core::CapacityError;
-use redis::{ErrorKind, RedisError};
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 /// What went wrong talking to Redis.
 ///
@@ -72,14 +72,16 @@ pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
         || e.is_cluster_error()
         || matches!(
             e.kind(),
-            ErrorKind::MasterDown
-                | ErrorKind::BusyLoadingError
-                | ErrorKind::ClusterConnectionNotFound
+            ErrorKind::Server(
+                ServerErrorKind::MasterDown
+                    | ServerErrorKind::BusyLoading
+                    | ServerErrorKind::ReadOnly
+            ) | ErrorKind::ClusterConnectionNotFound
         )
     {
         return RedisStoreError::Connection(e);
     }
-    if e.kind() == ErrorKind::TypeError {
+    if e.kind() == ErrorKind::UnexpectedReturnType {
         return RedisStoreError::UnexpectedReply(e.to_string());
     }
     RedisStoreError::Script(e)

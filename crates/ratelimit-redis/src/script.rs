@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use ratelimit_core::{Algorithm, Clock, Decision, LeakyMode, Rule, RuleOutcome, RuleSet};
 use redis::aio::ConnectionLike;
-use redis::{Cmd, ErrorKind, RedisResult, Value};
+use redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind, Value};
 
 use crate::error::RedisStoreError;
 use crate::keys;
@@ -89,7 +89,7 @@ impl Call {
         conn: &mut C,
     ) -> RedisResult<Value> {
         match self.cmd(true).query_async(conn).await {
-            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
                 self.cmd(false).query_async(conn).await
             }
