@@ -61,6 +61,12 @@ pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
     if e.is_timeout() {
         return RedisStoreError::Timeout(timeout);
     }
+    if e.kind() == ErrorKind::MasterNameNotFoundBySentinel {
+        return RedisStoreError::InvalidConfig(format!(
+            "no Sentinel names a primary for this service ({e}); check the service name \
+             against `sentinel monitor <name> ...` in sentinel.conf"
+        ));
+    }
     if matches!(e.code(), Some("WRONGTYPE" | "RLSTATE")) {
         let what = match e.detail() {
             Some(detail) => format!("{} {detail}", e.code().unwrap_or_default()),

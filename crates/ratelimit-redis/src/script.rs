@@ -1,4 +1,4 @@
-//! The Lua scripts, how they are called, and how their replies become decisions.
+//! The Lua scripts, the layout of their arguments, and how their replies become decisions.
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -8,7 +8,7 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind, Value};
 
 use crate::error::RedisStoreError;
-use crate::keys;
+use crate::keys::KeyNames;
 
 /// A Lua script and its SHA1, run with EVALSHA.
 #[derive(Debug)]
@@ -31,6 +31,13 @@ impl Script {
         cmd.arg("LOAD").arg(self.body);
         cmd
     }
+
+    /// `EVALSHA <sha> <number of keys>`, to be followed by the keys and arguments.
+    fn evalsha(&'static self, keys: usize, capacity: usize) -> Call {
+        let mut cmd = Cmd::with_capacity(3 + capacity, 64 + 48 * capacity);
+        cmd.arg("EVALSHA").arg(self.sha.as_str()).arg(keys);
+        Call { script: self, cmd }
+    }
 }
 
 /// The decision script; see `lua/check.lua` for its contract.
@@ -40,46 +47,25 @@ pub(crate) static CHECK: LazyLock<Script> =
 pub(crate) static BLOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/block.lua")));
 
-/// One argument of a script call.
-#[derive(Debug, Clone, Copy)]
-enum Arg {
-    Int(u64),
-    /// The empty string: "use Redis TIME" / "no end".
-    Empty,
+/// The SHA1 of the decision script.
+#[cfg(feature = "testing")]
+pub(crate) fn check_sha() -> &'static str {
+    &CHECK.sha
 }
 
-/// The keys and arguments of one script call.
+/// The scripts a store loads when it connects.
+pub(crate) fn scripts() -> [&'static Script; 2] {
+    [&CHECK, &BLOCK]
+}
+
+/// One script call: `EVALSHA`, resent as `EVAL` when the server does not know the script.
 #[derive(Debug)]
 pub(crate) struct Call {
     script: &'static Script,
-    keys: Vec<String>,
-    args: Vec<Arg>,
+    cmd: Cmd,
 }
 
 impl Call {
-    fn cmd(&self, evalsha: bool) -> Cmd {
-        let mut cmd = if evalsha {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(&self.script.sha);
-            cmd
-        } else {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(self.script.body);
-            cmd
-        };
-        cmd.arg(self.keys.len());
-        for key in &self.keys {
-            cmd.arg(key.as_str());
-        }
-        for arg in &self.args {
-            match *arg {
-                Arg::Int(n) => cmd.arg(n),
-                Arg::Empty => cmd.arg(""),
-            };
-        }
-        cmd
-    }
-
     /// Runs the call with EVALSHA, falling back to EVAL (which also caches the script in
     /// the server that answers) when that server does not know the script: after `SCRIPT
     /// FLUSH`, a restart, or a failover. EVAL goes to the node owning the keys, which
@@ -88,17 +74,238 @@ impl Call {
         &self,
         conn: &mut C,
     ) -> RedisResult<Value> {
-        match self.cmd(true).query_async(conn).await {
+        match self.cmd.query_async(conn).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
-                self.cmd(false).query_async(conn).await
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(self.script.body);
+                for arg in self.cmd.args_iter().skip(2) {
+                    if let redis::Arg::Simple(bytes) = arg {
+                        eval.arg(bytes);
+                    }
+                }
+                eval.query_async(conn).await
             }
             other => other,
         }
     }
 }
 
-/// The configuration both stores share.
+/// A request to Redis: a script call or a plain command.
+#[derive(Debug)]
+pub(crate) enum Request {
+    /// A script, with the NOSCRIPT fallback.
+    Call(Call),
+    /// A plain command.
+    Cmd(Cmd),
+}
+
+impl Request {
+    pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
+        match self {
+            Request::Call(call) => call.invoke(conn).await,
+            Request::Cmd(cmd) => cmd.query_async(conn).await,
+        }
+    }
+}
+
+/// Algorithm codes of `lua/check.lua`, in the order of the core's algorithm files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Code {
+    FixedWindow = 1,
+    SlidingWindow = 2,
+    SlidingLog = 3,
+    TokenBucket = 4,
+    LeakyBucket = 5,
+    Gcra = 6,
+}
+
+/// The argument layout of `lua/check.lua` and the shape of its reply: the one place both
+/// are written down on the Rust side.
+///
+/// `ARGV[1]` is the struct format of `ARGV[2]`, which packs [`HEADER`](Self::HEADER)
+/// values (injected, now, cost, TTL floor, rules, state width, log limit, log period) and
+/// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b`) as
+/// little-endian doubles, so that the script reads every argument in one C call instead
+/// of parsing text; `ARGV[3]` is the struct format of the state. The reply is
+/// `{1, block left}` or `{status, delay, 4 values per rule}`.
+#[derive(Debug)]
+pub(crate) struct CheckArgs;
+
+/// Values above this are not exact in Lua's doubles.
+const MAX_EXACT: u64 = (1 << 53) - 1;
+
+/// The widest state read or written with one struct call; wider ones go in chunks.
+const MAX_SHAPE: u64 = 1000;
+
+impl CheckArgs {
+    /// Values before the first rule.
+    pub(crate) const HEADER: usize = 8;
+    /// Values per rule.
+    pub(crate) const PER_RULE: usize = 5;
+
+    /// The values of one rule: code, limit, period_us, a, b.
+    fn rule(rule: &Rule) -> [u64; 5] {
+        let (l, p) = (rule.limit(), rule.period_us());
+        let (code, a, b) = match rule.algorithm() {
+            Algorithm::FixedWindow => (Code::FixedWindow, 0, 0),
+            // The core refuses a precision that does not divide the period.
+            Algorithm::SlidingWindow { precision } => {
+                (Code::SlidingWindow, precision, p / precision.max(1))
+            }
+            Algorithm::SlidingLog => (Code::SlidingLog, 0, 0),
+            Algorithm::TokenBucket { capacity } => (Code::TokenBucket, capacity, 0),
+            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
+                (Code::LeakyBucket, capacity, 0)
+            }
+            // `delay + 1` keeps 0 free for "meter"; the core bounds delay far below u64::MAX.
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+                (Code::LeakyBucket, burst, delay.saturating_add(1))
+            }
+            Algorithm::Gcra { burst } => (Code::Gcra, burst, 0),
+        };
+        [code as u64, l, p, a, b]
+    }
+
+    /// Values the script keeps per rule set: 2 per rule, precision + 2 for a sliding
+    /// window counter, none for a sliding log (whose entries live in a list).
+    fn state_width(rules: &RuleSet) -> u64 {
+        rules
+            .rules()
+            .iter()
+            .map(|rule| match rule.algorithm() {
+                Algorithm::SlidingLog => 0,
+                Algorithm::SlidingWindow { precision } => precision + 2,
+                _ => 2,
+            })
+            .sum()
+    }
+
+    /// Every packed value of a check, in order.
+    fn values(
+        now: Option<u64>,
+        cost: u64,
+        ttl_floor_ms: u64,
+        rules: &RuleSet,
+    ) -> impl Iterator<Item = u64> + '_ {
+        let header = [
+            u64::from(now.is_some()),
+            now.unwrap_or(0),
+            cost,
+            ttl_floor_ms.min(MAX_EXACT),
+            rules.len() as u64,
+            Self::state_width(rules),
+            rules.log_limit(),
+            rules.log_period_us(),
+        ];
+        header
+            .into_iter()
+            .chain(rules.rules().iter().flat_map(Self::rule))
+    }
+
+    /// Appends the arguments of a check to `cmd`.
+    fn write(cmd: &mut Cmd, now: Option<u64>, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
+        let count = Self::HEADER + Self::PER_RULE * rules.len();
+        let mut format = String::with_capacity(1 + count);
+        format.push('<');
+        let mut packed = Vec::with_capacity(8 * count);
+        for value in Self::values(now, cost, ttl_floor_ms, rules) {
+            format.push('d');
+            // Exact: rules, costs and times stay below 2^53 (see the tests).
+            packed.extend_from_slice(&(value as f64).to_le_bytes());
+        }
+        cmd.arg(&format).arg(packed);
+        let width = Self::state_width(rules);
+        if width <= MAX_SHAPE {
+            format.truncate(1);
+            format.extend(std::iter::repeat_n('d', width as usize));
+            cmd.arg(format);
+        } else {
+            cmd.arg("");
+        }
+    }
+
+    /// The arguments of a check, for tools that send the script by hand.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn to_args(
+        now: Option<u64>,
+        cost: u64,
+        ttl_floor_ms: u64,
+        rules: &RuleSet,
+    ) -> Vec<Vec<u8>> {
+        let mut cmd = Cmd::new();
+        Self::write(&mut cmd, now, cost, ttl_floor_ms, rules);
+        cmd.args_iter()
+            .map(|arg| match arg {
+                redis::Arg::Simple(bytes) => bytes.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Turns the script's reply into a [`Decision`]; the flag says the script found and
+    /// discarded a value it did not write.
+    pub(crate) fn decision(
+        rules: &RuleSet,
+        reply: &Value,
+    ) -> Result<(Decision, bool), RedisStoreError> {
+        let Value::Array(items) = reply else {
+            return Err(unexpected("the check script should return an array", reply));
+        };
+        let mut ints = [0i64; 2 + 4 * ratelimit_core::MAX_RULES];
+        if items.len() > ints.len() {
+            return Err(unexpected("too many values", reply));
+        }
+        for (slot, item) in ints.iter_mut().zip(items) {
+            let Value::Int(n) = item else {
+                return Err(unexpected("the check script should return integers", reply));
+            };
+            *slot = *n;
+        }
+        let ints = &ints[..items.len()];
+        let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
+        match ints {
+            [1, -1] => Ok((Decision::blocked(None), false)),
+            [1, left] => us(*left)
+                .map(|left| (Decision::blocked(Some(left)), false))
+                .ok_or_else(|| unexpected("a block's time left cannot be negative", reply)),
+            [status @ (0 | 2), delay, per_rule @ ..] if per_rule.len() == 4 * rules.len() => {
+                let delay = us(*delay).ok_or_else(|| unexpected("negative delay", reply))?;
+                let mut outcomes = Vec::with_capacity(rules.len());
+                for (rule, r) in rules.rules().iter().zip(per_rule.chunks_exact(4)) {
+                    let (Some(remaining), Some(reset), Some(retry)) =
+                        (u64::try_from(r[1]).ok(), us(r[2]), us(r[3]))
+                    else {
+                        return Err(unexpected("negative rule values", reply));
+                    };
+                    let allowed = match r[0] {
+                        1 => true,
+                        0 => false,
+                        _ => return Err(unexpected("allowed must be 0 or 1", reply)),
+                    };
+                    outcomes.push(RuleOutcome {
+                        allowed,
+                        limit: rule.limit(),
+                        remaining,
+                        reset_after: reset,
+                        retry_after: (!allowed).then_some(retry),
+                    });
+                }
+                Ok((Decision::from_rules(outcomes, delay), *status == 2))
+            }
+            _ => Err(unexpected(
+                &format!(
+                    "the check script should return {{1, left}} or {{0, delay, 4 values x {} rules}}",
+                    rules.len()
+                ),
+                reply,
+            )),
+        }
+    }
+}
+
+/// The configuration every store shares.
 #[derive(Clone)]
 pub(crate) struct Shared {
     pub(crate) prefix: Arc<str>,
@@ -128,90 +335,53 @@ impl std::fmt::Debug for Shared {
 /// Block lengths are capped so that `now + length` stays exact in Lua (about 142 years).
 const MAX_BLOCK_US: u64 = 1 << 52;
 
-/// Integers the script stores per rule set: 2 per rule, precision + 2 for a sliding window
-/// counter, none for a sliding log (whose entries live in a list).
-fn state_width(rules: &RuleSet) -> u64 {
-    rules
-        .rules()
-        .iter()
-        .map(|rule| match rule.algorithm() {
-            Algorithm::SlidingLog => 0,
-            Algorithm::SlidingWindow { precision } => precision + 2,
-            _ => 2,
-        })
-        .sum()
-}
-
-/// The script's encoding of a rule: code, limit, period, a, b (see `lua/check.lua`).
-fn encode(rule: &Rule) -> [u64; 5] {
-    let (l, p) = (rule.limit(), rule.period_us());
-    match rule.algorithm() {
-        Algorithm::FixedWindow => [1, l, p, 0, 0],
-        Algorithm::SlidingWindow { precision } => [2, l, p, precision, 0],
-        Algorithm::SlidingLog => [3, l, p, 0, 0],
-        Algorithm::TokenBucket { capacity } => [4, l, p, capacity, 0],
-        Algorithm::Gcra { burst } => [5, l, p, burst, 0],
-        Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => [5, l, p, capacity, 0],
-        Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
-            [5, l, p, burst + 1, delay + 1]
-        }
-    }
-}
-
 impl Shared {
-    fn now(&self) -> Arg {
-        match &self.clock {
-            Some(clock) => Arg::Int(clock.now_us()),
-            None => Arg::Empty,
-        }
+    fn now(&self) -> Option<u64> {
+        self.clock.as_ref().map(|clock| clock.now_us())
     }
 
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call {
-        let k = keys::check_keys(&self.prefix, key, rules);
-        let mut args = Vec::with_capacity(7 + 5 * rules.len());
-        args.extend([
-            self.now(),
-            Arg::Int(cost),
-            Arg::Int(self.ttl_floor_ms),
-            Arg::Int(rules.log_limit()),
-            Arg::Int(rules.log_period_us()),
-            Arg::Int(rules.len() as u64),
-            Arg::Int(state_width(rules)),
-        ]);
-        for rule in rules.rules() {
-            args.extend(encode(rule).map(Arg::Int));
+        let has_log = rules.log_limit() > 0;
+        let keys = 2 + usize::from(has_log);
+        let mut call = CHECK.evalsha(keys, keys + 3);
+        let mut names = KeyNames::new(&self.prefix, key);
+        call.cmd.arg(names.block());
+        call.cmd.arg(names.state(rules));
+        if has_log {
+            call.cmd.arg(names.log(rules));
         }
-        Call {
-            script: &CHECK,
-            keys: vec![k.block, k.state, k.log],
-            args,
-        }
+        CheckArgs::write(&mut call.cmd, self.now(), cost, self.ttl_floor_ms, rules);
+        call
     }
 
     pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call {
-        let length = match duration {
-            Some(d) => Arg::Int(
-                u64::try_from(d.as_micros()).map_or(MAX_BLOCK_US, |us| us.min(MAX_BLOCK_US)),
-            ),
-            None => Arg::Empty,
+        let mut call = BLOCK.evalsha(1, 4);
+        call.cmd.arg(KeyNames::new(&self.prefix, key).block());
+        match self.now() {
+            Some(now) => call.cmd.arg(now),
+            None => call.cmd.arg(""),
         };
-        Call {
-            script: &BLOCK,
-            keys: vec![keys::block_key(&self.prefix, key)],
-            args: vec![self.now(), length, Arg::Int(self.ttl_floor_ms)],
-        }
+        match duration {
+            Some(d) => call
+                .cmd
+                .arg(u64::try_from(d.as_micros()).map_or(MAX_BLOCK_US, |us| us.min(MAX_BLOCK_US))),
+            None => call.cmd.arg(""),
+        };
+        call.cmd.arg(self.ttl_floor_ms);
+        call
     }
 
     pub(crate) fn unblock_cmd(&self, key: &[u8]) -> Cmd {
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(keys::block_key(&self.prefix, key));
+        cmd.arg(KeyNames::new(&self.prefix, key).block());
         cmd
     }
 
     pub(crate) fn reset_cmd(&self, key: &[u8], rules: &RuleSet) -> Cmd {
-        let k = keys::check_keys(&self.prefix, key, rules);
+        let mut names = KeyNames::new(&self.prefix, key);
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(k.state).arg(k.log);
+        cmd.arg(names.state(rules));
+        cmd.arg(names.log(rules));
         cmd
     }
 }
@@ -220,91 +390,41 @@ fn unexpected(what: &str, reply: &Value) -> RedisStoreError {
     RedisStoreError::UnexpectedReply(format!("{what}, got {reply:?}"))
 }
 
-/// Turns the check script's reply into a [`Decision`].
-pub(crate) fn decision(rules: &RuleSet, reply: Value) -> Result<Decision, RedisStoreError> {
-    let ints: Option<Vec<i64>> = match &reply {
-        Value::Array(items) => items
-            .iter()
-            .map(|v| match v {
-                Value::Int(n) => Some(*n),
-                _ => None,
-            })
-            .collect(),
-        _ => None,
-    };
-    let Some(ints) = ints else {
-        return Err(unexpected(
-            "the check script should return an array of integers",
-            &reply,
-        ));
-    };
-    let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
-    match ints.as_slice() {
-        [1, -1] => Ok(Decision::blocked(None)),
-        [1, left] => us(*left)
-            .map(|left| Decision::blocked(Some(left)))
-            .ok_or_else(|| unexpected("a block's time left cannot be negative", &reply)),
-        [0, delay, per_rule @ ..] if per_rule.len() == 4 * rules.len() => {
-            let delay = us(*delay).ok_or_else(|| unexpected("negative delay", &reply))?;
-            let mut outcomes = Vec::with_capacity(rules.len());
-            for (rule, r) in rules.rules().iter().zip(per_rule.chunks_exact(4)) {
-                let (Some(remaining), Some(reset), Some(retry)) =
-                    (u64::try_from(r[1]).ok(), us(r[2]), us(r[3]))
-                else {
-                    return Err(unexpected("negative rule values", &reply));
-                };
-                let allowed = match r[0] {
-                    1 => true,
-                    0 => false,
-                    _ => return Err(unexpected("allowed must be 0 or 1", &reply)),
-                };
-                outcomes.push(RuleOutcome {
-                    allowed,
-                    limit: rule.limit(),
-                    remaining,
-                    reset_after: reset,
-                    retry_after: (!allowed).then_some(retry),
-                });
-            }
-            Ok(Decision::from_rules(outcomes, delay))
-        }
-        _ => Err(unexpected(
-            &format!(
-                "the check script should return {{1, left}} or {{0, delay, 4 values x {} rules}}",
-                rules.len()
-            ),
-            &reply,
-        )),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn rules(text: &str) -> RuleSet {
         text.parse().unwrap()
     }
 
+    fn ints(v: &[i64]) -> Value {
+        Value::Array(v.iter().map(|n| Value::Int(*n)).collect())
+    }
+
     #[test]
     fn replies_become_decisions() {
         let r = rules("10/s fixed-window; 2/s leaky-bucket mode=shaper burst=4 delay=1");
-        let ints = |v: &[i64]| Value::Array(v.iter().map(|n| Value::Int(*n)).collect());
-        let d = decision(&r, ints(&[0, 500, 1, 9, 1000, 0, 1, 3, 2000, 0])).unwrap();
+        let (d, healed) =
+            CheckArgs::decision(&r, &ints(&[0, 500, 1, 9, 1000, 0, 1, 3, 2000, 0])).unwrap();
         assert!(d.is_allowed());
+        assert!(!healed);
         assert_eq!(d.delay(), Duration::from_micros(500));
         assert_eq!(d.rules()[0].remaining, 9);
         assert_eq!(d.rules()[1].limit, 2);
-        let d = decision(&r, ints(&[0, 0, 1, 9, 1000, 7, 0, 0, 2000, 300])).unwrap();
+        let (d, healed) =
+            CheckArgs::decision(&r, &ints(&[2, 0, 1, 9, 1000, 7, 0, 0, 2000, 300])).unwrap();
         assert!(!d.is_allowed());
+        assert!(healed);
         assert_eq!(d.retry_after(), Some(Duration::from_micros(300)));
         assert_eq!(d.rules()[0].retry_after, None);
         assert_eq!(
-            decision(&r, ints(&[1, -1])).unwrap(),
+            CheckArgs::decision(&r, &ints(&[1, -1])).unwrap().0,
             Decision::blocked(None)
         );
         assert_eq!(
-            decision(&r, ints(&[1, 5])).unwrap(),
+            CheckArgs::decision(&r, &ints(&[1, 5])).unwrap().0,
             Decision::blocked(Some(Duration::from_micros(5)))
         );
     }
@@ -312,7 +432,6 @@ mod tests {
     #[test]
     fn malformed_replies_are_errors() {
         let r = rules("10/s");
-        let ints = |v: &[i64]| Value::Array(v.iter().map(|n| Value::Int(*n)).collect());
         for bad in [
             Value::Nil,
             Value::Int(1),
@@ -320,10 +439,12 @@ mod tests {
             ints(&[0, 0, 1, 2, 3]),
             ints(&[0, 0, 2, 1, 1, 1]),
             ints(&[0, -1, 1, 1, 1, 1]),
+            ints(&[3, 0, 1, 1, 1, 1]),
             ints(&[1, -2]),
             ints(&[2, 0]),
+            ints(&[0; 80]),
         ] {
-            let err = decision(&r, bad).unwrap_err();
+            let err = CheckArgs::decision(&r, &bad).unwrap_err();
             assert!(
                 matches!(err, RedisStoreError::UnexpectedReply(_)),
                 "{err:?}"
@@ -338,21 +459,102 @@ mod tests {
              8/s token-bucket capacity=9; 10/s gcra burst=3; \
              11/s leaky-bucket mode=meter capacity=4; 12/s leaky-bucket mode=shaper burst=5 delay=2",
         );
-        let codes: Vec<[u64; 5]> = r.rules().iter().map(encode).collect();
+        let codes: Vec<[u64; 5]> = r.rules().iter().map(CheckArgs::rule).collect();
         let s = 1_000_000;
         assert_eq!(
             codes,
             [
                 [1, 5, s, 0, 0],
-                [2, 6, s, 4, 0],
+                [2, 6, s, 4, s / 4],
                 [3, 7, s, 0, 0],
                 [4, 8, s, 9, 0],
-                [5, 10, s, 3, 0],
+                [6, 10, s, 3, 0],
                 [5, 11, s, 4, 0],
-                [5, 12, s, 6, 3],
+                [5, 12, s, 5, 3],
             ]
         );
         // Fixed window 2, sliding window 4 + 2, log none, and 2 for each of the other four.
-        assert_eq!(state_width(&r), 16);
+        assert_eq!(CheckArgs::state_width(&r), 16);
+        let args = CheckArgs::to_args(Some(7), 2, 60_000, &r);
+        let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
+        assert_eq!(args[0], format!("<{}", "d".repeat(count)).into_bytes());
+        let values: Vec<f64> = args[1]
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(values[..8], [1.0, 7.0, 2.0, 60_000.0, 7.0, 16.0, 7.0, 1e6]);
+        assert_eq!(values[8..13], [1.0, 5.0, 1e6, 0.0, 0.0]);
+        assert_eq!(args[2], format!("<{}", "d".repeat(16)).into_bytes());
+        let wide: RuleSet = "1000/s sliding-window precision=1000".parse().unwrap();
+        assert!(CheckArgs::to_args(None, 1, 0, &wide)[2].is_empty());
+    }
+
+    /// Builds whatever rule the core accepts from arbitrary numbers.
+    fn any_rule() -> impl Strategy<Value = Option<Rule>> {
+        let extreme = prop_oneof![
+            Just(0u64),
+            Just(1),
+            Just((1 << 51) - 1),
+            Just(1 << 51),
+            Just((1 << 53) - 1),
+            Just(1 << 53),
+            Just(u64::MAX - 1),
+            Just(u64::MAX),
+            any::<u64>(),
+            0u64..10_000,
+        ];
+        (
+            0u8..7,
+            extreme.clone(),
+            extreme.clone(),
+            extreme.clone(),
+            extreme,
+        )
+            .prop_map(|(kind, limit, period_us, a, b)| {
+                let period = Duration::from_micros(period_us);
+                match kind {
+                    0 => Rule::fixed_window(limit, period),
+                    1 => Rule::sliding_window(limit, period, a),
+                    2 => Rule::sliding_log(limit, period),
+                    3 => Rule::token_bucket(limit, period, a),
+                    4 => Rule::gcra(limit, period, a),
+                    5 => Rule::leaky_meter(limit, period, a),
+                    // Rule::leaky_shaper overflows in the core (`Rule::capacity`, burst + 1)
+                    // at burst = u64::MAX; that bound is the core's to fix.
+                    _ => Rule::leaky_shaper(limit, period, a.min(u64::MAX - 1), b),
+                }
+                .ok()
+            })
+    }
+
+    proptest! {
+        /// Issue 9's overflow check for the Redis encoding: whatever rule the core accepts,
+        /// its arguments are computed without overflow (debug builds panic on one) and every
+        /// value is exact in Lua's doubles.
+        #[test]
+        fn every_accepted_rule_encodes_exactly(rule in any_rule(), cost in any::<u64>(), now in any::<u64>()) {
+            if let Some(rule) = rule {
+                let set = RuleSet::new(vec![rule]).unwrap();
+                let now = now & MAX_EXACT;
+                if set.check_cost(cost).is_ok() {
+                    for value in CheckArgs::values(Some(now), cost, u64::MAX, &set) {
+                        prop_assert!(value <= MAX_EXACT, "{}: {} is not exact in Lua", set.rules()[0], value);
+                    }
+                }
+                let args = CheckArgs::to_args(Some(now), cost, u64::MAX, &set);
+                prop_assert_eq!(args[1].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
+            }
+        }
+
+        /// Whatever integers come back, decoding answers a decision or an error, never a
+        /// panic.
+        #[test]
+        fn any_reply_decodes_or_errs(values in proptest::collection::vec(any::<i64>(), 0..12)) {
+            let r = rules("10/s; 5/min sliding-log");
+            let _ = CheckArgs::decision(&r, &ints(&values));
+            let mut shaped = vec![0, values.first().copied().unwrap_or(0)];
+            shaped.extend(values.iter().copied().chain(std::iter::repeat(1)).take(8));
+            let _ = CheckArgs::decision(&r, &ints(&shaped));
+        }
     }
 }

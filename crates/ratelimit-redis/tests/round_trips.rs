@@ -40,8 +40,10 @@ async fn one_evalsha_per_check_whatever_the_number_of_rules() {
             "{} rules: {stats:?}",
             rules.len()
         );
-        // TIME runs inside the script, once per check (the store's clock is Redis's).
+        // TIME runs inside the script, once per check (the store's clock is Redis's), and
+        // one MGET reads block marker and state together.
         assert_eq!(stats.get("time").map(|s| s.0), Some(checks), "{stats:?}");
+        assert_eq!(stats.get("mget").map(|s| s.0), Some(checks), "{stats:?}");
         // Everything else counted was run by the script itself (or is this test's own
         // CONFIG RESETSTAT): the store sent no EVAL, PING, SCRIPT, MULTI or plain reads.
         assert!(
@@ -49,7 +51,7 @@ async fn one_evalsha_per_check_whatever_the_number_of_rules() {
                 "evalsha",
                 "config|resetstat",
                 "time",
-                "get",
+                "mget",
                 "del",
                 "set",
                 "pexpireat",
