@@ -48,9 +48,9 @@
 -- the state with its expiry when the check commits; a sliding log adds LLEN, LINDEX,
 -- LPUSH, PEXPIRE. A value of another type at a key reads as absent and is replaced.
 
--- Cost: every function below is created anew on each call, and each local it captures
--- costs at creation. So the functions take their inputs as parameters, reach library
--- functions as globals, and capture only each other.
+-- Cost: run with EVALSHA, every function below is created anew on each call, and each
+-- local it captures costs at creation. So the functions take their inputs as parameters,
+-- reach library functions as globals, and capture only each other.
 
 local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
   1, 2, 3, 4, 5, 6
@@ -105,9 +105,10 @@ local function decode(raw, width, shape)
       pos = vals[m + 1]
     end
   end
+  local floor = math.floor
   for j = 1, width do
     local x = t[j]
-    if not (x >= 0 and x < 9007199254740992) or x ~= math.floor(x) then
+    if not (x >= 0 and x < 9007199254740992) or x ~= floor(x) then
       return nil
     end
   end
@@ -419,198 +420,206 @@ local function expiry_arg(injected, now, ttl_floor, at)
   return 'PXAT', ceil_div(at, 1000)
 end
 
-local tonumber, fmt, ARGV, KEYS, redis = tonumber, string.format, ARGV, KEYS, redis
+-- One decision. The file defines `check` and nothing else runs at load: the store loads
+-- it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so the functions
+-- above are created once per server, not once per call) or, on Redis 6.2, runs it with
+-- EVALSHA followed by `return check(KEYS, ARGV)`.
+local function check(KEYS, ARGV)
+  local tonumber, fmt, redis = tonumber, string.format, redis
 
--- One C call reads every argument (no text to parse); the last value is unpack's next
--- position.
-local VERSION_SKEW = ' values; the store and the script are from different versions'
-if #ARGV ~= 3 then
-  return redis.error_reply('RLARGS check.lua takes 3 arguments, got ' .. #ARGV .. VERSION_SKEW)
-end
-local v = {struct.unpack(ARGV[1], ARGV[2])}
-local n = v[5] or 0
-if #v ~= HEADER + PER_RULE * n + 1 then
-  return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
-    HEADER + PER_RULE * n, n, #v - 1) .. VERSION_SKEW)
-end
-
-local injected = v[1] == 1
-local now
-if injected then
-  now = v[2]
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
-local c = cost
-if c < 1 then
-  c = 1
-end
-
-local status = 0
-local got = redis.call('MGET', KEYS[1], KEYS[2])
-
--- Blocks first: a blocked key consults no rule.
-local block = got[1]
-if block then
-  if block == 'inf' then
-    return {1, -1}
+  -- One C call reads every argument (no text to parse); the last value is unpack's next
+  -- position.
+  local VERSION_SKEW = ' values; the store and the script are from different versions'
+  if #ARGV ~= 3 then
+    return redis.error_reply('RLARGS check.lua takes 3 arguments, got ' .. #ARGV .. VERSION_SKEW)
   end
-  local untl = tonumber(block)
-  if untl and untl > now then
-    return {1, untl - now}
+  local v = {struct.unpack(ARGV[1], ARGV[2])}
+  local n = v[5] or 0
+  if #v ~= HEADER + PER_RULE * n + 1 then
+    return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
+      HEADER + PER_RULE * n, n, #v - 1) .. VERSION_SKEW)
   end
-  if not untl then
-    status = 2
-  end
-  redis.call('DEL', KEYS[1])
-end
 
-local st = nil
-local raw = got[2]
-if raw and width > 0 then
-  st = decode(raw, width, ARGV[3])
-  if not st then
-    -- Read as fresh; the commit replaces it.
-    status = 2
+  local injected = v[1] == 1
+  local now
+  if injected then
+    now = v[2]
+  else
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   end
-end
+  local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
+  local c = cost
+  if c < 1 then
+    c = 1
+  end
 
-local key3, log_len, newest = KEYS[3], 0, nil
-if log_limit > 0 then
-  log_len = redis.pcall('LLEN', key3)
-  if type(log_len) == 'table' then
-    -- Another type: drop it (LLEN failed, so the key is not a list).
-    redis.call('DEL', key3)
-    log_len, status = 0, 2
-  elseif log_len > 0 then
-    newest = tonumber(redis.call('LINDEX', key3, 0))
-    if not newest then
+  local status = 0
+  local got = redis.call('MGET', KEYS[1], KEYS[2])
+
+  -- Blocks first: a blocked key consults no rule.
+  local block = got[1]
+  if block then
+    if block == 'inf' then
+      return {1, -1}
+    end
+    local untl = tonumber(block)
+    if untl and untl > now then
+      return {1, untl - now}
+    end
+    if not untl then
+      status = 2
+    end
+    redis.call('DEL', KEYS[1])
+  end
+
+  local st = nil
+  local raw = got[2]
+  if raw and width > 0 then
+    st = decode(raw, width, ARGV[3])
+    if not st then
+      -- Read as fresh; the commit replaces it.
+      status = 2
+    end
+  end
+
+  local key3, log_len, newest = KEYS[3], 0, nil
+  if log_limit > 0 then
+    log_len = redis.pcall('LLEN', key3)
+    if type(log_len) == 'table' then
+      -- Another type: drop it (LLEN failed, so the key is not a list).
       redis.call('DEL', key3)
       log_len, status = 0, 2
+    elseif log_len > 0 then
+      newest = tonumber(redis.call('LINDEX', key3, 0))
+      if not newest then
+        redis.call('DEL', key3)
+        log_len, status = 0, 2
+      end
     end
   end
-end
 
--- Evaluate every rule on the state as it stands; out doubles as the reply.
-local out = {status, 0}
-local new, expiry = {}, {}
-local all_ok, delay, off = true, 0, 0
-for i = 1, n do
-  local o = HEADER + PER_RULE * i - 4
-  local code, limit, period = v[o], v[o + 1], v[o + 2]
-  local allowed, remaining, reset, retry, exp, wait
-  if code == FIXED_WINDOW then
-    allowed, remaining, reset, retry, exp, wait = fixed_window(now, c, st, new, off, limit, period)
-    off = off + 2
-  elseif code == SLIDING_WINDOW then
-    local p = v[o + 3]
-    allowed, remaining, reset, retry, exp, wait =
-      sliding_window(now, c, st, new, off, limit, period, p, v[o + 4])
-    off = off + p + 2
-  elseif code == SLIDING_LOG then
-    allowed, remaining, reset, retry, exp, wait =
-      sliding_log(now, c, key3, log_len, newest, limit, period)
-    if allowed == nil then
-      -- An entry deep in the log is not a timestamp: drop the log so the next check
-      -- starts clean, and say so.
-      redis.call('DEL', key3)
-      return redis.error_reply('RLSTATE the sliding log held a value this store did '
-        .. 'not write; it was deleted')
+  -- Evaluate every rule on the state as it stands; out doubles as the reply.
+  -- Sized for one rule and a two-value state, the common case, so that neither grows.
+  local out = {status, 0, 0, 0, 0, 0}
+  -- The next state at new[1 .. width], each rule's expiry at new[width + i].
+  local new = {0, 0, 0}
+  local all_ok, delay, off = true, 0, 0
+  for i = 1, n do
+    local o = HEADER + PER_RULE * i - 4
+    local code, limit, period = v[o], v[o + 1], v[o + 2]
+    local allowed, remaining, reset, retry, exp, wait
+    if code == FIXED_WINDOW then
+      allowed, remaining, reset, retry, exp, wait = fixed_window(now, c, st, new, off, limit, period)
+      off = off + 2
+    elseif code == SLIDING_WINDOW then
+      local p = v[o + 3]
+      allowed, remaining, reset, retry, exp, wait =
+        sliding_window(now, c, st, new, off, limit, period, p, v[o + 4])
+      off = off + p + 2
+    elseif code == SLIDING_LOG then
+      allowed, remaining, reset, retry, exp, wait =
+        sliding_log(now, c, key3, log_len, newest, limit, period)
+      if allowed == nil then
+        -- An entry deep in the log is not a timestamp: drop the log so the next check
+        -- starts clean, and say so.
+        redis.call('DEL', key3)
+        return redis.error_reply('RLSTATE the sliding log held a value this store did '
+          .. 'not write; it was deleted')
+      end
+    elseif code == TOKEN_BUCKET then
+      allowed, remaining, reset, retry, exp, wait =
+        token_bucket(now, c, st, new, off, limit, period, v[o + 3])
+      off = off + 2
+    elseif code == LEAKY_BUCKET then
+      allowed, remaining, reset, retry, exp, wait =
+        leaky_bucket(
+          now, c, st, new, off, limit, period, v[o + 3], v[o + 4])
+      off = off + 2
+    elseif code == GCRA then
+      allowed, remaining, reset, retry, exp, wait =
+        gcra(now, c, st, new, off, limit, period, v[o + 3])
+      off = off + 2
+    else
+      return redis.error_reply(fmt('RLARGS unknown algorithm code %d', code))
     end
-  elseif code == TOKEN_BUCKET then
-    allowed, remaining, reset, retry, exp, wait =
-      token_bucket(now, c, st, new, off, limit, period, v[o + 3])
-    off = off + 2
-  elseif code == LEAKY_BUCKET then
-    allowed, remaining, reset, retry, exp, wait =
-      leaky_bucket(
-        now, c, st, new, off, limit, period, v[o + 3], v[o + 4])
-    off = off + 2
-  elseif code == GCRA then
-    allowed, remaining, reset, retry, exp, wait =
-      gcra(now, c, st, new, off, limit, period, v[o + 3])
-    off = off + 2
-  else
-    return redis.error_reply(fmt('RLARGS unknown algorithm code %d', code))
+    if not allowed then
+      all_ok = false
+    end
+    if wait > delay then
+      delay = wait
+    end
+    if remaining < 0 then
+      remaining = 0
+    end
+    if reset < 0 then
+      reset = 0
+    end
+    if retry < 0 then
+      retry = 0
+    end
+    new[width + i] = exp
+    out[4 * i - 1] = allowed and 1 or 0
+    out[4 * i] = remaining
+    out[4 * i + 1] = reset
+    out[4 * i + 2] = retry
   end
-  if not allowed then
-    all_ok = false
-  end
-  if wait > delay then
-    delay = wait
-  end
-  if remaining < 0 then
-    remaining = 0
-  end
-  if reset < 0 then
-    reset = 0
-  end
-  if retry < 0 then
-    retry = 0
-  end
-  expiry[i] = exp
-  out[4 * i - 1] = allowed and 1 or 0
-  out[4 * i] = remaining
-  out[4 * i + 1] = reset
-  out[4 * i + 2] = retry
-end
-out[2] = delay
+  out[2] = delay
 
-if not all_ok or cost == 0 then
+  if not all_ok or cost == 0 then
+    return out
+  end
+
+  -- Commit: every rule is charged `cost`; remaining and reset become the next state's.
+  local state_expires = 0
+  for i = 1, n do
+    local exp = new[width + i]
+    if exp > state_expires and v[HEADER + PER_RULE * i - 4] ~= SLIDING_LOG then
+      state_expires = exp
+    end
+    local reset = exp - now
+    if reset < 0 then
+      reset = 0
+    end
+    out[4 * i + 1] = reset
+    local left = out[4 * i] - cost
+    if left < 0 then
+      left = 0
+    end
+    out[4 * i] = left
+  end
+
+  if width > 0 then
+    local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
+    redis.call('SET', KEYS[2], encode(new, width, ARGV[3]), unit, at)
+  end
+
+  if log_limit > 0 then
+    -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
+    local stamp = fmt('%d', now)
+    local left = cost
+    while left > 0 do
+      local chunk = {}
+      local m = left
+      if m > 1000 then
+        m = 1000
+      end
+      for j = 1, m do
+        chunk[j] = stamp
+      end
+      redis.call('LPUSH', key3, unpack(chunk))
+      left = left - m
+    end
+    if log_len + cost > log_limit then
+      redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
+    end
+    local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
+    if unit == 'PX' then
+      redis.call('PEXPIRE', key3, at)
+    else
+      redis.call('PEXPIREAT', key3, at)
+    end
+  end
+
   return out
 end
-
--- Commit: every rule is charged `cost`; remaining and reset become the next state's.
-local state_expires = 0
-for i = 1, n do
-  local exp = expiry[i]
-  if exp > state_expires and v[HEADER + PER_RULE * i - 4] ~= SLIDING_LOG then
-    state_expires = exp
-  end
-  local reset = exp - now
-  if reset < 0 then
-    reset = 0
-  end
-  out[4 * i + 1] = reset
-  local left = out[4 * i] - cost
-  if left < 0 then
-    left = 0
-  end
-  out[4 * i] = left
-end
-
-if width > 0 then
-  local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
-  redis.call('SET', KEYS[2], encode(new, width, ARGV[3]), unit, at)
-end
-
-if log_limit > 0 then
-  -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
-  local stamp = fmt('%d', now)
-  local left = cost
-  while left > 0 do
-    local chunk = {}
-    local m = left
-    if m > 1000 then
-      m = 1000
-    end
-    for j = 1, m do
-      chunk[j] = stamp
-    end
-    redis.call('LPUSH', key3, unpack(chunk))
-    left = left - m
-  end
-  if log_len + cost > log_limit then
-    redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
-  end
-  local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
-  if unit == 'PX' then
-    redis.call('PEXPIRE', key3, at)
-  else
-    redis.call('PEXPIREAT', key3, at)
-  end
-end
-
-return out

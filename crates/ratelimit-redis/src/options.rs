@@ -68,6 +68,8 @@ impl Options {
             clock: self.clock.clone(),
             ttl_floor_ms: u64::try_from(self.ttl_floor.as_millis()).unwrap_or(u64::MAX),
             timeout: self.timeout,
+            // Until a server says it has no FCALL.
+            functions: std::sync::atomic::AtomicBool::new(true),
         })
     }
 }

@@ -1,56 +1,121 @@
 //! The Lua scripts, the layout of their arguments, and how their replies become decisions.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use ratelimit_core::{Algorithm, Clock, Decision, LeakyMode, Rule, RuleOutcome, RuleSet};
 use redis::aio::ConnectionLike;
-use redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 
-/// A Lua script and its SHA1, run with EVALSHA.
+/// A Lua script and its SHA1, run with EVALSHA; the decision script also as a Redis
+/// function library, run with FCALL.
 #[derive(Debug)]
 pub(crate) struct Script {
-    body: &'static str,
+    body: String,
     sha: String,
+    function: Option<Function>,
+}
+
+/// A script as a Redis 7 function library: the library code and the function's name.
+/// Both carry the script's SHA1, so stores of different versions sharing a server each
+/// find their own.
+#[derive(Debug)]
+struct Function {
+    library: String,
+    name: String,
 }
 
 impl Script {
-    fn new(body: &'static str) -> Self {
+    fn new(body: String, function: bool) -> Self {
+        let sha = redis::Script::new(&body).get_hash().to_owned();
+        let function = function.then(|| {
+            let tag = &sha[..16];
+            // The library defines `check`; without the trailing `return` line of the
+            // script form.
+            let code = body.trim_end().trim_end_matches(EVAL_TAIL.trim());
+            Function {
+                library: format!(
+                    "#!lua name=ratelimit_{tag}\n{code}\nredis.register_function('ratelimit_check_{tag}', check)\n"
+                ),
+                name: format!("ratelimit_check_{tag}"),
+            }
+        });
         Self {
             body,
-            sha: redis::Script::new(body).get_hash().to_owned(),
+            sha,
+            function,
         }
     }
 
     /// The `SCRIPT LOAD` command for this script.
     pub(crate) fn load_cmd(&self) -> Cmd {
         let mut cmd = redis::cmd("SCRIPT");
-        cmd.arg("LOAD").arg(self.body);
+        cmd.arg("LOAD").arg(&self.body);
         cmd
     }
 
-    /// `EVALSHA <sha> <number of keys>`, to be followed by the keys and arguments.
-    fn evalsha(&'static self, keys: usize, capacity: usize) -> Call {
+    /// The `FUNCTION LOAD` command for this script's library, if it has one.
+    pub(crate) fn function_load_cmd(&self) -> Option<Cmd> {
+        let function = self.function.as_ref()?;
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg(&function.library);
+        Some(cmd)
+    }
+
+    /// `FCALL <function>` when `functions` says the server has them and this script is a
+    /// library, else `EVALSHA <sha>`; then the number of keys, to be followed by the keys
+    /// and arguments.
+    fn call<'a>(
+        &'static self,
+        functions: &'a AtomicBool,
+        keys: usize,
+        capacity: usize,
+    ) -> Call<'a> {
         let mut cmd = Cmd::with_capacity(3 + capacity, 64 + 48 * capacity);
-        cmd.arg("EVALSHA").arg(self.sha.as_str()).arg(keys);
-        Call { script: self, cmd }
+        let fcall = match &self.function {
+            Some(function) if functions.load(Ordering::Relaxed) => {
+                cmd.arg("FCALL").arg(function.name.as_str());
+                true
+            }
+            _ => {
+                cmd.arg("EVALSHA").arg(self.sha.as_str());
+                false
+            }
+        };
+        cmd.arg(keys);
+        Call {
+            script: self,
+            cmd,
+            fcall,
+            functions,
+        }
     }
 }
 
+/// What the script form of check.lua appends to the file.
+const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
+
 /// The decision script; see `lua/check.lua` for its contract.
-pub(crate) static CHECK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/check.lua")));
+pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        format!("{}{EVAL_TAIL}", include_str!("../lua/check.lua")),
+        true,
+    )
+});
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/block.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/block.lua").to_owned(), false));
 
-/// The SHA1 of the decision script.
+/// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
+/// library and the function's name.
 #[cfg(feature = "testing")]
-pub(crate) fn check_sha() -> &'static str {
-    &CHECK.sha
+pub(crate) fn check_forms() -> [&'static str; 4] {
+    let function = CHECK.function.as_ref().expect("check.lua is a library");
+    [&CHECK.body, &CHECK.sha, &function.library, &function.name]
 }
 
 /// The scripts a store loads when it connects.
@@ -58,33 +123,93 @@ pub(crate) fn scripts() -> [&'static Script; 2] {
     [&CHECK, &BLOCK]
 }
 
-/// One script call: `EVALSHA`, resent as `EVAL` when the server does not know the script.
-#[derive(Debug)]
-pub(crate) struct Call {
-    script: &'static Script,
-    cmd: Cmd,
+/// Whether the server answered that it has no such function (a restart, `FUNCTION
+/// FLUSH`, a new node).
+fn function_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
 }
 
-impl Call {
-    /// Runs the call with EVALSHA, falling back to EVAL (which also caches the script in
-    /// the server that answers) when that server does not know the script: after `SCRIPT
-    /// FLUSH`, a restart, or a failover. EVAL goes to the node owning the keys, which
-    /// makes it right for Redis Cluster too.
+/// Whether the server does not know the command (FCALL before Redis 7).
+pub(crate) fn unknown_command(e: &RedisError) -> bool {
+    e.to_string().contains("unknown command")
+}
+
+/// Whether a `FUNCTION LOAD` failed only because the library is there already.
+pub(crate) fn already_loaded(e: &RedisError) -> bool {
+    e.to_string().contains("already exists")
+}
+
+/// One script call: `FCALL` of the decision function or `EVALSHA` of a script, resent
+/// after loading what the server lacks.
+#[derive(Debug)]
+pub(crate) struct Call<'a> {
+    script: &'static Script,
+    cmd: Cmd,
+    fcall: bool,
+    /// Cleared, for every later call of the store, when the server has no FCALL.
+    functions: &'a AtomicBool,
+}
+
+impl Call<'_> {
+    /// Runs the call. A server that lost the function library (restart, failover to a
+    /// node without it) gets it again and the call is resent; a server without
+    /// functions (Redis 6.2) gets EVALSHA from now on. EVALSHA falls back to EVAL (which
+    /// also caches the script in the server that answers) when that server does not know
+    /// the script: after `SCRIPT FLUSH`, a restart, or a failover. Every resend goes to
+    /// the node owning the keys, which makes it right for Redis Cluster too.
     pub(crate) async fn invoke<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
     ) -> RedisResult<Value> {
         match self.cmd.query_async(conn).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
-                let mut eval = redis::cmd("EVAL");
-                eval.arg(self.script.body);
-                for arg in self.cmd.args_iter().skip(2) {
-                    if let redis::Arg::Simple(bytes) = arg {
-                        eval.arg(bytes);
+            Err(e) if self.fcall && function_missing(&e) => {
+                tracing::debug!("rate-limit function not loaded in Redis; loading it");
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
                     }
                 }
-                eval.query_async(conn).await
+                self.cmd.query_async(conn).await
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                let mut evalsha = redis::cmd("EVALSHA");
+                evalsha.arg(self.script.sha.as_str());
+                self.resend(conn, evalsha).await
+            }
+            Err(e) if !self.fcall && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+
+    /// This call's keys and arguments after `head` (EVAL or EVALSHA and the script).
+    fn with_head(&self, mut head: Cmd) -> Cmd {
+        for arg in self.cmd.args_iter().skip(2) {
+            if let redis::Arg::Simple(bytes) = arg {
+                head.arg(bytes);
+            }
+        }
+        head
+    }
+
+    /// Sends the call as `head`, then as EVAL if the server does not know the script.
+    async fn resend<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        head: Cmd,
+    ) -> RedisResult<Value> {
+        match self.with_head(head).query_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
             }
             other => other,
         }
@@ -93,14 +218,14 @@ impl Call {
 
 /// A request to Redis: a script call or a plain command.
 #[derive(Debug)]
-pub(crate) enum Request {
+pub(crate) enum Request<'a> {
     /// A script, with the NOSCRIPT fallback.
-    Call(Call),
+    Call(Call<'a>),
     /// A plain command.
     Cmd(Cmd),
 }
 
-impl Request {
+impl Request<'_> {
     pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
         match self {
             Request::Call(call) => call.invoke(conn).await,
@@ -305,13 +430,14 @@ impl CheckArgs {
     }
 }
 
-/// The configuration every store shares.
-#[derive(Clone)]
+/// The configuration of a store.
 pub(crate) struct Shared {
     pub(crate) prefix: Arc<str>,
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) ttl_floor_ms: u64,
     pub(crate) timeout: Duration,
+    /// Whether checks run as FCALL of the function library (Redis 7) or as EVALSHA.
+    pub(crate) functions: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -340,10 +466,10 @@ impl Shared {
         self.clock.as_ref().map(|clock| clock.now_us())
     }
 
-    pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call {
+    pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 2 + usize::from(has_log);
-        let mut call = CHECK.evalsha(keys, keys + 3);
+        let mut call = CHECK.call(&self.functions, keys, keys + 3);
         let mut names = KeyNames::new(&self.prefix, key);
         call.cmd.arg(names.block());
         call.cmd.arg(names.state(rules));
@@ -354,8 +480,8 @@ impl Shared {
         call
     }
 
-    pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call {
-        let mut call = BLOCK.evalsha(1, 4);
+    pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {
+        let mut call = BLOCK.call(&self.functions, 1, 4);
         call.cmd.arg(KeyNames::new(&self.prefix, key).block());
         match self.now() {
             Some(now) => call.cmd.arg(now),

@@ -1,3 +1,4 @@
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -284,7 +285,7 @@ impl RedisStoreBuilder {
     /// [`build`](Self::build) returns).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
-        RedisStore::new(Transport::Single(Single::new(pool)), shared, None)
+        RedisStore::new(Transport::Single(Single::new(pool)), shared, (None, true))
     }
 
     /// A Cluster store over a cluster connection the application already has. The
@@ -295,7 +296,7 @@ impl RedisStoreBuilder {
     /// As [`build_with_pool`](Self::build_with_pool).
     pub fn build_with_cluster_connection(self, conn: ClusterConnection) -> RedisStore {
         let shared = self.shared_or_panic("build_with_cluster_connection");
-        RedisStore::new(Transport::Cluster(conn), shared, None)
+        RedisStore::new(Transport::Cluster(conn), shared, (None, true))
     }
 
     fn shared_or_panic(&self, what: &str) -> Shared {
@@ -319,8 +320,11 @@ impl RedisStoreBuilder {
 
 /// Loads the scripts and reads `maxmemory-policy`, warning when limiter keys can be
 /// evicted.
-async fn prepare<C: ConnectionLike + Send>(conn: &mut C) -> Result<Option<String>, Failure> {
-    transport::load_scripts(conn).await?;
+/// Returns the policy and whether the server has functions.
+async fn prepare<C: ConnectionLike + Send>(
+    conn: &mut C,
+) -> Result<(Option<String>, bool), Failure> {
+    let functions = transport::load_scripts(conn).await?;
     let policy = match redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory-policy")
@@ -348,7 +352,7 @@ async fn prepare<C: ConnectionLike + Send>(conn: &mut C) -> Result<Option<String
             );
         }
     }
-    Ok(policy)
+    Ok((policy, functions))
 }
 
 /// The policy's value in a `CONFIG GET` reply: a map or a flat array on one server, one
@@ -413,7 +417,9 @@ impl RedisStore {
         }
     }
 
-    fn new(transport: Transport, shared: Shared, maxmemory_policy: Option<String>) -> Self {
+    fn new(transport: Transport, shared: Shared, prepared: (Option<String>, bool)) -> Self {
+        let (maxmemory_policy, functions) = prepared;
+        shared.functions.store(functions, Ordering::Relaxed);
         Self {
             inner: Arc::new(Inner {
                 transport,
@@ -445,7 +451,7 @@ impl RedisStore {
     }
 
     /// Sends `request` within the store's timeout.
-    async fn run(&self, request: Request) -> Result<Value, RedisStoreError> {
+    async fn run(&self, request: Request<'_>) -> Result<Value, RedisStoreError> {
         let timeout = self.inner.shared.timeout;
         match tokio::time::timeout(timeout, self.inner.transport.send(&request)).await {
             Ok(reply) => reply.map_err(|e| failure(e, timeout)),

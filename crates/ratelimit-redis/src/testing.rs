@@ -379,14 +379,39 @@ impl RedisCluster {
     }
 }
 
-/// The arguments of `lua/check.lua` for `rules` and `cost` with Redis `TIME` as the clock,
-/// in the script's layout (binary: two of them pack doubles), and the script's SHA1: for
-/// sending a check by hand, e.g. in a benchmark. The keys are `<prefix>:{<tag>}:b`,
+/// The decision script in the forms the store sends it, for sending checks by hand (a
+/// benchmark): with `SCRIPT LOAD` and `EVALSHA` (Redis 6.2), or with `FUNCTION LOAD` and
+/// `FCALL` (Redis 7). The keys are `<prefix>:{<tag>}:b`,
 /// `<prefix>:{<tag>}:s:<fingerprint>` and, when a rule is a sliding log,
-/// `<prefix>:{<tag>}:l:<fingerprint>`, with the fingerprint as 16 hex digits.
-pub fn check_script_args(rules: &ratelimit_core::RuleSet, cost: u64) -> (String, Vec<Vec<u8>>) {
-    let args = crate::script::CheckArgs::to_args(None, cost, 0, rules);
-    (crate::script::check_sha().to_owned(), args)
+/// `<prefix>:{<tag>}:l:<fingerprint>`, with the fingerprint as 16 hex digits; the
+/// arguments come from [`check_script_args`].
+#[derive(Debug, Clone, Copy)]
+pub struct CheckScript {
+    /// The script, for `SCRIPT LOAD` or `EVAL`.
+    pub body: &'static str,
+    /// Its SHA1, for `EVALSHA`.
+    pub sha: &'static str,
+    /// The function library, for `FUNCTION LOAD`.
+    pub library: &'static str,
+    /// The function's name, for `FCALL`.
+    pub function: &'static str,
+}
+
+/// The decision script's forms; see [`CheckScript`].
+pub fn check_script() -> CheckScript {
+    let [body, sha, library, function] = crate::script::check_forms();
+    CheckScript {
+        body,
+        sha,
+        library,
+        function,
+    }
+}
+
+/// The arguments of the decision script for `rules` and `cost` with Redis `TIME` as the
+/// clock, in the script's layout (binary: two of them pack doubles).
+pub fn check_script_args(rules: &ratelimit_core::RuleSet, cost: u64) -> Vec<Vec<u8>> {
+    crate::script::CheckArgs::to_args(None, cost, 0, rules)
 }
 
 /// The service name [`RedisSentinel`] monitors.

@@ -43,7 +43,7 @@ impl Transport {
     ///
     /// A request lost with its connection may have reached Redis first; if so it is
     /// counted twice, which errs toward limiting, never toward admitting more.
-    pub(crate) async fn send(&self, request: &Request) -> Result<Value, Failure> {
+    pub(crate) async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         match self {
             Transport::Single(single) => single.send(request).await,
             Transport::Cluster(conn) => Ok(request.send(&mut conn.clone()).await?),
@@ -74,12 +74,23 @@ impl From<RunError<RedisError>> for Failure {
     }
 }
 
-/// Loads the store's scripts through `conn` (on a Cluster connection, on every primary).
-pub(crate) async fn load_scripts<C: ConnectionLike + Send>(conn: &mut C) -> RedisResult<()> {
+/// Loads the store's scripts through `conn` (on a Cluster connection, on every primary),
+/// and the decision function library where the server has functions (Redis 7). Returns
+/// whether it has.
+pub(crate) async fn load_scripts<C: ConnectionLike + Send>(conn: &mut C) -> RedisResult<bool> {
+    let mut functions = true;
     for script in script::scripts() {
         let _: Value = script.load_cmd().query_async(conn).await?;
+        if let Some(load) = script.function_load_cmd() {
+            match load.query_async::<Value>(conn).await {
+                Ok(_) => {}
+                Err(e) if script::already_loaded(&e) => {}
+                Err(e) if script::unknown_command(&e) => functions = false,
+                Err(e) => return Err(e),
+            }
+        }
     }
-    Ok(())
+    Ok(functions)
 }
 
 /// Counts repairs so that callers who saw the same failure repair it once.
@@ -124,7 +135,7 @@ impl Single {
         }
     }
 
-    async fn send(&self, request: &Request) -> Result<Value, Failure> {
+    async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         let seen = self.repairs.seen();
         match request.send(&mut self.checkout().await?).await {
             Err(e) if is_connection_error(&e) => {
@@ -203,7 +214,7 @@ impl Sentinel {
         Ok(())
     }
 
-    async fn send(&self, request: &Request) -> Result<Value, Failure> {
+    async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         let seen = self.repairs.seen();
         let first = match self.primary() {
             Some(mut conn) => request.send(&mut conn).await,

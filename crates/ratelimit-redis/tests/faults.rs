@@ -175,12 +175,13 @@ async fn an_unreachable_cluster_fails_the_build_with_a_typed_error() {
 }
 
 #[tokio::test]
-async fn script_flush_is_transparent() {
+async fn script_and_function_flush_are_transparent() {
     let server = RedisServer::start();
     let store = store(&server).await;
     let mut con = common::conn(&server.url());
     assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut con).unwrap();
+    let _: () = redis::cmd("FUNCTION").arg("FLUSH").query(&mut con).unwrap();
     common::reset_stats(&mut con);
     for _ in 0..5 {
         assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
@@ -190,10 +191,16 @@ async fn script_flush_is_transparent() {
         .await
         .unwrap();
     let stats = common::commandstats(&mut con);
-    // Every call starts with EVALSHA; the first of each script finds nothing and the body
-    // is sent once with EVAL, which caches it again.
-    assert_eq!(stats.get("eval").map(|s| s.0), Some(2), "{stats:?}");
-    assert_eq!(stats.get("evalsha").map(|s| s.0), Some(6), "{stats:?}");
+    // Checks are FCALLs: the first finds no function, the library is loaded once and the
+    // call resent. The block script starts with EVALSHA, finds nothing, and the body is
+    // sent once with EVAL, which caches it again.
+    assert_eq!(
+        stats.get("function|load").map(|s| s.0),
+        Some(1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.get("eval").map(|s| s.0), Some(1), "{stats:?}");
+    assert_eq!(stats.get("evalsha").map(|s| s.0), Some(1), "{stats:?}");
     let d = store.check(b"b", &rules(), 1).await.unwrap();
     assert_eq!(d.outcome(), ratelimit_core::Outcome::Blocked);
 }
