@@ -23,7 +23,8 @@
 -- ARGV[1]  the struct format of ARGV[2]: '<' and one 'd' per value
 -- ARGV[2]  the values as little-endian doubles (exact: every one is an integer < 2^53):
 --          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
---          Unix epoch), cost (0 peeks: evaluated as 1, nothing written), TTL floor in ms
+--          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
+--          none; a check that starts later is not run), cost (0 peeks: evaluated as 1, nothing written), TTL floor in ms
 --          (applied only under an injected clock, which need not run at Redis's pace),
 --          number of rules n, state width (values in KEYS[2]), entries the shared log
 --          keeps (0: no sliding log), longest sliding-log period in µs;
@@ -40,6 +41,7 @@
 --
 -- Returns
 --   {1, retry_us}   blocked; retry_us = -1 for a block without end
+--   {3, now_us}     past the caller's deadline: nothing decided, nothing written
 --   {s, delay_us, then per rule: allowed (1/0), remaining, reset_us, retry_us}
 --                   s = 0, or 2 when a value this script did not write was found at one
 --                   of the keys and discarded (the store owns its key namespace)
@@ -447,6 +449,11 @@ local function check(KEYS, ARGV)
   else
     local t = redis.call('TIME')
     now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if v[2] > 0 and now > v[2] then
+      -- The caller stopped waiting before Redis got to this check (a slow command, a
+      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
+      return {3, now}
+    end
   end
   local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
   local c = cost

@@ -70,6 +70,7 @@ impl Options {
             timeout: self.timeout,
             // Until a server says it has no FCALL.
             functions: std::sync::atomic::AtomicBool::new(true),
+            redis_clock: crate::script::RedisClock::new(),
         })
     }
 }

@@ -1,8 +1,8 @@
 //! The Lua scripts, the layout of their arguments, and how their replies become decisions.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, LazyLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ratelimit_core::{Algorithm, Clock, Decision, LeakyMode, Rule, RuleOutcome, RuleSet};
 use redis::aio::ConnectionLike;
@@ -258,6 +258,60 @@ enum Code {
 #[derive(Debug)]
 pub(crate) struct CheckArgs;
 
+/// Where a check takes its time from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Time {
+    /// The injected clock's reading.
+    Injected(u64),
+    /// Redis `TIME`, with the caller's deadline on that clock when known.
+    Redis { deadline: Option<u64> },
+}
+
+/// This host's monotonic clock against the Redis server's, learned from Redis `TIME`
+/// readings: enough to tell the script when the caller stops waiting.
+#[derive(Debug)]
+pub(crate) struct RedisClock {
+    base: Instant,
+    /// Redis time minus monotonic µs since `base`; `i64::MIN` until a reading arrives.
+    offset_us: AtomicI64,
+}
+
+impl RedisClock {
+    pub(crate) fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            offset_us: AtomicI64::new(i64::MIN),
+        }
+    }
+
+    fn local_us(&self, at: Instant) -> i64 {
+        i64::try_from(at.saturating_duration_since(self.base).as_micros()).unwrap_or(i64::MAX)
+    }
+
+    /// Records that Redis read `redis_us` at some instant before `received`. The reply
+    /// took time to arrive, so a reading puts the offset too low, never too high: the
+    /// largest one is the closest. Keeping the largest also means a deadline is never
+    /// earlier than the caller's real one (a Cluster's nodes: the fastest clock wins).
+    pub(crate) fn observe(&self, redis_us: u64, received: Instant) {
+        let offset = i64::try_from(redis_us).unwrap_or(i64::MAX) - self.local_us(received);
+        self.offset_us.fetch_max(offset, Ordering::Relaxed);
+    }
+
+    /// The instant `timeout` from now on the Redis clock, once a reading arrived.
+    fn deadline(&self, timeout: Duration) -> Option<u64> {
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        if offset == i64::MIN {
+            return None;
+        }
+        let timeout = i64::try_from(timeout.as_micros()).unwrap_or(i64::MAX);
+        let at = self
+            .local_us(Instant::now())
+            .saturating_add(offset)
+            .saturating_add(timeout);
+        u64::try_from(at).ok().filter(|&at| at <= MAX_EXACT)
+    }
+}
+
 /// Values above this are not exact in Lua's doubles.
 const MAX_EXACT: u64 = (1 << 53) - 1;
 
@@ -309,14 +363,18 @@ impl CheckArgs {
 
     /// Every packed value of a check, in order.
     fn values(
-        now: Option<u64>,
+        time: Time,
         cost: u64,
         ttl_floor_ms: u64,
         rules: &RuleSet,
     ) -> impl Iterator<Item = u64> + '_ {
+        let (injected, now_or_deadline) = match time {
+            Time::Injected(now) => (1, now),
+            Time::Redis { deadline } => (0, deadline.unwrap_or(0)),
+        };
         let header = [
-            u64::from(now.is_some()),
-            now.unwrap_or(0),
+            injected,
+            now_or_deadline,
             cost,
             ttl_floor_ms.min(MAX_EXACT),
             rules.len() as u64,
@@ -330,12 +388,12 @@ impl CheckArgs {
     }
 
     /// Appends the arguments of a check to `cmd`.
-    fn write(cmd: &mut Cmd, now: Option<u64>, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
+    fn write(cmd: &mut Cmd, time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
         let count = Self::HEADER + Self::PER_RULE * rules.len();
         let mut format = String::with_capacity(1 + count);
         format.push('<');
         let mut packed = Vec::with_capacity(8 * count);
-        for value in Self::values(now, cost, ttl_floor_ms, rules) {
+        for value in Self::values(time, cost, ttl_floor_ms, rules) {
             format.push('d');
             // Exact: rules, costs and times stay below 2^53 (see the tests).
             packed.extend_from_slice(&(value as f64).to_le_bytes());
@@ -354,13 +412,13 @@ impl CheckArgs {
     /// The arguments of a check, for tools that send the script by hand.
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn to_args(
-        now: Option<u64>,
+        time: Time,
         cost: u64,
         ttl_floor_ms: u64,
         rules: &RuleSet,
     ) -> Vec<Vec<u8>> {
         let mut cmd = Cmd::new();
-        Self::write(&mut cmd, now, cost, ttl_floor_ms, rules);
+        Self::write(&mut cmd, time, cost, ttl_floor_ms, rules);
         cmd.args_iter()
             .map(|arg| match arg {
                 redis::Arg::Simple(bytes) => bytes.to_vec(),
@@ -370,11 +428,12 @@ impl CheckArgs {
     }
 
     /// Turns the script's reply into a [`Decision`]; the flag says the script found and
-    /// discarded a value it did not write.
+    /// discarded a value it did not write. `Ok(None)` with the Redis time: the check
+    /// arrived past its deadline and was not run.
     pub(crate) fn decision(
         rules: &RuleSet,
         reply: &Value,
-    ) -> Result<(Decision, bool), RedisStoreError> {
+    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
         let Value::Array(items) = reply else {
             return Err(unexpected("the check script should return an array", reply));
         };
@@ -391,10 +450,13 @@ impl CheckArgs {
         let ints = &ints[..items.len()];
         let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
         match ints {
-            [1, -1] => Ok((Decision::blocked(None), false)),
+            [1, -1] => Ok(Ok((Decision::blocked(None), false))),
             [1, left] => us(*left)
-                .map(|left| (Decision::blocked(Some(left)), false))
+                .map(|left| Ok((Decision::blocked(Some(left)), false)))
                 .ok_or_else(|| unexpected("a block's time left cannot be negative", reply)),
+            [3, now] => u64::try_from(*now)
+                .map(Err)
+                .map_err(|_| unexpected("Redis time cannot be negative", reply)),
             [status @ (0 | 2), delay, per_rule @ ..] if per_rule.len() == 4 * rules.len() => {
                 let delay = us(*delay).ok_or_else(|| unexpected("negative delay", reply))?;
                 let mut outcomes = Vec::with_capacity(rules.len());
@@ -417,7 +479,7 @@ impl CheckArgs {
                         retry_after: (!allowed).then_some(retry),
                     });
                 }
-                Ok((Decision::from_rules(outcomes, delay), *status == 2))
+                Ok(Ok((Decision::from_rules(outcomes, delay), *status == 2)))
             }
             _ => Err(unexpected(
                 &format!(
@@ -438,6 +500,8 @@ pub(crate) struct Shared {
     pub(crate) timeout: Duration,
     /// Whether checks run as FCALL of the function library (Redis 7) or as EVALSHA.
     pub(crate) functions: AtomicBool,
+    /// The Redis clock as seen from here, for deadlines.
+    pub(crate) redis_clock: RedisClock,
 }
 
 impl std::fmt::Debug for Shared {
@@ -466,6 +530,15 @@ impl Shared {
         self.clock.as_ref().map(|clock| clock.now_us())
     }
 
+    fn time(&self) -> Time {
+        match self.now() {
+            Some(now) => Time::Injected(now),
+            None => Time::Redis {
+                deadline: self.redis_clock.deadline(self.timeout),
+            },
+        }
+    }
+
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 2 + usize::from(has_log);
@@ -476,7 +549,7 @@ impl Shared {
         if has_log {
             call.cmd.arg(names.log(rules));
         }
-        CheckArgs::write(&mut call.cmd, self.now(), cost, self.ttl_floor_ms, rules);
+        CheckArgs::write(&mut call.cmd, self.time(), cost, self.ttl_floor_ms, rules);
         call
     }
 
@@ -532,26 +605,32 @@ mod tests {
     #[test]
     fn replies_become_decisions() {
         let r = rules("10/s fixed-window; 2/s leaky-bucket mode=shaper burst=4 delay=1");
-        let (d, healed) =
-            CheckArgs::decision(&r, &ints(&[0, 500, 1, 9, 1000, 0, 1, 3, 2000, 0])).unwrap();
+        let (d, healed) = CheckArgs::decision(&r, &ints(&[0, 500, 1, 9, 1000, 0, 1, 3, 2000, 0]))
+            .unwrap()
+            .unwrap();
         assert!(d.is_allowed());
         assert!(!healed);
         assert_eq!(d.delay(), Duration::from_micros(500));
         assert_eq!(d.rules()[0].remaining, 9);
         assert_eq!(d.rules()[1].limit, 2);
-        let (d, healed) =
-            CheckArgs::decision(&r, &ints(&[2, 0, 1, 9, 1000, 7, 0, 0, 2000, 300])).unwrap();
+        let (d, healed) = CheckArgs::decision(&r, &ints(&[2, 0, 1, 9, 1000, 7, 0, 0, 2000, 300]))
+            .unwrap()
+            .unwrap();
         assert!(!d.is_allowed());
         assert!(healed);
         assert_eq!(d.retry_after(), Some(Duration::from_micros(300)));
         assert_eq!(d.rules()[0].retry_after, None);
         assert_eq!(
-            CheckArgs::decision(&r, &ints(&[1, -1])).unwrap().0,
+            CheckArgs::decision(&r, &ints(&[1, -1])).unwrap().unwrap().0,
             Decision::blocked(None)
         );
         assert_eq!(
-            CheckArgs::decision(&r, &ints(&[1, 5])).unwrap().0,
+            CheckArgs::decision(&r, &ints(&[1, 5])).unwrap().unwrap().0,
             Decision::blocked(Some(Duration::from_micros(5)))
+        );
+        assert_eq!(
+            CheckArgs::decision(&r, &ints(&[3, 1_763_683_200_000_000])).unwrap(),
+            Err(1_763_683_200_000_000)
         );
     }
 
@@ -601,7 +680,7 @@ mod tests {
         );
         // Fixed window 2, sliding window 4 + 2, log none, and 2 for each of the other four.
         assert_eq!(CheckArgs::state_width(&r), 16);
-        let args = CheckArgs::to_args(Some(7), 2, 60_000, &r);
+        let args = CheckArgs::to_args(Time::Injected(7), 2, 60_000, &r);
         let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
         assert_eq!(args[0], format!("<{}", "d".repeat(count)).into_bytes());
         let values: Vec<f64> = args[1]
@@ -612,7 +691,7 @@ mod tests {
         assert_eq!(values[8..13], [1.0, 5.0, 1e6, 0.0, 0.0]);
         assert_eq!(args[2], format!("<{}", "d".repeat(16)).into_bytes());
         let wide: RuleSet = "1000/s sliding-window precision=1000".parse().unwrap();
-        assert!(CheckArgs::to_args(None, 1, 0, &wide)[2].is_empty());
+        assert!(CheckArgs::to_args(Time::Redis { deadline: None }, 1, 0, &wide)[2].is_empty());
     }
 
     /// Builds whatever rule the core accepts from arbitrary numbers.
@@ -663,11 +742,11 @@ mod tests {
                 let set = RuleSet::new(vec![rule]).unwrap();
                 let now = now & MAX_EXACT;
                 if set.check_cost(cost).is_ok() {
-                    for value in CheckArgs::values(Some(now), cost, u64::MAX, &set) {
+                    for value in CheckArgs::values(Time::Injected(now), cost, u64::MAX, &set) {
                         prop_assert!(value <= MAX_EXACT, "{}: {} is not exact in Lua", set.rules()[0], value);
                     }
                 }
-                let args = CheckArgs::to_args(Some(now), cost, u64::MAX, &set);
+                let args = CheckArgs::to_args(Time::Injected(now), cost, u64::MAX, &set);
                 prop_assert_eq!(args[1].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
             }
         }

@@ -23,7 +23,8 @@ pub(crate) const DEFAULT_POOL_SIZE: u32 = 4;
 /// The rate-limit [`Store`] over Redis: one server, a Redis Cluster, or the primary of a
 /// Sentinel-managed service.
 ///
-/// Every check is one `EVALSHA` of the decision script, whatever the number of rules; a
+/// Every check is one `FCALL` of the decision function (one `EVALSHA` of the decision
+/// script before Redis 7), whatever the number of rules; a
 /// clone shares the connections. See the [crate docs](crate) for the key layout, time
 /// source, TTLs and how to run Redis for a limiter.
 ///
@@ -165,7 +166,7 @@ impl RedisStoreBuilder {
         // as a timeout), set it up and hand it to the pool.
         let connect = async {
             let mut conn = pool.dedicated_connection().await?;
-            let policy = prepare(&mut conn).await?;
+            let policy = prepare(&mut conn, &shared).await?;
             // A full pool (impossible here) would just drop the connection.
             let _ = pool.add(conn);
             Ok(policy)
@@ -203,7 +204,7 @@ impl RedisStoreBuilder {
             })?;
         let connect = async {
             let mut conn = client.get_async_connection().await?;
-            let policy = prepare(&mut conn).await?;
+            let policy = prepare(&mut conn, &shared).await?;
             Ok((conn, policy))
         };
         let (conn, policy) = self.connecting(connect).await?;
@@ -261,7 +262,7 @@ impl RedisStoreBuilder {
         let connect = async {
             let sentinel = Sentinel::connect(client).await?;
             let mut conn = sentinel.primary().ok_or(Failure::PoolTimedOut)?;
-            let policy = prepare(&mut conn).await?;
+            let policy = prepare(&mut conn, &shared).await?;
             Ok((sentinel, policy))
         };
         let (sentinel, policy) = self.connecting(connect).await?;
@@ -320,11 +321,16 @@ impl RedisStoreBuilder {
 
 /// Loads the scripts and reads `maxmemory-policy`, warning when limiter keys can be
 /// evicted.
-/// Returns the policy and whether the server has functions.
+/// Returns the policy and whether the server has functions; reads the server's clock.
 async fn prepare<C: ConnectionLike + Send>(
     conn: &mut C,
+    shared: &Shared,
 ) -> Result<(Option<String>, bool), Failure> {
     let functions = transport::load_scripts(conn).await?;
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    shared
+        .redis_clock
+        .observe(secs * 1_000_000 + micros, std::time::Instant::now());
     let policy = match redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory-policy")
@@ -472,7 +478,18 @@ impl Store for RedisStore {
         rules.check_cost(cost)?;
         let call = self.inner.shared.check_call(key, rules, cost);
         let reply = self.run(Request::Call(call)).await?;
-        let (decision, healed) = CheckArgs::decision(rules, &reply)?;
+        let (decision, healed) = match CheckArgs::decision(rules, &reply)? {
+            Ok(decided) => decided,
+            Err(redis_now) => {
+                // Redis got to the check after its deadline (the reply outran our timer,
+                // or the deadline was early): it charged nothing. Learn the clock again.
+                self.inner
+                    .shared
+                    .redis_clock
+                    .observe(redis_now, std::time::Instant::now());
+                return Err(RedisStoreError::Timeout(self.inner.shared.timeout));
+            }
+        };
         if healed {
             tracing::warn!(
                 prefix = %self.prefix(),

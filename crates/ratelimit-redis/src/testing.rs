@@ -411,7 +411,12 @@ pub fn check_script() -> CheckScript {
 /// The arguments of the decision script for `rules` and `cost` with Redis `TIME` as the
 /// clock, in the script's layout (binary: two of them pack doubles).
 pub fn check_script_args(rules: &ratelimit_core::RuleSet, cost: u64) -> Vec<Vec<u8>> {
-    crate::script::CheckArgs::to_args(None, cost, 0, rules)
+    crate::script::CheckArgs::to_args(
+        crate::script::Time::Redis { deadline: None },
+        cost,
+        0,
+        rules,
+    )
 }
 
 /// The service name [`RedisSentinel`] monitors.

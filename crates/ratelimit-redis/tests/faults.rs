@@ -352,3 +352,55 @@ async fn foreign_values_at_limiter_keys_heal() {
     assert_eq!(kept, ["x"]);
     redis::cmd("DEL").arg(&block).exec(&mut con).unwrap();
 }
+
+/// A check whose caller timed out while Redis was stalled (a slow command, a fork,
+/// `DEBUG SLEEP`) still reaches Redis afterwards; it must not charge the client.
+#[tokio::test]
+async fn checks_that_timed_out_in_a_stalled_redis_charge_nothing() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    let mut con = common::conn(&server.url());
+    common::reset_stats(&mut con);
+    let mut probe = common::conn(&server.url());
+    probe
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let url = server.url();
+    let stall = std::thread::spawn(move || {
+        let mut con = common::conn(&url);
+        redis::cmd("DEBUG").arg("SLEEP").arg("3").exec(&mut con)
+    });
+    // Wait until the stall has begun: PING stops being answered within 300 ms.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if redis::cmd("PING").query::<String>(&mut probe).is_err() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "DEBUG SLEEP never began");
+    }
+    for _ in 0..10 {
+        let err = store.check(b"k", &rules, 1).await.unwrap_err();
+        assert!(matches!(err, RedisStoreError::Timeout(_)), "{err:?}");
+    }
+    stall.join().unwrap().unwrap();
+    // Redis runs the queued checks once it wakes up; wait until it has.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while common::commandstats(&mut con)
+        .get("fcall")
+        .map_or(0, |s| s.0)
+        < 10
+    {
+        assert!(Instant::now() < deadline, "the queued checks never ran");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // None of them was charged: the client still has its 5.
+    for i in 0..6 {
+        let d = store.check(b"k", &rules, 1).await.unwrap();
+        assert_eq!(d.is_allowed(), i < 5, "check {i}: {d:?}");
+    }
+}
