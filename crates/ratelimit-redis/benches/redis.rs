@@ -7,10 +7,10 @@
 //!    (TIME, GET, INCR, PEXPIRE) with 32 connections, alternating, three rounds each.
 //!    (check.lua takes packed binary arguments, which redis-benchmark cannot send.)
 //! 0. Redis CPU per decision against the seed's two-counter script, side by side in one
-//!    redis-server run and through one client (50 concurrent EVALSHA on a multiplexed
+//!    redis-server run and through one client (50 concurrent calls on a multiplexed
 //!    connection, random keys): check.lua for a single GCRA rule, a single precision-1
 //!    sliding window counter, and a 4-rule set.
-//! 2. Redis CPU per decision (`usec_per_call` of EVALSHA from `INFO commandstats`) for
+//! 2. Redis CPU per decision (`usec_per_call` of FCALL from `INFO commandstats`) for
 //!    every algorithm at 1000 requests per key per window, and for the sorted-set sliding
 //!    log the seed moved away from (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE), as
 //!    a Lua script and as MULTI/EXEC.
@@ -614,7 +614,7 @@ async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) 
         }
     })
     .await;
-    let s = commandstats(con, "evalsha").await;
+    let s = commandstats(con, "fcall").await;
     (s.usec / s.calls as f64, m)
 }
 

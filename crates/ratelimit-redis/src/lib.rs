@@ -42,7 +42,8 @@
 //! nothing, so concurrent app servers never admit more than the rules allow. On Redis 7
 //! the script is loaded as a function library (`FUNCTION LOAD`) and each check is one
 //! `FCALL`: the script's functions are then created once per server instead of once per
-//! call, which saves Redis about a fifth of its work per check. On Redis 6.2 (no
+//! call, which saved Redis 17 to 21 % of its time per check in the crate's benchmark
+//! (see BENCHMARKS.md). On Redis 6.2 (no
 //! functions) each check is one `EVALSHA`. When Redis forgets the library or the script
 //! (`FUNCTION FLUSH`, `SCRIPT FLUSH`, a restart, a failover) the store loads it again
 //! once and resends the call.
