@@ -15,10 +15,13 @@
 //!    log the seed moved away from (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE), as
 //!    a Lua script and as MULTI/EXEC.
 //!
+//! 3. Long client keys: time and Redis CPU per check for a 16-byte key and a 1 MiB key
+//!    (held as its digest), one check at a time.
+//!
 //! CPU figures are the best of 3 runs (the machine may be shared).
 //!
 //! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
-//! `BENCH_ONLY=seed`, `BENCH_ONLY=throughput` or `BENCH_ONLY=cpu` runs one part; `BENCH_POOL` (default 4)
+//! `BENCH_ONLY=seed`, `throughput`, `cpu` or `keys` runs one part; `BENCH_POOL` (default 4)
 //! sets the store's pool size.
 
 use std::process::Command;
@@ -231,6 +234,9 @@ async fn main() {
     }
     if only.is_empty() || only == "cpu" {
         cpu_per_decision(&url, &con).await;
+    }
+    if only.is_empty() || only == "keys" {
+        long_keys(&url, &con).await;
     }
 }
 
@@ -728,4 +734,37 @@ async fn cpu_per_decision(url: &str, con: &MultiplexedConnection) {
          less.",
         lowest[0], lowest[1], lowest[2], lowest[3]
     );
+}
+
+/// Checks, one at a time, with a short and a 1 MiB client key: what the key's length
+/// costs the app (wall time per check) and Redis (`usec_per_call`).
+async fn long_keys(url: &str, con: &MultiplexedConnection) {
+    const CHECKS: u32 = 2000;
+    let mut con = con.clone();
+    let store = RedisStore::builder()
+        .prefix("keys")
+        .timeout(Duration::from_secs(5))
+        .build(url)
+        .await
+        .unwrap();
+    let rules: RuleSet = "1000000/s gcra burst=1000000".parse().unwrap();
+    let short = b"203.0.113.7:80ab".to_vec();
+    let long = vec![b'k'; 1 << 20];
+    println!("\n## Long client keys: {CHECKS} sequential checks each, `{rules}`, best of {ROUNDS}");
+    println!("| client key | µs per check (app, round trip) | Redis usec_per_call |");
+    println!("|---|---:|---:|");
+    for (name, key) in [("16 bytes", &short), ("1 MiB", &long)] {
+        let mut best = (f64::MAX, f64::MAX);
+        for _ in 0..ROUNDS {
+            reset_stats(&mut con).await;
+            let started = Instant::now();
+            for _ in 0..CHECKS {
+                store.check(key, &rules, 1).await.unwrap();
+            }
+            let wall = started.elapsed().as_secs_f64() * 1e6 / f64::from(CHECKS);
+            let s = commandstats(&mut con, "fcall").await;
+            best = (best.0.min(wall), best.1.min(s.usec / s.calls as f64));
+        }
+        println!("| {name} | {:.1} | {:.2} |", best.0, best.1);
+    }
 }
