@@ -9,9 +9,12 @@
 //!                       curl -s -o /dev/null -w '%{http_code} ' localhost:3001/; done
 //! ```
 //!
-//! `REDIS_URL` (default `redis://127.0.0.1:6379/`) selects the server. If Redis becomes
-//! unreachable, each instance falls back to limiting on its own with a local store
-//! (and logs a warning per failed check) until it is back.
+//! `REDIS_URL` (default `redis://127.0.0.1:6379/`) selects the server. The same store
+//! runs over a Redis Cluster (`REDIS_CLUSTER_URLS`, comma-separated node URLs) or over
+//! the primary Redis Sentinel names (`REDIS_SENTINEL_URLS`, comma-separated Sentinel URLs,
+//! and `REDIS_SERVICE`, the monitored name). If Redis becomes unreachable, each instance
+//! falls back to limiting on its own with a local store (and logs a warning per failed
+//! check) until it is back.
 
 use std::time::Duration;
 
@@ -29,13 +32,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
 
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let list = |name: &str| -> Option<Vec<String>> {
+        let value = std::env::var(name).ok()?;
+        Some(value.split(',').map(|u| u.trim().to_owned()).collect())
+    };
     // A check that takes longer than this counts as a failure and the fallback decides.
-    let store = RedisStore::builder()
-        .timeout(Duration::from_millis(50))
-        .build(&url)
-        .await
-        .map_err(|e| format!("cannot reach Redis at {url} (set REDIS_URL): {e}"))?;
+    let builder = RedisStore::builder().timeout(Duration::from_millis(50));
+    let (store, url) = if let Some(nodes) = list("REDIS_CLUSTER_URLS") {
+        let store = builder.build_cluster(&nodes).await;
+        (store, format!("the Redis Cluster at {}", nodes.join(", ")))
+    } else if let Some(sentinels) = list("REDIS_SENTINEL_URLS") {
+        let service = std::env::var("REDIS_SERVICE").unwrap_or_else(|_| "mymaster".into());
+        let store = builder.build_sentinel(&sentinels, &service).await;
+        (
+            store,
+            format!("the primary of {service} ({})", sentinels.join(", ")),
+        )
+    } else {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        (builder.build(&url).await, url)
+    };
+    let store = store.map_err(|e| format!("cannot reach {url} (see the example's docs): {e}"))?;
 
     // The store is cheap to clone: both layers share its connection pool.
     let per_ip = RateLimitLayer::builder(store.clone(), PeerIp::new())

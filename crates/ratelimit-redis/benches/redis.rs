@@ -3,17 +3,25 @@
 //! `cargo bench -p ratelimit-redis --features testing --bench redis`
 //!
 //! 1. Throughput: decisions per second through `RedisStore` with 32 concurrent tasks,
-//!    next to `redis-benchmark` sending EVALSHA of the same script with the same
-//!    arguments and 32 connections, alternating, three rounds each.
-//! 2. Redis CPU per decision (`usec_per_call` of EVALSHA from `INFO commandstats`) for
+//!    next to `redis-benchmark` sending EVALSHA of the seed's minimal two-counter script
+//!    (TIME, GET, INCR, PEXPIRE) with 32 connections, alternating, three rounds each.
+//!    (check.lua takes packed binary arguments, which redis-benchmark cannot send.)
+//! 0. Redis CPU per decision against the seed's two-counter script, side by side in one
+//!    redis-server run and through one client (50 concurrent calls on a multiplexed
+//!    connection, random keys): check.lua for a single GCRA rule, a single precision-1
+//!    sliding window counter, and a 4-rule set.
+//! 2. Redis CPU per decision (`usec_per_call` of FCALL from `INFO commandstats`) for
 //!    every algorithm at 1000 requests per key per window, and for the sorted-set sliding
 //!    log the seed moved away from (ZREMRANGEBYSCORE + ZADD + ZRANGE 0 -1 + PEXPIRE), as
 //!    a Lua script and as MULTI/EXEC.
 //!
+//! 3. Long client keys: time and Redis CPU per check for a 16-byte key and a 1 MiB key
+//!    (held as its digest), one check at a time.
+//!
 //! CPU figures are the best of 3 runs (the machine may be shared).
 //!
 //! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
-//! `BENCH_ONLY=throughput` or `BENCH_ONLY=cpu` runs one part; `BENCH_POOL` (default 4)
+//! `BENCH_ONLY=seed`, `throughput`, `cpu` or `keys` runs one part; `BENCH_POOL` (default 4)
 //! sets the store's pool size.
 
 use std::process::Command;
@@ -30,6 +38,33 @@ use tokio::sync::Barrier;
 const CONCURRENCY: usize = 32;
 const KEYSPACE: u64 = 100_000;
 const THROUGHPUT_RULES: &str = "100/s gcra burst=100";
+
+/// Reference: the seed's minimal sliding window counter (ClassDojo): the previous and the
+/// current window's counters, TIME + GET + INCR + PEXPIRE. Counts denied requests too and
+/// decides in floating point; it is the floor of what a Redis limiter can cost.
+const SEED_TWO_COUNTERS: &str = r"
+-- KEYS[1] counter key base; ARGV: limit, window_ms
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local window = tonumber(ARGV[2])
+local cur = math.floor(now / window)
+local prev = tonumber(redis.call('GET', KEYS[1] .. ':' .. (cur - 1)) or '0')
+local count = redis.call('INCR', KEYS[1] .. ':' .. cur)
+redis.call('PEXPIRE', KEYS[1] .. ':' .. cur, window * 2)
+local weighted = prev * (window - (now - cur * window)) / window + count
+if weighted <= tonumber(ARGV[1]) then return 1 end
+return 0
+";
+
+/// Rule sets of the side-by-side comparison with the seed's script.
+const SEED_RULES: [&str; 3] = [
+    "100/s gcra burst=1",
+    "100/s sliding-window precision=1",
+    "100/s gcra burst=10; 1000/min sliding-window precision=1; 10000/h fixed-window; \
+     100000/day token-bucket capacity=1000",
+];
+const SEED_CONCURRENCY: usize = 50;
+const SEED_KEYS: u64 = 10_000;
 
 /// Reference: the sorted-set sliding log of the seed articles, as one script.
 const ZSET_LOG: &str = r"
@@ -121,11 +156,7 @@ async fn store_throughput(store: &RedisStore, rules: &RuleSet, total: u64) -> f6
 }
 
 fn redis_benchmark_throughput(port: u16, sha: &str, rules: &RuleSet, total: u64) -> (f64, String) {
-    let fp = format!("{:016x}", rules.fingerprint());
     let rule = &rules.rules()[0];
-    let ratelimit_core::Algorithm::Gcra { burst } = rule.algorithm() else {
-        unreachable!("the throughput rule is GCRA")
-    };
     let args: Vec<String> = [
         "-p".into(),
         port.to_string(),
@@ -138,23 +169,10 @@ fn redis_benchmark_throughput(port: u16, sha: &str, rules: &RuleSet, total: u64)
         "--csv".into(),
         "EVALSHA".into(),
         sha.into(),
-        "3".into(),
-        "bench:{k__rand_int__}:b".into(),
-        format!("bench:{{k__rand_int__}}:s:{fp}"),
-        format!("bench:{{k__rand_int__}}:l:{fp}"),
-        // now = Redis TIME, cost 1, TTL floor, no log, one GCRA rule of 2 state integers.
-        String::new(),
         "1".into(),
-        "60000".into(),
-        "0".into(),
-        "0".into(),
-        "1".into(),
-        "2".into(),
-        "5".into(),
+        "seed:{__rand_int__}".into(),
         rule.limit().to_string(),
-        rule.period_us().to_string(),
-        burst.to_string(),
-        "0".into(),
+        (rule.period_us() / 1000).to_string(),
     ]
     .into();
     let output = Command::new("redis-benchmark")
@@ -208,20 +226,152 @@ async fn main() {
     );
 
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
-    if only != "cpu" {
+    if only.is_empty() || only == "seed" {
+        against_seed(&con).await;
+    }
+    if only.is_empty() || only == "throughput" {
         throughput(&server, &con).await;
     }
-    if only != "throughput" {
+    if only.is_empty() || only == "cpu" {
         cpu_per_decision(&url, &con).await;
     }
+    if only.is_empty() || only == "keys" {
+        long_keys(&url, &con).await;
+    }
+}
+
+/// Sends `total` script calls (`command`: evalsha or fcall) built by `call(key)` from `SEED_CONCURRENCY` tasks over
+/// random keys and returns Redis's `usec_per_call` for them.
+async fn script_usec<F>(con: &MultiplexedConnection, command: &str, total: u64, call: F) -> f64
+where
+    F: Fn(u64) -> redis::Cmd + Send + Sync + 'static,
+{
+    let mut stats_con = con.clone();
+    flush(&mut stats_con).await;
+    reset_stats(&mut stats_con).await;
+    let call = Arc::new(call);
+    let tasks: Vec<_> = (0..SEED_CONCURRENCY as u64)
+        .map(|t| {
+            let (call, mut con) = (call.clone(), con.clone());
+            tokio::spawn(async move {
+                let mut state = 0x9e37_79b9_7f4a_7c15 ^ (t + 1);
+                for _ in 0..total / SEED_CONCURRENCY as u64 {
+                    let key = next_key(&mut state) % SEED_KEYS;
+                    let _: redis::Value = call(key).query_async(&mut con).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let s = commandstats(&mut stats_con, command).await;
+    s.usec / s.calls as f64
+}
+
+async fn against_seed(con: &MultiplexedConnection) {
+    let mut c = con.clone();
+    let seed_sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(SEED_TWO_COUNTERS)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let script = ratelimit_redis::testing::check_script();
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(script.body)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(script.library)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let total = decisions_per_round();
+    let seed = {
+        let sha = seed_sha.clone();
+        move |key: u64| {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(&sha)
+                .arg(1)
+                .arg(format!("seed:{{{key}}}"))
+                .arg(100)
+                .arg(1000);
+            cmd
+        }
+    };
+    // FCALL of the function (what the store sends to Redis 7) or EVALSHA of the script
+    // (Redis 6.2).
+    let check = |rules: &str, fcall: bool| {
+        let rules: RuleSet = rules.parse().unwrap();
+        let fp = format!("{:016x}", rules.fingerprint());
+        let args = ratelimit_redis::testing::check_script_args(&rules, 1);
+        move |key: u64| {
+            let mut cmd = if fcall {
+                let mut cmd = redis::cmd("FCALL");
+                cmd.arg(script.function);
+                cmd
+            } else {
+                let mut cmd = redis::cmd("EVALSHA");
+                cmd.arg(script.sha);
+                cmd
+            };
+            cmd.arg(2)
+                .arg(format!("bench:{{k{key:x}}}:b"))
+                .arg(format!("bench:{{k{key:x}}}:s:{fp}"));
+            for arg in &args {
+                cmd.arg(&arg[..]);
+            }
+            cmd
+        }
+    };
+    // Warm-up, then rounds alternating between the scripts; best of each.
+    let _ = script_usec(con, "evalsha", total / 10, seed.clone()).await;
+    let mut seed_best = f64::MAX;
+    let mut best = [[f64::MAX; 2]; SEED_RULES.len()];
+    for _ in 0..ROUNDS {
+        seed_best = seed_best.min(script_usec(con, "evalsha", total, seed.clone()).await);
+        for (i, rules) in SEED_RULES.iter().enumerate() {
+            let fcall = script_usec(con, "fcall", total, check(rules, true)).await;
+            let evalsha = script_usec(con, "evalsha", total, check(rules, false)).await;
+            best[i] = [best[i][0].min(fcall), best[i][1].min(evalsha)];
+        }
+    }
+    println!(
+        "\n## Redis CPU per decision against the seed's two-counter script \
+         ({SEED_CONCURRENCY} concurrent calls, {SEED_KEYS} random keys, Redis TIME, best of {ROUNDS} × {total})"
+    );
+    println!("| script | FCALL usec_per_call | vs. seed | EVALSHA usec_per_call | vs. seed |");
+    println!("|---|---:|---:|---:|---:|");
+    println!("| seed two-counter (TIME, GET, INCR, PEXPIRE) | | | {seed_best:.2} | 1.00x |");
+    for (i, rules) in SEED_RULES.iter().enumerate() {
+        let [f, e] = best[i];
+        println!(
+            "| check.lua `{rules}` | {f:.2} | {:.2}x | {e:.2} | {:.2}x |",
+            f / seed_best,
+            e / seed_best
+        );
+    }
+    println!(
+        "4 rules vs. 1 GCRA rule: FCALL {:.2}x, EVALSHA {:.2}x",
+        best[SEED_RULES.len() - 1][0] / best[0][0],
+        best[SEED_RULES.len() - 1][1] / best[0][1]
+    );
 }
 
 async fn throughput(server: &RedisServer, con: &MultiplexedConnection) {
     let mut con = con.clone();
     let url = server.url();
-    let sha = redis::Script::new(include_str!("../lua/check.lua"))
-        .get_hash()
-        .to_owned();
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(SEED_TWO_COUNTERS)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     let rules: RuleSet = THROUGHPUT_RULES.parse().unwrap();
     let pool_size = std::env::var("BENCH_POOL")
         .ok()
@@ -265,7 +415,7 @@ async fn throughput(server: &RedisServer, con: &MultiplexedConnection) {
             .join(", ")
     );
     println!(
-        "| redis-benchmark EVALSHA, {CONCURRENCY} connections | {theirs_m:.0} | {} |",
+        "| redis-benchmark EVALSHA of the seed's two-counter script, {CONCURRENCY} connections | {theirs_m:.0} | {} |",
         theirs
             .iter()
             .map(|r| format!("{r:.0}"))
@@ -470,7 +620,7 @@ async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) 
         }
     })
     .await;
-    let s = commandstats(con, "evalsha").await;
+    let s = commandstats(con, "fcall").await;
     (s.usec / s.calls as f64, m)
 }
 
@@ -584,4 +734,37 @@ async fn cpu_per_decision(url: &str, con: &MultiplexedConnection) {
          less.",
         lowest[0], lowest[1], lowest[2], lowest[3]
     );
+}
+
+/// Checks, one at a time, with a short and a 1 MiB client key: what the key's length
+/// costs the app (wall time per check) and Redis (`usec_per_call`).
+async fn long_keys(url: &str, con: &MultiplexedConnection) {
+    const CHECKS: u32 = 2000;
+    let mut con = con.clone();
+    let store = RedisStore::builder()
+        .prefix("keys")
+        .timeout(Duration::from_secs(5))
+        .build(url)
+        .await
+        .unwrap();
+    let rules: RuleSet = "1000000/s gcra burst=1000000".parse().unwrap();
+    let short = b"203.0.113.7:80ab".to_vec();
+    let long = vec![b'k'; 1 << 20];
+    println!("\n## Long client keys: {CHECKS} sequential checks each, `{rules}`, best of {ROUNDS}");
+    println!("| client key | µs per check (app, round trip) | Redis usec_per_call |");
+    println!("|---|---:|---:|");
+    for (name, key) in [("16 bytes", &short), ("1 MiB", &long)] {
+        let mut best = (f64::MAX, f64::MAX);
+        for _ in 0..ROUNDS {
+            reset_stats(&mut con).await;
+            let started = Instant::now();
+            for _ in 0..CHECKS {
+                store.check(key, &rules, 1).await.unwrap();
+            }
+            let wall = started.elapsed().as_secs_f64() * 1e6 / f64::from(CHECKS);
+            let s = commandstats(&mut con, "fcall").await;
+            best = (best.0.min(wall), best.1.min(s.usec / s.calls as f64));
+        }
+        println!("| {name} | {:.1} | {:.2} |", best.0, best.1);
+    }
 }

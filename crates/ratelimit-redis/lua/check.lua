@@ -1,55 +1,67 @@
 -- check.lua: one rate-limit decision for one client key, all rules at once.
 --
--- An integer translation of `ratelimit_core::algo::decide`: the same formulas, evaluated
--- on the state as it stands, committed all or nothing. Every value is an integer below
--- 2^53 (the core and the store refuse rules outside that bound), so Lua's doubles hold
--- them exactly; divisions go through `divmod`, never `/` or `%` alone, and numbers sent
--- back to Redis as text are formatted with '%d', never `tostring` (which would switch
--- to exponent notation).
+-- An integer translation of the core's algorithms: one local function per algorithm,
+-- named and ordered as the core's files (algo/fixed_window.rs, sliding_window.rs,
+-- sliding_log.rs, token_bucket.rs, leaky_bucket.rs, gcra.rs), evaluated on the state as
+-- it stands and committed all or nothing. Every value is an integer below 2^53 (the core
+-- refuses rules outside that bound), so Lua's doubles hold them exactly; divisions go
+-- through `divmod`, never `/` or `%` alone, and numbers sent back to Redis as text are
+-- formatted with '%d', never `tostring` (which would switch to exponent notation).
+--
+-- The argument layout is owned by `CheckArgs` in src/script.rs, which encodes it and
+-- decodes the reply; change both together.
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
--- KEYS[2]  rule state of (client key, rule set): string, a MessagePack array of integers,
---          rule after rule in rule-set order: fixed window (index, count); sliding window
+-- KEYS[2]  rule state of (client key, rule set): string of little-endian doubles, rule
+--          after rule in rule-set order: fixed window (index, count); sliding window
 --          counter (index, c0 .. cp), ci = count of sub-window index - i; token bucket
---          (level = tokens x period_us, last); GCRA / leaky bucket (tat_us, tat_frac);
+--          (level = tokens x period_us, last); leaky bucket and GCRA (tat_us, tat_frac);
 --          sliding log: nothing
--- KEYS[3]  shared sliding log of (client key, rule set): list of µs timestamps, newest
---          first, at most ARGV[4] long
+-- KEYS[3]  shared sliding log of (client key, rule set), only when a rule is a sliding
+--          log: list of µs timestamps, newest first, at most the largest log limit long
 --
--- ARGV[1]  now, µs since the Unix epoch; "" = read the Redis server's TIME
--- ARGV[2]  cost; 0 peeks (evaluated as 1, nothing written)
--- ARGV[3]  TTL floor in ms, applied only when ARGV[1] is given (the injected clock
---          need not run at Redis's pace)
--- ARGV[4]  entries the shared log keeps (RuleSet::log_limit)
--- ARGV[5]  longest sliding-log period, µs (RuleSet::log_period_us)
--- ARGV[6]  number of rules n
--- ARGV[7]  length of the rule state (2 per rule, precision + 2 for a sliding window
---          counter, 0 for a sliding log)
--- ARGV[8..] 5 values per rule: code, limit, period_us, a, b
---            1 fixed window
---            2 sliding window counter   a = precision
---            3 sliding log
---            4 token bucket             a = capacity
---            5 GCRA / leaky bucket      a = capacity in emission intervals,
---                                       b = requests let through without delay (0 = all)
+-- ARGV[1]  the struct format of ARGV[2]: '<' and one 'd' per value
+-- ARGV[2]  the values as little-endian doubles (exact: every one is an integer < 2^53):
+--          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
+--          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
+--          none; a check that starts later is not run), cost (0 peeks: evaluated as 1, nothing written), TTL floor in ms
+--          (applied only under an injected clock, which need not run at Redis's pace),
+--          number of rules n, state width (values in KEYS[2]), entries the shared log
+--          keeps (0: no sliding log), longest sliding-log period in µs;
+--          then 5 values per rule: code, limit, period_us, a, b
+--            FIXED_WINDOW    1
+--            SLIDING_WINDOW  2   a = precision, b = sub-window length in µs
+--            SLIDING_LOG     3
+--            TOKEN_BUCKET    4   a = capacity
+--            LEAKY_BUCKET    5   meter: a = capacity, b = 0
+--                                shaper: a = burst, b = delay + 1
+--            GCRA            6   a = burst
+-- ARGV[3]  the struct format of the state ('<' and `width` 'd'), or '' when the state is
+--          too wide for one struct call (it is then read and written in chunks)
 --
 -- Returns
 --   {1, retry_us}   blocked; retry_us = -1 for a block without end
---   {0, delay_us, then per rule: allowed (1/0), remaining, reset_us, retry_us}
+--   {3, now_us}     past the caller's deadline: nothing decided, nothing written
+--   {s, delay_us, then per rule: allowed (1/0), remaining, reset_us, retry_us}
+--                   s = 0, or 2 when a value this script did not write was found at one
+--                   of the keys and discarded (the store owns its key namespace)
 --
--- Errors: WRONGTYPE from Redis when a key holds another type; "RLSTATE ..." when a key
--- holds a value this script did not write.
---
--- Every redis.call costs more than the arithmetic: a check without a sliding log makes
--- three (four with Redis TIME): GET block, GET state, SET state with its expiry.
+-- Redis calls: TIME (without an injected time), one MGET for block marker and state, one SET of
+-- the state with its expiry when the check commits; a sliding log adds LLEN, LINDEX,
+-- LPUSH, PEXPIRE. A value of another type at a key reads as absent and is replaced.
 
-local floor, tonumber, fmt = math.floor, tonumber, string.format
-local ARGV, KEYS, redis, cmsgpack = ARGV, KEYS, redis, cmsgpack
+-- Cost: run with EVALSHA, every function below is created anew on each call, and each
+-- local it captures costs at creation. So the functions take their inputs as parameters,
+-- reach library functions as globals, and capture only each other.
+
+local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
+  1, 2, 3, 4, 5, 6
+local HEADER, PER_RULE = 8, 5
 
 -- Exact floor division of non-negative integers below 2^53: the double quotient may round
 -- across an integer, the exact remainder corrects it.
 local function divmod(a, b)
-  local q = floor(a / b)
+  local q = math.floor(a / b)
   local r = a - q * b
   if r < 0 then
     return q - 1, r + b
@@ -68,323 +80,332 @@ local function ceil_div(a, b)
   return q
 end
 
-local FOREIGN = ' holds a value this store did not write'
+-- The state as a string of little-endian doubles (exact for integers below 2^53), in
+-- chunks of at most 1000: Lua can hold only so many values on its stack at once.
 
-local injected = ARGV[1] ~= ''
-local now
-if injected then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
--- Blocks first: a blocked key consults no rule.
-local block = redis.call('GET', KEYS[1])
-if block then
-  if block == 'inf' then
-    return {1, -1}
+-- The state in `raw`, or nil when `raw` is not `width` non-negative integers.
+local function decode(raw, width, shape)
+  if #raw ~= 8 * width then
+    return nil
   end
-  local untl = tonumber(block)
-  if not untl then
-    return redis.error_reply('RLSTATE the block marker' .. FOREIGN)
-  end
-  if untl > now then
-    return {1, untl - now}
-  end
-  redis.call('DEL', KEYS[1])
-end
-
-local cost = tonumber(ARGV[2])
-local c = cost
-if c < 1 then
-  c = 1
-end
-local n = tonumber(ARGV[6])
-
-local width = tonumber(ARGV[7])
-local has_log = tonumber(ARGV[4]) > 0
-
--- st: the stored state (nil = fresh), rule i's values at st[off + 1 ..].
-local st = nil
-if width > 0 then
-  local raw = redis.call('GET', KEYS[2])
-  if raw then
-    local decoded, t = pcall(cmsgpack.unpack, raw)
-    if not decoded or type(t) ~= 'table' or #t ~= width then
-      return redis.error_reply('RLSTATE the rule state' .. FOREIGN)
+  local t
+  if shape ~= '' then
+    -- One trailing value (the next position) follows the state; nothing reads it.
+    t = {struct.unpack(shape, raw)}
+  else
+    t = {}
+    local pos = 1
+    for first = 1, width, 1000 do
+      local m = width - first + 1
+      if m > 1000 then
+        m = 1000
+      end
+      local vals = {struct.unpack('<' .. string.rep('d', m), raw, pos)}
+      for j = 1, m do
+        t[first + j - 1] = vals[j]
+      end
+      pos = vals[m + 1]
     end
-    for j = 1, width do
-      local x = t[j]
-      if type(x) ~= 'number' or x < 0 or x ~= floor(x) then
-        return redis.error_reply('RLSTATE the rule state' .. FOREIGN)
+  end
+  local floor = math.floor
+  for j = 1, width do
+    local x = t[j]
+    if not (x >= 0 and x < 9007199254740992) or x ~= floor(x) then
+      return nil
+    end
+  end
+  return t
+end
+
+-- The next state `new` as stored.
+local function encode(new, width, shape)
+  if width == 2 then
+    return struct.pack('<dd', new[1], new[2])
+  elseif shape ~= '' then
+    return struct.pack(shape, unpack(new, 1, width))
+  end
+  local parts = {}
+  for first = 1, width, 1000 do
+    local last = first + 999
+    if last > width then
+      last = width
+    end
+    parts[#parts + 1] =
+      struct.pack('<' .. string.rep('d', last - first + 1), unpack(new, first, last))
+  end
+  return table.concat(parts)
+end
+
+-- Every algorithm takes the time, the units to weigh (c = cost, at least 1), the stored
+-- state st (nil = fresh; this rule's values at st[off + 1 ..]) and the table `new` for
+-- the next state, then the rule. It returns: allowed, remaining (before this check),
+-- reset (of the state as it stands), retry (when denied), the next state's expiry in µs,
+-- delay.
+
+local function fixed_window(now, c, st, new, off, limit, period)
+  local index = divmod(now, period)
+  local count, reset = 0, 0
+  if st then
+    local si = st[off + 1]
+    if si == index then
+      count = st[off + 2]
+    end
+    reset = (si + 1) * period - now
+  end
+  new[off + 1], new[off + 2] = index, count + c
+  local ends = (index + 1) * period
+  return count + c <= limit, limit - count, reset, ends - now, ends, 0
+end
+
+-- The count of sub-window kk in a sliding window state whose newest sub-window is idx.
+local function sub_count(st, off, idx, p, kk)
+  if idx and kk <= idx and idx - kk <= p then
+    return st[off + 2 + idx - kk]
+  end
+  return 0
+end
+
+local function sliding_window(now, c, st, new, off, limit, period, p, sub)
+  local cur, elapsed = divmod(now, sub)
+  local idx = st and st[off + 1]
+  -- (oldest count, to be weighted; sum of the p newer ones) as seen in sub-window cur.
+  local old, recent = 0, 0
+  if idx and idx <= cur then
+    local keep = p - (cur - idx)
+    if keep >= 0 then
+      old = st[off + 2 + keep]
+      for d = 0, keep - 1 do
+        recent = recent + st[off + 2 + d]
       end
     end
-    st = t
-  end
-end
-
-local key3 = KEYS[3]
-local log_len, newest = 0, nil
-if has_log then
-  log_len = redis.call('LLEN', key3)
-  if log_len > 0 then
-    newest = tonumber(redis.call('LINDEX', key3, 0))
-    if not newest then
-      return redis.error_reply('RLSTATE the sliding log' .. FOREIGN)
+  elseif idx then
+    -- The clock went back (an injected clock can): sub-window by sub-window.
+    if cur >= p then
+      old = sub_count(st, off, idx, p, cur - p)
+    end
+    for d = 0, p - 1 do
+      if d <= cur then
+        recent = recent + sub_count(st, off, idx, p, cur - d)
+      end
     end
   end
-end
-
--- Evaluate every rule on the state as it stands. out doubles as the reply; new gets the
--- next state of fixed window, token bucket and TAT rules, written if the check commits.
-local out = {0, 0}
-local new = {}
-local all_ok, delay, off = true, 0, 0
-for i = 1, n do
-  local o = 5 * i + 3
-  local k = tonumber(ARGV[o])
-  local limit = tonumber(ARGV[o + 1])
-  local period = tonumber(ARGV[o + 2])
-  local allowed, remaining, reset, retry = true, 0, 0, 0
-  if k == 1 then
-    local index = divmod(now, period)
-    local count = 0
-    if st then
-      local si = st[off + 1]
-      if si == index then
-        count = st[off + 2]
-      end
-      reset = (si + 1) * period - now
-    end
-    allowed = count + c <= limit
-    remaining = limit - count
-    retry = (index + 1) * period - now
-    new[off + 1], new[off + 2] = index, count + c
-    off = off + 2
-  elseif k == 2 then
-    local p = tonumber(ARGV[o + 3])
-    local sub = divmod(period, p)
-    local cur, elapsed = divmod(now, sub)
-    local idx = st and st[off + 1]
-    local base = off
-    -- The count of sub-window kk.
-    local function sub_count(kk)
-      if idx and kk <= idx and idx - kk <= p then
-        return st[base + 2 + idx - kk]
-      end
-      return 0
-    end
-    -- (oldest count, to be weighted; sum of the p newer ones) as seen in sub-window cur.
-    local old, recent = 0, 0
-    if idx and idx <= cur then
-      local keep = p - (cur - idx)
-      if keep >= 0 then
-        old = st[off + 2 + keep]
-        for d = 0, keep - 1 do
-          recent = recent + st[off + 2 + d]
+  local weighted = old * (sub - elapsed)
+  local allowed = weighted + sub * (recent + c) <= limit * sub
+  local room = limit * sub - weighted
+  if room < 0 then
+    room = 0
+  end
+  local remaining = divmod(room, sub) - recent
+  local retry, reset = 0, 0
+  if not allowed then
+    -- The first instant a request of cost c is admitted, sub-window by sub-window; the
+    -- sums slide one sub-window per step, keeping the search O(precision).
+    local rec = recent
+    for j = 0, p + 1 do
+      local w = cur + j
+      if j > 0 then
+        rec = rec + sub_count(st, off, idx, p, w)
+        if w - p >= 0 then
+          rec = rec - sub_count(st, off, idx, p, w - p)
         end
       end
-    elseif idx then
-      -- The clock went back (an injected clock can): sub-window by sub-window.
-      if cur >= p then
-        old = sub_count(cur - p)
-      end
-      for d = 0, p - 1 do
-        if d <= cur then
-          recent = recent + sub_count(cur - d)
-        end
-      end
-    end
-    local weighted = old * (sub - elapsed)
-    allowed = weighted + sub * (recent + c) <= limit * sub
-    local room = limit * sub - weighted
-    if room < 0 then
-      room = 0
-    end
-    remaining = divmod(room, sub) - recent
-    if not allowed then
-      -- The first instant a request of cost c is admitted, sub-window by sub-window; the
-      -- sums slide one sub-window per step, keeping the search O(precision).
-      local rec = recent
-      for j = 0, p + 1 do
-        local w = cur + j
-        if j > 0 then
-          rec = rec + sub_count(w)
-          if w - p >= 0 then
-            rec = rec - sub_count(w - p)
-          end
-        end
-        if rec + c <= limit then
-          local start = 0
-          if w >= p then
-            local old_j = sub_count(w - p)
-            if old_j > 0 then
-              local q = divmod((limit - rec - c) * sub, old_j)
-              if q == 0 then
-                start = nil
-              elseif q < sub then
-                start = sub - q
-              end
+      if rec + c <= limit then
+        local start = 0
+        if w >= p then
+          local old_j = sub_count(st, off, idx, p, w - p)
+          if old_j > 0 then
+            local q = divmod((limit - rec - c) * sub, old_j)
+            if q == 0 then
+              start = nil
+            elseif q < sub then
+              start = sub - q
             end
           end
-          if start and w * sub + start > now then
-            retry = w * sub + start - now
-            break
-          end
         end
-      end
-    end
-    if idx then
-      for d = 0, p do
-        if st[off + 2 + d] > 0 then
-          reset = (idx - d + p + 1) * sub - now
+        if start and w * sub + start > now then
+          retry = w * sub + start - now
           break
         end
       end
     end
-    off = off + p + 2
-  elseif k == 3 then
-    local nth = nil
-    local at = limit - c
-    if at < log_len then
-      nth = tonumber(redis.call('LINDEX', key3, at))
-      if not nth then
-        return redis.error_reply('RLSTATE the sliding log' .. FOREIGN)
-      end
-    end
-    -- Entries inside this rule's window are a prefix of the log (newest first): binary
-    -- search its length among the first `limit` entries.
-    local lo, hi = 0, log_len
-    if hi > limit then
-      hi = limit
-    end
-    if newest and newest + period <= now then
-      hi = 0
-    elseif nth and nth + period > now then
-      lo = at + 1
-    end
-    while lo < hi do
-      local mid = floor((lo + hi) / 2)
-      local ts = tonumber(redis.call('LINDEX', key3, mid))
-      if not ts then
-        return redis.error_reply('RLSTATE the sliding log' .. FOREIGN)
-      end
-      if ts + period > now then
-        lo = mid + 1
-      else
-        hi = mid
-      end
-    end
-    allowed = (not nth) or nth + period <= now
-    remaining = limit - lo
-    if newest then
-      reset = newest + period - now
-    end
-    if nth then
-      retry = nth + period - now
-    end
-  elseif k == 4 then
-    local full = tonumber(ARGV[o + 3]) * period
-    local level, last = full, now
-    if st then
-      local sl, slast = st[off + 1], st[off + 2]
-      local idle = now - slast
-      if idle > 0 then
-        -- Past `full` the sum may round, never below `full`: the minimum stays exact.
-        level = sl + idle * limit
-      else
-        level = sl
-      end
-      if level > full then
-        level = full
-      end
-      if slast > now then
-        last = slast
-      end
-      local held = sl
-      if held > full then
-        held = full
-      end
-      reset = slast + ceil_div(full - held, limit) - now
-    end
-    local need = c * period
-    allowed = level >= need
-    remaining = divmod(level, period)
-    if not allowed then
-      retry = ceil_div(need - level, limit)
-    end
-    local after = level - need
-    if after < 0 then
-      after = 0
-    end
-    new[off + 1], new[off + 2] = after, last
-    off = off + 2
-  else
-    local cap, no_delay = tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
-    local bus, bfrac = now, 0
-    if st then
-      local su, sf = st[off + 1], st[off + 2]
-      if su > now or (su == now and sf > 0) then
-        bus, bfrac = su, sf
-      end
-      reset = su - now
-      if sf > 0 then
-        reset = reset + 1
-      end
-    end
-    local q, m = divmod(bfrac + c * period, limit)
-    local nus = bus + q
-    local diff_base = (bus - now) * limit + bfrac
-    local diff_next = (nus - now) * limit + m
-    local max = cap * period
-    allowed = diff_next <= max
-    if no_delay > 0 and allowed and diff_next > no_delay * period then
-      local dq = ceil_div(diff_next - no_delay * period, limit)
-      if dq > delay then
-        delay = dq
-      end
-    end
-    local room = max - diff_base
-    if room < 0 then
-      room = 0
-    end
-    remaining = divmod(room, period)
-    if not allowed then
-      retry = ceil_div(diff_next - max, limit)
-    end
-    new[off + 1], new[off + 2] = nus, m
-    off = off + 2
   end
-  if remaining < 0 then
-    remaining = 0
+  if idx then
+    for d = 0, p do
+      if st[off + 2 + d] > 0 then
+        reset = (idx - d + p + 1) * sub - now
+        break
+      end
+    end
   end
-  if reset < 0 then
-    reset = 0
+  -- The next state: counts shifted to sub-window cur, cost added to the newest.
+  local nidx, shift = cur, p + 1
+  if idx then
+    if idx < cur then
+      shift = cur - idx
+      if shift > p + 1 then
+        shift = p + 1
+      end
+    else
+      -- A clock that went back counts into the newest sub-window.
+      nidx, shift = idx, 0
+    end
   end
-  if retry < 0 then
-    retry = 0
+  new[off + 1] = nidx
+  for d = 0, p do
+    if d < shift then
+      new[off + 2 + d] = 0
+    else
+      new[off + 2 + d] = st[off + 2 + d - shift]
+    end
+  end
+  new[off + 2] = new[off + 2] + c
+  -- The newest sub-window then holds units: the state lasts p + 1 sub-windows past it.
+  return allowed, remaining, reset, retry, (nidx + p + 1) * sub, 0
+end
+
+-- Also takes the shared log's key, length and newest entry. Returns nil when the log
+-- holds an entry this script did not write.
+local function sliding_log(now, c, key, log_len, newest, limit, period)
+  local nth = nil
+  local at = limit - c
+  if at < log_len then
+    nth = tonumber(redis.call('LINDEX', key, at))
+    if not nth then
+      return nil
+    end
+  end
+  -- Entries inside this rule's window are a prefix of the log (newest first): binary
+  -- search its length among the first `limit` entries.
+  local lo, hi = 0, log_len
+  if hi > limit then
+    hi = limit
+  end
+  if newest and newest + period <= now then
+    hi = 0
+  elseif nth and nth + period > now then
+    lo = at + 1
+  end
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    local ts = tonumber(redis.call('LINDEX', key, mid))
+    if not ts then
+      return nil
+    end
+    if ts + period > now then
+      lo = mid + 1
+    else
+      hi = mid
+    end
+  end
+  local reset, retry = 0, 0
+  if newest then
+    reset = newest + period - now
+  end
+  if nth then
+    retry = nth + period - now
+  end
+  -- After the push the newest entry is now.
+  return (not nth) or nth + period <= now, limit - lo, reset, retry, now + period, 0
+end
+
+local function token_bucket(now, c, st, new, off, limit, period, capacity)
+  local full = capacity * period
+  local level, last, reset = full, now, 0
+  if st then
+    local sl, slast = st[off + 1], st[off + 2]
+    local idle = now - slast
+    if idle > 0 then
+      -- Past `full` the sum may round, never below `full`: the minimum stays exact.
+      level = sl + idle * limit
+    else
+      level = sl
+    end
+    if level > full then
+      level = full
+    end
+    if slast > now then
+      last = slast
+    end
+    local held = sl
+    if held > full then
+      held = full
+    end
+    reset = slast + ceil_div(full - held, limit) - now
+  end
+  local need = c * period
+  local retry = 0
+  if level < need then
+    retry = ceil_div(need - level, limit)
+  end
+  local after = level - need
+  if after < 0 then
+    after = 0
+  end
+  new[off + 1], new[off + 2] = after, last
+  local held = after
+  if held > full then
+    held = full
+  end
+  return level >= need, divmod(level, period), reset, retry,
+    last + ceil_div(full - held, limit), 0
+end
+
+-- The theoretical arrival time: `cap` emission intervals of room, requests beyond the
+-- first `no_delay` (0 = all) admitted with a delay.
+local function gcra_tat(now, c, st, new, off, limit, period, cap, no_delay)
+  local bus, bfrac, reset = now, 0, 0
+  if st then
+    local su, sf = st[off + 1], st[off + 2]
+    if su > now or (su == now and sf > 0) then
+      bus, bfrac = su, sf
+    end
+    reset = su - now
+    if sf > 0 then
+      reset = reset + 1
+    end
+  end
+  local q, m = divmod(bfrac + c * period, limit)
+  local nus = bus + q
+  local diff_base = (bus - now) * limit + bfrac
+  local diff_next = (nus - now) * limit + m
+  local max = cap * period
+  local allowed = diff_next <= max
+  local delay, retry = 0, 0
+  if no_delay > 0 and allowed and diff_next > no_delay * period then
+    delay = ceil_div(diff_next - no_delay * period, limit)
+  end
+  local room = max - diff_base
+  if room < 0 then
+    room = 0
   end
   if not allowed then
-    all_ok = false
+    retry = ceil_div(diff_next - max, limit)
   end
-  out[4 * i - 1] = allowed and 1 or 0
-  out[4 * i] = remaining
-  out[4 * i + 1] = reset
-  out[4 * i + 2] = retry
-end
-out[2] = delay
-
-if not all_ok or cost == 0 then
-  return out
+  new[off + 1], new[off + 2] = nus, m
+  local exp = nus
+  if m > 0 then
+    exp = nus + 1
+  end
+  return allowed, divmod(room, period), reset, retry, exp, delay
 end
 
--- Commit: every rule is charged `cost`; remaining and reset become the state's after.
-local ttl_floor = tonumber(ARGV[3])
+-- A meter holds `capacity` requests; a shaper lets `burst` wait and the first `delay`
+-- of them through at once.
+local function leaky_bucket(now, c, st, new, off, limit, period, a, b)
+  if b == 0 then
+    return gcra_tat(now, c, st, new, off, limit, period, a, 0)
+  end
+  return gcra_tat(now, c, st, new, off, limit, period, a + 1, b)
+end
 
--- Sets the expiry of the SET or PEXPIRE `command` on `key` to `at` µs: exactly on
--- Redis's clock, or relative to the injected clock with a floor.
-local function with_expiry(command, key, value, at)
+local function gcra(now, c, st, new, off, limit, period, burst)
+  return gcra_tat(now, c, st, new, off, limit, period, burst, 0)
+end
+
+-- The expiry option of a key whose state matters until `at` µs, and its value: exact on
+-- Redis's clock (PXAT, in ms since the epoch: 13 digits, which Lua's number-to-text
+-- conversion keeps exact), or relative to an injected clock with a floor (PX).
+local function expiry_arg(injected, now, ttl_floor, at)
   if injected then
     local ms = 0
     if at > now then
@@ -396,117 +417,216 @@ local function with_expiry(command, key, value, at)
     if ms < 1 then
       ms = 1
     end
-    ms = fmt('%d', ms)
-    if value then
-      return redis.call(command, key, value, 'PX', ms)
-    end
-    return redis.call('PEXPIRE', key, ms)
+    return 'PX', string.format('%d', ms)
   end
-  local ms = fmt('%d', ceil_div(at, 1000))
-  if value then
-    return redis.call(command, key, value, 'PXAT', ms)
-  end
-  return redis.call('PEXPIREAT', key, ms)
+  return 'PXAT', ceil_div(at, 1000)
 end
 
-local state_expires = 0
-off = 0
-for i = 1, n do
-  local o = 5 * i + 3
-  local k = tonumber(ARGV[o])
-  local period = tonumber(ARGV[o + 2])
-  local exp
-  if k == 3 then
-    -- After the push the newest entry is now.
-    exp = now + period
-  elseif k == 2 then
-    local p = tonumber(ARGV[o + 3])
-    local sub = divmod(period, p)
-    local cur = divmod(now, sub)
-    local idx = st and st[off + 1]
-    local nidx, shift = cur, p + 1
-    if idx then
-      if idx < cur then
-        shift = cur - idx
-        if shift > p + 1 then
-          shift = p + 1
-        end
-      else
-        -- A clock that went back counts into the newest sub-window.
-        nidx, shift = idx, 0
-      end
-    end
-    new[off + 1] = nidx
-    for d = 0, p do
-      if d < shift then
-        new[off + 2 + d] = 0
-      else
-        new[off + 2 + d] = st[off + 2 + d - shift]
-      end
-    end
-    new[off + 2] = new[off + 2] + cost
-    -- The newest sub-window now holds units: the state lasts p + 1 sub-windows past it.
-    exp = (nidx + p + 1) * sub
-    off = off + p + 2
+-- One decision. The file defines `check` and nothing else runs at load: the store loads
+-- it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so the functions
+-- above are created once per server, not once per call) or, on Redis 6.2, runs it with
+-- EVALSHA followed by `return check(KEYS, ARGV)`.
+local function check(KEYS, ARGV)
+  local tonumber, fmt, redis = tonumber, string.format, redis
+
+  -- One C call reads every argument (no text to parse); the last value is unpack's next
+  -- position.
+  local VERSION_SKEW = ' values; the store and the script are from different versions'
+  if #ARGV ~= 3 then
+    return redis.error_reply('RLARGS check.lua takes 3 arguments, got ' .. #ARGV .. VERSION_SKEW)
+  end
+  local v = {struct.unpack(ARGV[1], ARGV[2])}
+  local n = v[5] or 0
+  if #v ~= HEADER + PER_RULE * n + 1 then
+    return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
+      HEADER + PER_RULE * n, n, #v - 1) .. VERSION_SKEW)
+  end
+
+  local injected = v[1] == 1
+  local now
+  if injected then
+    now = v[2]
   else
-    local a, b = new[off + 1], new[off + 2]
-    if k == 1 then
-      exp = (a + 1) * period
-    elseif k == 4 then
-      local full = tonumber(ARGV[o + 3]) * period
-      local held = a
-      if held > full then
-        held = full
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if v[2] > 0 and now > v[2] then
+      -- The caller stopped waiting before Redis got to this check (a slow command, a
+      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
+      return {3, now}
+    end
+  end
+  local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
+  local c = cost
+  if c < 1 then
+    c = 1
+  end
+
+  local status = 0
+  local got = redis.call('MGET', KEYS[1], KEYS[2])
+
+  -- Blocks first: a blocked key consults no rule.
+  local block = got[1]
+  if block then
+    if block == 'inf' then
+      return {1, -1}
+    end
+    local untl = tonumber(block)
+    if untl and untl > now then
+      return {1, untl - now}
+    end
+    if not untl then
+      status = 2
+    end
+    redis.call('DEL', KEYS[1])
+  end
+
+  local st = nil
+  local raw = got[2]
+  if raw and width > 0 then
+    st = decode(raw, width, ARGV[3])
+    if not st then
+      -- Read as fresh; the commit replaces it.
+      status = 2
+    end
+  end
+
+  local key3, log_len, newest = KEYS[3], 0, nil
+  if log_limit > 0 then
+    log_len = redis.pcall('LLEN', key3)
+    if type(log_len) == 'table' then
+      -- Another type: drop it (LLEN failed, so the key is not a list).
+      redis.call('DEL', key3)
+      log_len, status = 0, 2
+    elseif log_len > 0 then
+      newest = tonumber(redis.call('LINDEX', key3, 0))
+      if not newest then
+        redis.call('DEL', key3)
+        log_len, status = 0, 2
       end
-      exp = b + ceil_div(full - held, tonumber(ARGV[o + 1]))
+    end
+  end
+
+  -- Evaluate every rule on the state as it stands; out doubles as the reply.
+  -- Sized for one rule and a two-value state, the common case, so that neither grows.
+  local out = {status, 0, 0, 0, 0, 0}
+  -- The next state at new[1 .. width], each rule's expiry at new[width + i].
+  local new = {0, 0, 0}
+  local all_ok, delay, off = true, 0, 0
+  for i = 1, n do
+    local o = HEADER + PER_RULE * i - 4
+    local code, limit, period = v[o], v[o + 1], v[o + 2]
+    local allowed, remaining, reset, retry, exp, wait
+    if code == FIXED_WINDOW then
+      allowed, remaining, reset, retry, exp, wait = fixed_window(now, c, st, new, off, limit, period)
+      off = off + 2
+    elseif code == SLIDING_WINDOW then
+      local p = v[o + 3]
+      allowed, remaining, reset, retry, exp, wait =
+        sliding_window(now, c, st, new, off, limit, period, p, v[o + 4])
+      off = off + p + 2
+    elseif code == SLIDING_LOG then
+      allowed, remaining, reset, retry, exp, wait =
+        sliding_log(now, c, key3, log_len, newest, limit, period)
+      if allowed == nil then
+        -- An entry deep in the log is not a timestamp: drop the log so the next check
+        -- starts clean, and say so.
+        redis.call('DEL', key3)
+        return redis.error_reply('RLSTATE the sliding log held a value this store did '
+          .. 'not write; it was deleted')
+      end
+    elseif code == TOKEN_BUCKET then
+      allowed, remaining, reset, retry, exp, wait =
+        token_bucket(now, c, st, new, off, limit, period, v[o + 3])
+      off = off + 2
+    elseif code == LEAKY_BUCKET then
+      allowed, remaining, reset, retry, exp, wait =
+        leaky_bucket(
+          now, c, st, new, off, limit, period, v[o + 3], v[o + 4])
+      off = off + 2
+    elseif code == GCRA then
+      allowed, remaining, reset, retry, exp, wait =
+        gcra(now, c, st, new, off, limit, period, v[o + 3])
+      off = off + 2
     else
-      exp = a
-      if b > 0 then
-        exp = exp + 1
+      return redis.error_reply(fmt('RLARGS unknown algorithm code %d', code))
+    end
+    if not allowed then
+      all_ok = false
+    end
+    if wait > delay then
+      delay = wait
+    end
+    if remaining < 0 then
+      remaining = 0
+    end
+    if reset < 0 then
+      reset = 0
+    end
+    if retry < 0 then
+      retry = 0
+    end
+    new[width + i] = exp
+    out[4 * i - 1] = allowed and 1 or 0
+    out[4 * i] = remaining
+    out[4 * i + 1] = reset
+    out[4 * i + 2] = retry
+  end
+  out[2] = delay
+
+  if not all_ok or cost == 0 then
+    return out
+  end
+
+  -- Commit: every rule is charged `cost`; remaining and reset become the next state's.
+  local state_expires = 0
+  for i = 1, n do
+    local exp = new[width + i]
+    if exp > state_expires and v[HEADER + PER_RULE * i - 4] ~= SLIDING_LOG then
+      state_expires = exp
+    end
+    local reset = exp - now
+    if reset < 0 then
+      reset = 0
+    end
+    out[4 * i + 1] = reset
+    local left = out[4 * i] - cost
+    if left < 0 then
+      left = 0
+    end
+    out[4 * i] = left
+  end
+
+  if width > 0 then
+    local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
+    redis.call('SET', KEYS[2], encode(new, width, ARGV[3]), unit, at)
+  end
+
+  if log_limit > 0 then
+    -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
+    local stamp = fmt('%d', now)
+    local left = cost
+    while left > 0 do
+      local chunk = {}
+      local m = left
+      if m > 1000 then
+        m = 1000
       end
+      for j = 1, m do
+        chunk[j] = stamp
+      end
+      redis.call('LPUSH', key3, unpack(chunk))
+      left = left - m
     end
-    off = off + 2
-  end
-  if k ~= 3 and exp > state_expires then
-    state_expires = exp
-  end
-  local reset = exp - now
-  if reset < 0 then
-    reset = 0
-  end
-  out[4 * i + 1] = reset
-  local left = out[4 * i] - cost
-  if left < 0 then
-    left = 0
-  end
-  out[4 * i] = left
-end
-
-if width > 0 then
-  with_expiry('SET', KEYS[2], cmsgpack.pack(new), state_expires)
-end
-
-if has_log then
-  -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
-  local stamp = fmt('%d', now)
-  local left = cost
-  while left > 0 do
-    local chunk = {}
-    local m = left
-    if m > 1000 then
-      m = 1000
+    if log_len + cost > log_limit then
+      redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
     end
-    for j = 1, m do
-      chunk[j] = stamp
+    local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
+    if unit == 'PX' then
+      redis.call('PEXPIRE', key3, at)
+    else
+      redis.call('PEXPIREAT', key3, at)
     end
-    redis.call('LPUSH', key3, unpack(chunk))
-    left = left - m
   end
-  local log_limit = tonumber(ARGV[4])
-  if log_len + cost > log_limit then
-    redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
-  end
-  with_expiry(nil, key3, nil, now + tonumber(ARGV[5]))
-end
 
-return out
+  return out
+end

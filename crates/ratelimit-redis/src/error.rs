@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use ratelimit_core::CapacityError;
-use redis::{ErrorKind, RedisError};
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 /// What went wrong talking to Redis.
 ///
@@ -61,6 +61,12 @@ pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
     if e.is_timeout() {
         return RedisStoreError::Timeout(timeout);
     }
+    if e.kind() == ErrorKind::MasterNameNotFoundBySentinel {
+        return RedisStoreError::InvalidConfig(format!(
+            "no Sentinel names a primary for this service ({e}); check the service name \
+             against `sentinel monitor <name> ...` in sentinel.conf"
+        ));
+    }
     if matches!(e.code(), Some("WRONGTYPE" | "RLSTATE")) {
         let what = match e.detail() {
             Some(detail) => format!("{} {detail}", e.code().unwrap_or_default()),
@@ -72,14 +78,16 @@ pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
         || e.is_cluster_error()
         || matches!(
             e.kind(),
-            ErrorKind::MasterDown
-                | ErrorKind::BusyLoadingError
-                | ErrorKind::ClusterConnectionNotFound
+            ErrorKind::Server(
+                ServerErrorKind::MasterDown
+                    | ServerErrorKind::BusyLoading
+                    | ServerErrorKind::ReadOnly
+            ) | ErrorKind::ClusterConnectionNotFound
         )
     {
         return RedisStoreError::Connection(e);
     }
-    if e.kind() == ErrorKind::TypeError {
+    if e.kind() == ErrorKind::UnexpectedReturnType {
         return RedisStoreError::UnexpectedReply(e.to_string());
     }
     RedisStoreError::Script(e)

@@ -1,13 +1,18 @@
-//! Redis key names: `<prefix>:{k<hex of the client key>}:<kind>`.
+//! Redis key names: `<prefix>:{<tag>}:<kind>`.
 //!
-//! The client key is hex-encoded, so whatever its bytes (braces, colons, CRLF, non-UTF-8,
-//! any length) the name is printable, cannot end the hash tag early, and two client keys
-//! never share a name. The `k` keeps the tag non-empty for the empty client key (Redis
-//! hashes the whole name when the tag is `{}`). Every key of one client carries the same
-//! tag, so they share one Cluster slot and one script may touch them all.
+//! The tag stands for the client key as the core holds it
+//! ([`StoredKey`](ratelimit_core::key::StoredKey)): `k<hex of the key>` for a key of at
+//! most 64 bytes, `d<hex of its 32-byte digest>` for a longer one. Whatever the client
+//! key's bytes (braces, colons, CRLF, non-UTF-8) or length, a name is printable, at most
+//! 130 characters past the prefix, cannot end the hash tag early, and two client keys
+//! never share a name: the letter keeps short keys and digests apart, and a 64-byte key
+//! is never confused with a digest. The letter also keeps the tag non-empty for the empty
+//! client key (Redis hashes the whole name when the tag is `{}`). Every key of one client
+//! carries the same tag, so they share one Cluster slot and one script may touch them all.
 
 use std::fmt::Write as _;
 
+use ratelimit_core::key::StoredKey;
 use ratelimit_core::RuleSet;
 
 use crate::error::RedisStoreError;
@@ -26,47 +31,58 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), RedisStoreError> {
     Ok(())
 }
 
-/// The keys one check touches.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct CheckKeys {
-    /// Block marker of the client key (string).
-    pub(crate) block: String,
-    /// Rule state of (client key, rule set) (string: a MessagePack array).
-    pub(crate) state: String,
-    /// Shared sliding log of (client key, rule set) (list).
-    pub(crate) log: String,
+/// The names of one client key's Redis keys, written into one reused buffer.
+#[derive(Debug)]
+pub(crate) struct KeyNames {
+    buf: String,
+    /// Length of `<prefix>:{<tag>}:`.
+    base: usize,
 }
 
-/// `<prefix>:{k<hex>}:`, the part every key of the client shares.
-fn client_base(prefix: &str, key: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(prefix.len() + 5 + 2 * key.len() + 24);
-    s.push_str(prefix);
-    s.push_str(":{k");
-    for b in key {
-        s.push(HEX[usize::from(b >> 4)] as char);
-        s.push(HEX[usize::from(b & 15)] as char);
+impl KeyNames {
+    pub(crate) fn new(prefix: &str, key: &[u8]) -> Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let held = StoredKey::new(key);
+        let (letter, bytes) = match &held {
+            StoredKey::Inline(key) => ('k', *key),
+            StoredKey::Digest(digest) => ('d', &digest[..]),
+        };
+        let mut buf = String::with_capacity(prefix.len() + 2 * bytes.len() + 24);
+        buf.push_str(prefix);
+        buf.push_str(":{");
+        buf.push(letter);
+        for b in bytes {
+            buf.push(HEX[usize::from(b >> 4)] as char);
+            buf.push(HEX[usize::from(b & 15)] as char);
+        }
+        buf.push_str("}:");
+        let base = buf.len();
+        Self { buf, base }
     }
-    s.push_str("}:");
-    s
-}
 
-pub(crate) fn block_key(prefix: &str, key: &[u8]) -> String {
-    let mut s = client_base(prefix, key);
-    s.push('b');
-    s
-}
+    fn with(&mut self, kind: &str, rules: Option<&RuleSet>) -> &str {
+        self.buf.truncate(self.base);
+        self.buf.push_str(kind);
+        if let Some(rules) = rules {
+            let _ = write!(self.buf, ":{:016x}", rules.fingerprint());
+        }
+        &self.buf
+    }
 
-pub(crate) fn check_keys(prefix: &str, key: &[u8], rules: &RuleSet) -> CheckKeys {
-    let base = client_base(prefix, key);
-    let mut block = String::with_capacity(base.len() + 1);
-    block.push_str(&base);
-    block.push('b');
-    let mut state = base.clone();
-    let _ = write!(state, "s:{:016x}", rules.fingerprint());
-    let mut log = base;
-    let _ = write!(log, "l:{:016x}", rules.fingerprint());
-    CheckKeys { block, state, log }
+    /// The block marker of the client key (string).
+    pub(crate) fn block(&mut self) -> &str {
+        self.with("b", None)
+    }
+
+    /// The rule state of (client key, rule set) (string).
+    pub(crate) fn state(&mut self, rules: &RuleSet) -> &str {
+        self.with("s", Some(rules))
+    }
+
+    /// The shared sliding log of (client key, rule set) (list).
+    pub(crate) fn log(&mut self, rules: &RuleSet) -> &str {
+        self.with("l", Some(rules))
+    }
 }
 
 #[cfg(test)]
@@ -77,22 +93,55 @@ mod tests {
         text.parse().unwrap()
     }
 
+    fn all(prefix: &str, key: &[u8], r: &RuleSet) -> [String; 3] {
+        let mut n = KeyNames::new(prefix, key);
+        [
+            n.block().to_owned(),
+            n.state(r).to_owned(),
+            n.log(r).to_owned(),
+        ]
+    }
+
     #[test]
     fn layout() {
         let r = rules("1/s");
-        let k = check_keys("rl", b"a{b}", &r);
         let fp = format!("{:016x}", r.fingerprint());
-        assert_eq!(k.block, "rl:{k617b627d}:b");
-        assert_eq!(k.state, format!("rl:{{k617b627d}}:s:{fp}"));
-        assert_eq!(k.log, format!("rl:{{k617b627d}}:l:{fp}"));
-        assert_eq!(block_key("rl", b"a{b}"), k.block);
-        assert_eq!(block_key("rl", b""), "rl:{k}:b");
+        assert_eq!(
+            all("rl", b"a{b}", &r),
+            [
+                "rl:{k617b627d}:b".to_owned(),
+                format!("rl:{{k617b627d}}:s:{fp}"),
+                format!("rl:{{k617b627d}}:l:{fp}"),
+            ]
+        );
+        assert_eq!(KeyNames::new("rl", b"").block(), "rl:{k}:b");
+    }
+
+    #[test]
+    fn long_keys_are_named_by_their_digest() {
+        let r = rules("1/s");
+        let long = vec![b'x'; 1 << 20];
+        let [block, state, _] = all("rl", &long, &r);
+        let digest = StoredKey::new(&long);
+        let hex: String = digest
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(block, format!("rl:{{d{hex}}}:b"));
+        assert!(state.len() < 100, "{state}");
+        // 64 bytes stay inline, 65 do not.
+        assert!(all("rl", &[b'y'; 64], &r)[0].starts_with("rl:{k"));
+        assert!(all("rl", &[b'y'; 65], &r)[0].starts_with("rl:{d"));
+        // A 32-byte key equal to a digest's bytes is still another key.
+        assert_ne!(all("rl", digest.as_bytes(), &r)[0], block);
     }
 
     #[test]
     fn distinct_client_keys_give_distinct_names() {
         let r = rules("1/s");
-        let awkward: [&[u8]; 9] = [
+        let long = [b'z'; 100];
+        let awkward: [&[u8]; 10] = [
             b"",
             b"a",
             b"a:b",
@@ -102,12 +151,12 @@ mod tests {
             b"}",
             b"\r\n",
             b"\xff\x00",
+            &long,
         ];
         let mut seen = std::collections::HashSet::new();
         for key in awkward {
-            let k = check_keys("rl", key, &r);
-            for name in [k.block, k.state, k.log] {
-                assert!(name.starts_with("rl:{k"), "{name}");
+            for name in all("rl", key, &r) {
+                assert!(name.starts_with("rl:{"), "{name}");
                 assert!(name.is_ascii(), "{name}");
                 assert_eq!(name.matches('{').count(), 1, "{name}");
                 assert_eq!(name.matches('}').count(), 1, "{name}");

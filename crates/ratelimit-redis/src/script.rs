@@ -1,110 +1,507 @@
-//! The Lua scripts, how they are called, and how their replies become decisions.
+//! The Lua scripts, the layout of their arguments, and how their replies become decisions.
 
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, LazyLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ratelimit_core::{Algorithm, Clock, Decision, LeakyMode, Rule, RuleOutcome, RuleSet};
 use redis::aio::ConnectionLike;
-use redis::{Cmd, ErrorKind, RedisResult, Value};
+use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
 use crate::error::RedisStoreError;
-use crate::keys;
+use crate::keys::KeyNames;
 
-/// A Lua script and its SHA1, run with EVALSHA.
+/// A Lua script and its SHA1, run with EVALSHA; the decision script also as a Redis
+/// function library, run with FCALL.
 #[derive(Debug)]
 pub(crate) struct Script {
-    body: &'static str,
+    body: String,
     sha: String,
+    function: Option<Function>,
+}
+
+/// A script as a Redis 7 function library: the library code and the function's name.
+/// Both carry the script's SHA1, so stores of different versions sharing a server each
+/// find their own.
+#[derive(Debug)]
+struct Function {
+    library: String,
+    name: String,
 }
 
 impl Script {
-    fn new(body: &'static str) -> Self {
+    fn new(body: String, function: bool) -> Self {
+        let sha = redis::Script::new(&body).get_hash().to_owned();
+        let function = function.then(|| {
+            let tag = &sha[..16];
+            // The library defines `check`; without the trailing `return` line of the
+            // script form.
+            let code = body.trim_end().trim_end_matches(EVAL_TAIL.trim());
+            Function {
+                library: format!(
+                    "#!lua name=ratelimit_{tag}\n{code}\nredis.register_function('ratelimit_check_{tag}', check)\n"
+                ),
+                name: format!("ratelimit_check_{tag}"),
+            }
+        });
         Self {
             body,
-            sha: redis::Script::new(body).get_hash().to_owned(),
+            sha,
+            function,
         }
     }
 
     /// The `SCRIPT LOAD` command for this script.
     pub(crate) fn load_cmd(&self) -> Cmd {
         let mut cmd = redis::cmd("SCRIPT");
-        cmd.arg("LOAD").arg(self.body);
+        cmd.arg("LOAD").arg(&self.body);
         cmd
     }
+
+    /// The `FUNCTION LOAD` command for this script's library, if it has one.
+    pub(crate) fn function_load_cmd(&self) -> Option<Cmd> {
+        let function = self.function.as_ref()?;
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg(&function.library);
+        Some(cmd)
+    }
+
+    /// `FCALL <function>` when `functions` says the server has them and this script is a
+    /// library, else `EVALSHA <sha>`; then the number of keys, to be followed by the keys
+    /// and arguments.
+    fn call<'a>(
+        &'static self,
+        functions: &'a AtomicBool,
+        keys: usize,
+        capacity: usize,
+    ) -> Call<'a> {
+        let mut cmd = Cmd::with_capacity(3 + capacity, 64 + 48 * capacity);
+        let fcall = match &self.function {
+            Some(function) if functions.load(Ordering::Relaxed) => {
+                cmd.arg("FCALL").arg(function.name.as_str());
+                true
+            }
+            _ => {
+                cmd.arg("EVALSHA").arg(self.sha.as_str());
+                false
+            }
+        };
+        cmd.arg(keys);
+        Call {
+            script: self,
+            cmd,
+            fcall,
+            functions,
+        }
+    }
 }
+
+/// What the script form of check.lua appends to the file.
+const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
 
 /// The decision script; see `lua/check.lua` for its contract.
-pub(crate) static CHECK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/check.lua")));
+pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        format!("{}{EVAL_TAIL}", include_str!("../lua/check.lua")),
+        true,
+    )
+});
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/block.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/block.lua").to_owned(), false));
 
-/// One argument of a script call.
-#[derive(Debug, Clone, Copy)]
-enum Arg {
-    Int(u64),
-    /// The empty string: "use Redis TIME" / "no end".
-    Empty,
+/// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
+/// library and the function's name.
+#[cfg(feature = "testing")]
+pub(crate) fn check_forms() -> [&'static str; 4] {
+    let function = CHECK.function.as_ref().expect("check.lua is a library");
+    [&CHECK.body, &CHECK.sha, &function.library, &function.name]
 }
 
-/// The keys and arguments of one script call.
+/// The scripts a store loads when it connects.
+pub(crate) fn scripts() -> [&'static Script; 2] {
+    [&CHECK, &BLOCK]
+}
+
+/// Whether the server answered that it has no such function (a restart, `FUNCTION
+/// FLUSH`, a new node).
+fn function_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
+}
+
+/// Whether the server does not know the command (FCALL before Redis 7).
+pub(crate) fn unknown_command(e: &RedisError) -> bool {
+    e.to_string().contains("unknown command")
+}
+
+/// Whether a `FUNCTION LOAD` failed only because the library is there already.
+pub(crate) fn already_loaded(e: &RedisError) -> bool {
+    e.to_string().contains("already exists")
+}
+
+/// One script call: `FCALL` of the decision function or `EVALSHA` of a script, resent
+/// after loading what the server lacks.
 #[derive(Debug)]
-pub(crate) struct Call {
+pub(crate) struct Call<'a> {
     script: &'static Script,
-    keys: Vec<String>,
-    args: Vec<Arg>,
+    cmd: Cmd,
+    fcall: bool,
+    /// Cleared, for every later call of the store, when the server has no FCALL.
+    functions: &'a AtomicBool,
 }
 
-impl Call {
-    fn cmd(&self, evalsha: bool) -> Cmd {
-        let mut cmd = if evalsha {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(&self.script.sha);
-            cmd
-        } else {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(self.script.body);
-            cmd
-        };
-        cmd.arg(self.keys.len());
-        for key in &self.keys {
-            cmd.arg(key.as_str());
-        }
-        for arg in &self.args {
-            match *arg {
-                Arg::Int(n) => cmd.arg(n),
-                Arg::Empty => cmd.arg(""),
-            };
-        }
-        cmd
-    }
-
-    /// Runs the call with EVALSHA, falling back to EVAL (which also caches the script in
-    /// the server that answers) when that server does not know the script: after `SCRIPT
-    /// FLUSH`, a restart, or a failover. EVAL goes to the node owning the keys, which
-    /// makes it right for Redis Cluster too.
+impl Call<'_> {
+    /// Runs the call. A server that lost the function library (restart, failover to a
+    /// node without it) gets it again and the call is resent; a server without
+    /// functions (Redis 6.2) gets EVALSHA from now on. EVALSHA falls back to EVAL (which
+    /// also caches the script in the server that answers) when that server does not know
+    /// the script: after `SCRIPT FLUSH`, a restart, or a failover. Every resend goes to
+    /// the node owning the keys, which makes it right for Redis Cluster too.
     pub(crate) async fn invoke<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
     ) -> RedisResult<Value> {
-        match self.cmd(true).query_async(conn).await {
-            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+        match self.cmd.query_async(conn).await {
+            Err(e) if self.fcall && function_missing(&e) => {
+                tracing::debug!("rate-limit function not loaded in Redis; loading it");
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
+                    }
+                }
+                self.cmd.query_async(conn).await
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                let mut evalsha = redis::cmd("EVALSHA");
+                evalsha.arg(self.script.sha.as_str());
+                self.resend(conn, evalsha).await
+            }
+            Err(e) if !self.fcall && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
-                self.cmd(false).query_async(conn).await
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+
+    /// This call's keys and arguments after `head` (EVAL or EVALSHA and the script).
+    fn with_head(&self, mut head: Cmd) -> Cmd {
+        for arg in self.cmd.args_iter().skip(2) {
+            if let redis::Arg::Simple(bytes) = arg {
+                head.arg(bytes);
+            }
+        }
+        head
+    }
+
+    /// Sends the call as `head`, then as EVAL if the server does not know the script.
+    async fn resend<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        head: Cmd,
+    ) -> RedisResult<Value> {
+        match self.with_head(head).query_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
             }
             other => other,
         }
     }
 }
 
-/// The configuration both stores share.
-#[derive(Clone)]
+/// A request to Redis: a script call or a plain command.
+#[derive(Debug)]
+pub(crate) enum Request<'a> {
+    /// A script, with the NOSCRIPT fallback.
+    Call(Call<'a>),
+    /// A plain command.
+    Cmd(Cmd),
+}
+
+impl Request<'_> {
+    pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
+        match self {
+            Request::Call(call) => call.invoke(conn).await,
+            Request::Cmd(cmd) => cmd.query_async(conn).await,
+        }
+    }
+}
+
+/// Algorithm codes of `lua/check.lua`, in the order of the core's algorithm files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Code {
+    FixedWindow = 1,
+    SlidingWindow = 2,
+    SlidingLog = 3,
+    TokenBucket = 4,
+    LeakyBucket = 5,
+    Gcra = 6,
+}
+
+/// The argument layout of `lua/check.lua` and the shape of its reply: the one place both
+/// are written down on the Rust side.
+///
+/// `ARGV[1]` is the struct format of `ARGV[2]`, which packs [`HEADER`](Self::HEADER)
+/// values (injected, now, cost, TTL floor, rules, state width, log limit, log period) and
+/// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b`) as
+/// little-endian doubles, so that the script reads every argument in one C call instead
+/// of parsing text; `ARGV[3]` is the struct format of the state. The reply is
+/// `{1, block left}` or `{status, delay, 4 values per rule}`.
+#[derive(Debug)]
+pub(crate) struct CheckArgs;
+
+/// Where a check takes its time from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Time {
+    /// The injected clock's reading.
+    Injected(u64),
+    /// Redis `TIME`, with the caller's deadline on that clock when known.
+    Redis { deadline: Option<u64> },
+}
+
+/// This host's monotonic clock against the Redis server's, learned from Redis `TIME`
+/// readings: enough to tell the script when the caller stops waiting.
+#[derive(Debug)]
+pub(crate) struct RedisClock {
+    base: Instant,
+    /// Redis time minus monotonic µs since `base`; `i64::MIN` until a reading arrives.
+    offset_us: AtomicI64,
+}
+
+impl RedisClock {
+    pub(crate) fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            offset_us: AtomicI64::new(i64::MIN),
+        }
+    }
+
+    fn local_us(&self, at: Instant) -> i64 {
+        i64::try_from(at.saturating_duration_since(self.base).as_micros()).unwrap_or(i64::MAX)
+    }
+
+    /// Records that Redis read `redis_us` at some instant before `received`. The reply
+    /// took time to arrive, so a reading puts the offset too low, never too high: the
+    /// largest one is the closest. Keeping the largest also means a deadline is never
+    /// earlier than the caller's real one (a Cluster's nodes: the fastest clock wins).
+    pub(crate) fn observe(&self, redis_us: u64, received: Instant) {
+        let offset = i64::try_from(redis_us).unwrap_or(i64::MAX) - self.local_us(received);
+        self.offset_us.fetch_max(offset, Ordering::Relaxed);
+    }
+
+    /// The instant `timeout` from now on the Redis clock, once a reading arrived.
+    fn deadline(&self, timeout: Duration) -> Option<u64> {
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        if offset == i64::MIN {
+            return None;
+        }
+        let timeout = i64::try_from(timeout.as_micros()).unwrap_or(i64::MAX);
+        let at = self
+            .local_us(Instant::now())
+            .saturating_add(offset)
+            .saturating_add(timeout);
+        u64::try_from(at).ok().filter(|&at| at <= MAX_EXACT)
+    }
+}
+
+/// Values above this are not exact in Lua's doubles.
+const MAX_EXACT: u64 = (1 << 53) - 1;
+
+/// The widest state read or written with one struct call; wider ones go in chunks.
+const MAX_SHAPE: u64 = 1000;
+
+impl CheckArgs {
+    /// Values before the first rule.
+    pub(crate) const HEADER: usize = 8;
+    /// Values per rule.
+    pub(crate) const PER_RULE: usize = 5;
+
+    /// The values of one rule: code, limit, period_us, a, b.
+    fn rule(rule: &Rule) -> [u64; 5] {
+        let (l, p) = (rule.limit(), rule.period_us());
+        let (code, a, b) = match rule.algorithm() {
+            Algorithm::FixedWindow => (Code::FixedWindow, 0, 0),
+            // The core refuses a precision that does not divide the period.
+            Algorithm::SlidingWindow { precision } => {
+                (Code::SlidingWindow, precision, p / precision.max(1))
+            }
+            Algorithm::SlidingLog => (Code::SlidingLog, 0, 0),
+            Algorithm::TokenBucket { capacity } => (Code::TokenBucket, capacity, 0),
+            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
+                (Code::LeakyBucket, capacity, 0)
+            }
+            // `delay + 1` keeps 0 free for "meter"; the core bounds delay far below u64::MAX.
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+                (Code::LeakyBucket, burst, delay.saturating_add(1))
+            }
+            Algorithm::Gcra { burst } => (Code::Gcra, burst, 0),
+        };
+        [code as u64, l, p, a, b]
+    }
+
+    /// Values the script keeps per rule set: 2 per rule, precision + 2 for a sliding
+    /// window counter, none for a sliding log (whose entries live in a list).
+    fn state_width(rules: &RuleSet) -> u64 {
+        rules
+            .rules()
+            .iter()
+            .map(|rule| match rule.algorithm() {
+                Algorithm::SlidingLog => 0,
+                Algorithm::SlidingWindow { precision } => precision + 2,
+                _ => 2,
+            })
+            .sum()
+    }
+
+    /// Every packed value of a check, in order.
+    fn values(
+        time: Time,
+        cost: u64,
+        ttl_floor_ms: u64,
+        rules: &RuleSet,
+    ) -> impl Iterator<Item = u64> + '_ {
+        let (injected, now_or_deadline) = match time {
+            Time::Injected(now) => (1, now),
+            Time::Redis { deadline } => (0, deadline.unwrap_or(0)),
+        };
+        let header = [
+            injected,
+            now_or_deadline,
+            cost,
+            ttl_floor_ms.min(MAX_EXACT),
+            rules.len() as u64,
+            Self::state_width(rules),
+            rules.log_limit(),
+            rules.log_period_us(),
+        ];
+        header
+            .into_iter()
+            .chain(rules.rules().iter().flat_map(Self::rule))
+    }
+
+    /// Appends the arguments of a check to `cmd`.
+    fn write(cmd: &mut Cmd, time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
+        let count = Self::HEADER + Self::PER_RULE * rules.len();
+        let mut format = String::with_capacity(1 + count);
+        format.push('<');
+        let mut packed = Vec::with_capacity(8 * count);
+        for value in Self::values(time, cost, ttl_floor_ms, rules) {
+            format.push('d');
+            // Exact: rules, costs and times stay below 2^53 (see the tests).
+            packed.extend_from_slice(&(value as f64).to_le_bytes());
+        }
+        cmd.arg(&format).arg(packed);
+        let width = Self::state_width(rules);
+        if width <= MAX_SHAPE {
+            format.truncate(1);
+            format.extend(std::iter::repeat_n('d', width as usize));
+            cmd.arg(format);
+        } else {
+            cmd.arg("");
+        }
+    }
+
+    /// The arguments of a check, for tools that send the script by hand.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn to_args(
+        time: Time,
+        cost: u64,
+        ttl_floor_ms: u64,
+        rules: &RuleSet,
+    ) -> Vec<Vec<u8>> {
+        let mut cmd = Cmd::new();
+        Self::write(&mut cmd, time, cost, ttl_floor_ms, rules);
+        cmd.args_iter()
+            .map(|arg| match arg {
+                redis::Arg::Simple(bytes) => bytes.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Turns the script's reply into a [`Decision`]; the flag says the script found and
+    /// discarded a value it did not write. `Ok(None)` with the Redis time: the check
+    /// arrived past its deadline and was not run.
+    pub(crate) fn decision(
+        rules: &RuleSet,
+        reply: &Value,
+    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
+        let Value::Array(items) = reply else {
+            return Err(unexpected("the check script should return an array", reply));
+        };
+        let mut ints = [0i64; 2 + 4 * ratelimit_core::MAX_RULES];
+        if items.len() > ints.len() {
+            return Err(unexpected("too many values", reply));
+        }
+        for (slot, item) in ints.iter_mut().zip(items) {
+            let Value::Int(n) = item else {
+                return Err(unexpected("the check script should return integers", reply));
+            };
+            *slot = *n;
+        }
+        let ints = &ints[..items.len()];
+        let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
+        match ints {
+            [1, -1] => Ok(Ok((Decision::blocked(None), false))),
+            [1, left] => us(*left)
+                .map(|left| Ok((Decision::blocked(Some(left)), false)))
+                .ok_or_else(|| unexpected("a block's time left cannot be negative", reply)),
+            [3, now] => u64::try_from(*now)
+                .map(Err)
+                .map_err(|_| unexpected("Redis time cannot be negative", reply)),
+            [status @ (0 | 2), delay, per_rule @ ..] if per_rule.len() == 4 * rules.len() => {
+                let delay = us(*delay).ok_or_else(|| unexpected("negative delay", reply))?;
+                let mut outcomes = Vec::with_capacity(rules.len());
+                for (rule, r) in rules.rules().iter().zip(per_rule.chunks_exact(4)) {
+                    let (Some(remaining), Some(reset), Some(retry)) =
+                        (u64::try_from(r[1]).ok(), us(r[2]), us(r[3]))
+                    else {
+                        return Err(unexpected("negative rule values", reply));
+                    };
+                    let allowed = match r[0] {
+                        1 => true,
+                        0 => false,
+                        _ => return Err(unexpected("allowed must be 0 or 1", reply)),
+                    };
+                    outcomes.push(RuleOutcome {
+                        allowed,
+                        limit: rule.limit(),
+                        remaining,
+                        reset_after: reset,
+                        retry_after: (!allowed).then_some(retry),
+                    });
+                }
+                Ok(Ok((Decision::from_rules(outcomes, delay), *status == 2)))
+            }
+            _ => Err(unexpected(
+                &format!(
+                    "the check script should return {{1, left}} or {{0, delay, 4 values x {} rules}}",
+                    rules.len()
+                ),
+                reply,
+            )),
+        }
+    }
+}
+
+/// The configuration of a store.
 pub(crate) struct Shared {
     pub(crate) prefix: Arc<str>,
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) ttl_floor_ms: u64,
     pub(crate) timeout: Duration,
+    /// Whether checks run as FCALL of the function library (Redis 7) or as EVALSHA.
+    pub(crate) functions: AtomicBool,
+    /// The Redis clock as seen from here, for deadlines.
+    pub(crate) redis_clock: RedisClock,
 }
 
 impl std::fmt::Debug for Shared {
@@ -128,90 +525,62 @@ impl std::fmt::Debug for Shared {
 /// Block lengths are capped so that `now + length` stays exact in Lua (about 142 years).
 const MAX_BLOCK_US: u64 = 1 << 52;
 
-/// Integers the script stores per rule set: 2 per rule, precision + 2 for a sliding window
-/// counter, none for a sliding log (whose entries live in a list).
-fn state_width(rules: &RuleSet) -> u64 {
-    rules
-        .rules()
-        .iter()
-        .map(|rule| match rule.algorithm() {
-            Algorithm::SlidingLog => 0,
-            Algorithm::SlidingWindow { precision } => precision + 2,
-            _ => 2,
-        })
-        .sum()
-}
-
-/// The script's encoding of a rule: code, limit, period, a, b (see `lua/check.lua`).
-fn encode(rule: &Rule) -> [u64; 5] {
-    let (l, p) = (rule.limit(), rule.period_us());
-    match rule.algorithm() {
-        Algorithm::FixedWindow => [1, l, p, 0, 0],
-        Algorithm::SlidingWindow { precision } => [2, l, p, precision, 0],
-        Algorithm::SlidingLog => [3, l, p, 0, 0],
-        Algorithm::TokenBucket { capacity } => [4, l, p, capacity, 0],
-        Algorithm::Gcra { burst } => [5, l, p, burst, 0],
-        Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => [5, l, p, capacity, 0],
-        Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
-            [5, l, p, burst + 1, delay + 1]
-        }
-    }
-}
-
 impl Shared {
-    fn now(&self) -> Arg {
-        match &self.clock {
-            Some(clock) => Arg::Int(clock.now_us()),
-            None => Arg::Empty,
+    fn now(&self) -> Option<u64> {
+        self.clock.as_ref().map(|clock| clock.now_us())
+    }
+
+    fn time(&self) -> Time {
+        match self.now() {
+            Some(now) => Time::Injected(now),
+            None => Time::Redis {
+                deadline: self.redis_clock.deadline(self.timeout),
+            },
         }
     }
 
-    pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call {
-        let k = keys::check_keys(&self.prefix, key, rules);
-        let mut args = Vec::with_capacity(7 + 5 * rules.len());
-        args.extend([
-            self.now(),
-            Arg::Int(cost),
-            Arg::Int(self.ttl_floor_ms),
-            Arg::Int(rules.log_limit()),
-            Arg::Int(rules.log_period_us()),
-            Arg::Int(rules.len() as u64),
-            Arg::Int(state_width(rules)),
-        ]);
-        for rule in rules.rules() {
-            args.extend(encode(rule).map(Arg::Int));
+    pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
+        let has_log = rules.log_limit() > 0;
+        let keys = 2 + usize::from(has_log);
+        let mut call = CHECK.call(&self.functions, keys, keys + 3);
+        let mut names = KeyNames::new(&self.prefix, key);
+        call.cmd.arg(names.block());
+        call.cmd.arg(names.state(rules));
+        if has_log {
+            call.cmd.arg(names.log(rules));
         }
-        Call {
-            script: &CHECK,
-            keys: vec![k.block, k.state, k.log],
-            args,
-        }
+        CheckArgs::write(&mut call.cmd, self.time(), cost, self.ttl_floor_ms, rules);
+        call
     }
 
-    pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call {
-        let length = match duration {
-            Some(d) => Arg::Int(
-                u64::try_from(d.as_micros()).map_or(MAX_BLOCK_US, |us| us.min(MAX_BLOCK_US)),
-            ),
-            None => Arg::Empty,
+    pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {
+        let mut call = BLOCK.call(&self.functions, 1, 4);
+        call.cmd.arg(KeyNames::new(&self.prefix, key).block());
+        match self.now() {
+            Some(now) => call.cmd.arg(now),
+            None => call.cmd.arg(""),
         };
-        Call {
-            script: &BLOCK,
-            keys: vec![keys::block_key(&self.prefix, key)],
-            args: vec![self.now(), length, Arg::Int(self.ttl_floor_ms)],
-        }
+        match duration {
+            Some(d) => call
+                .cmd
+                .arg(u64::try_from(d.as_micros()).map_or(MAX_BLOCK_US, |us| us.min(MAX_BLOCK_US))),
+            None => call.cmd.arg(""),
+        };
+        call.cmd.arg(self.ttl_floor_ms);
+        call
     }
 
     pub(crate) fn unblock_cmd(&self, key: &[u8]) -> Cmd {
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(keys::block_key(&self.prefix, key));
+        cmd.arg(KeyNames::new(&self.prefix, key).block());
         cmd
     }
 
     pub(crate) fn reset_cmd(&self, key: &[u8], rules: &RuleSet) -> Cmd {
-        let k = keys::check_keys(&self.prefix, key, rules);
+        let mut names = KeyNames::new(&self.prefix, key);
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(k.state).arg(k.log);
+        cmd.arg(names.state(rules));
+        cmd.arg(names.log(rules));
         cmd
     }
 }
@@ -220,99 +589,54 @@ fn unexpected(what: &str, reply: &Value) -> RedisStoreError {
     RedisStoreError::UnexpectedReply(format!("{what}, got {reply:?}"))
 }
 
-/// Turns the check script's reply into a [`Decision`].
-pub(crate) fn decision(rules: &RuleSet, reply: Value) -> Result<Decision, RedisStoreError> {
-    let ints: Option<Vec<i64>> = match &reply {
-        Value::Array(items) => items
-            .iter()
-            .map(|v| match v {
-                Value::Int(n) => Some(*n),
-                _ => None,
-            })
-            .collect(),
-        _ => None,
-    };
-    let Some(ints) = ints else {
-        return Err(unexpected(
-            "the check script should return an array of integers",
-            &reply,
-        ));
-    };
-    let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
-    match ints.as_slice() {
-        [1, -1] => Ok(Decision::blocked(None)),
-        [1, left] => us(*left)
-            .map(|left| Decision::blocked(Some(left)))
-            .ok_or_else(|| unexpected("a block's time left cannot be negative", &reply)),
-        [0, delay, per_rule @ ..] if per_rule.len() == 4 * rules.len() => {
-            let delay = us(*delay).ok_or_else(|| unexpected("negative delay", &reply))?;
-            let mut outcomes = Vec::with_capacity(rules.len());
-            for (rule, r) in rules.rules().iter().zip(per_rule.chunks_exact(4)) {
-                let (Some(remaining), Some(reset), Some(retry)) =
-                    (u64::try_from(r[1]).ok(), us(r[2]), us(r[3]))
-                else {
-                    return Err(unexpected("negative rule values", &reply));
-                };
-                let allowed = match r[0] {
-                    1 => true,
-                    0 => false,
-                    _ => return Err(unexpected("allowed must be 0 or 1", &reply)),
-                };
-                outcomes.push(RuleOutcome {
-                    allowed,
-                    limit: rule.limit(),
-                    remaining,
-                    reset_after: reset,
-                    retry_after: (!allowed).then_some(retry),
-                });
-            }
-            Ok(Decision::from_rules(outcomes, delay))
-        }
-        _ => Err(unexpected(
-            &format!(
-                "the check script should return {{1, left}} or {{0, delay, 4 values x {} rules}}",
-                rules.len()
-            ),
-            &reply,
-        )),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn rules(text: &str) -> RuleSet {
         text.parse().unwrap()
     }
 
+    fn ints(v: &[i64]) -> Value {
+        Value::Array(v.iter().map(|n| Value::Int(*n)).collect())
+    }
+
     #[test]
     fn replies_become_decisions() {
         let r = rules("10/s fixed-window; 2/s leaky-bucket mode=shaper burst=4 delay=1");
-        let ints = |v: &[i64]| Value::Array(v.iter().map(|n| Value::Int(*n)).collect());
-        let d = decision(&r, ints(&[0, 500, 1, 9, 1000, 0, 1, 3, 2000, 0])).unwrap();
+        let (d, healed) = CheckArgs::decision(&r, &ints(&[0, 500, 1, 9, 1000, 0, 1, 3, 2000, 0]))
+            .unwrap()
+            .unwrap();
         assert!(d.is_allowed());
+        assert!(!healed);
         assert_eq!(d.delay(), Duration::from_micros(500));
         assert_eq!(d.rules()[0].remaining, 9);
         assert_eq!(d.rules()[1].limit, 2);
-        let d = decision(&r, ints(&[0, 0, 1, 9, 1000, 7, 0, 0, 2000, 300])).unwrap();
+        let (d, healed) = CheckArgs::decision(&r, &ints(&[2, 0, 1, 9, 1000, 7, 0, 0, 2000, 300]))
+            .unwrap()
+            .unwrap();
         assert!(!d.is_allowed());
+        assert!(healed);
         assert_eq!(d.retry_after(), Some(Duration::from_micros(300)));
         assert_eq!(d.rules()[0].retry_after, None);
         assert_eq!(
-            decision(&r, ints(&[1, -1])).unwrap(),
+            CheckArgs::decision(&r, &ints(&[1, -1])).unwrap().unwrap().0,
             Decision::blocked(None)
         );
         assert_eq!(
-            decision(&r, ints(&[1, 5])).unwrap(),
+            CheckArgs::decision(&r, &ints(&[1, 5])).unwrap().unwrap().0,
             Decision::blocked(Some(Duration::from_micros(5)))
+        );
+        assert_eq!(
+            CheckArgs::decision(&r, &ints(&[3, 1_763_683_200_000_000])).unwrap(),
+            Err(1_763_683_200_000_000)
         );
     }
 
     #[test]
     fn malformed_replies_are_errors() {
         let r = rules("10/s");
-        let ints = |v: &[i64]| Value::Array(v.iter().map(|n| Value::Int(*n)).collect());
         for bad in [
             Value::Nil,
             Value::Int(1),
@@ -320,10 +644,12 @@ mod tests {
             ints(&[0, 0, 1, 2, 3]),
             ints(&[0, 0, 2, 1, 1, 1]),
             ints(&[0, -1, 1, 1, 1, 1]),
+            ints(&[3, 0, 1, 1, 1, 1]),
             ints(&[1, -2]),
             ints(&[2, 0]),
+            ints(&[0; 80]),
         ] {
-            let err = decision(&r, bad).unwrap_err();
+            let err = CheckArgs::decision(&r, &bad).unwrap_err();
             assert!(
                 matches!(err, RedisStoreError::UnexpectedReply(_)),
                 "{err:?}"
@@ -338,21 +664,102 @@ mod tests {
              8/s token-bucket capacity=9; 10/s gcra burst=3; \
              11/s leaky-bucket mode=meter capacity=4; 12/s leaky-bucket mode=shaper burst=5 delay=2",
         );
-        let codes: Vec<[u64; 5]> = r.rules().iter().map(encode).collect();
+        let codes: Vec<[u64; 5]> = r.rules().iter().map(CheckArgs::rule).collect();
         let s = 1_000_000;
         assert_eq!(
             codes,
             [
                 [1, 5, s, 0, 0],
-                [2, 6, s, 4, 0],
+                [2, 6, s, 4, s / 4],
                 [3, 7, s, 0, 0],
                 [4, 8, s, 9, 0],
-                [5, 10, s, 3, 0],
+                [6, 10, s, 3, 0],
                 [5, 11, s, 4, 0],
-                [5, 12, s, 6, 3],
+                [5, 12, s, 5, 3],
             ]
         );
         // Fixed window 2, sliding window 4 + 2, log none, and 2 for each of the other four.
-        assert_eq!(state_width(&r), 16);
+        assert_eq!(CheckArgs::state_width(&r), 16);
+        let args = CheckArgs::to_args(Time::Injected(7), 2, 60_000, &r);
+        let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
+        assert_eq!(args[0], format!("<{}", "d".repeat(count)).into_bytes());
+        let values: Vec<f64> = args[1]
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(values[..8], [1.0, 7.0, 2.0, 60_000.0, 7.0, 16.0, 7.0, 1e6]);
+        assert_eq!(values[8..13], [1.0, 5.0, 1e6, 0.0, 0.0]);
+        assert_eq!(args[2], format!("<{}", "d".repeat(16)).into_bytes());
+        let wide: RuleSet = "1000/s sliding-window precision=1000".parse().unwrap();
+        assert!(CheckArgs::to_args(Time::Redis { deadline: None }, 1, 0, &wide)[2].is_empty());
+    }
+
+    /// Builds whatever rule the core accepts from arbitrary numbers.
+    fn any_rule() -> impl Strategy<Value = Option<Rule>> {
+        let extreme = prop_oneof![
+            Just(0u64),
+            Just(1),
+            Just((1 << 51) - 1),
+            Just(1 << 51),
+            Just((1 << 53) - 1),
+            Just(1 << 53),
+            Just(u64::MAX - 1),
+            Just(u64::MAX),
+            any::<u64>(),
+            0u64..10_000,
+        ];
+        (
+            0u8..7,
+            extreme.clone(),
+            extreme.clone(),
+            extreme.clone(),
+            extreme,
+        )
+            .prop_map(|(kind, limit, period_us, a, b)| {
+                let period = Duration::from_micros(period_us);
+                match kind {
+                    0 => Rule::fixed_window(limit, period),
+                    1 => Rule::sliding_window(limit, period, a),
+                    2 => Rule::sliding_log(limit, period),
+                    3 => Rule::token_bucket(limit, period, a),
+                    4 => Rule::gcra(limit, period, a),
+                    5 => Rule::leaky_meter(limit, period, a),
+                    // Rule::leaky_shaper overflows in the core (`Rule::capacity`, burst + 1)
+                    // at burst = u64::MAX; that bound is the core's to fix.
+                    _ => Rule::leaky_shaper(limit, period, a.min(u64::MAX - 1), b),
+                }
+                .ok()
+            })
+    }
+
+    proptest! {
+        /// Issue 9's overflow check for the Redis encoding: whatever rule the core accepts,
+        /// its arguments are computed without overflow (debug builds panic on one) and every
+        /// value is exact in Lua's doubles.
+        #[test]
+        fn every_accepted_rule_encodes_exactly(rule in any_rule(), cost in any::<u64>(), now in any::<u64>()) {
+            if let Some(rule) = rule {
+                let set = RuleSet::new(vec![rule]).unwrap();
+                let now = now & MAX_EXACT;
+                if set.check_cost(cost).is_ok() {
+                    for value in CheckArgs::values(Time::Injected(now), cost, u64::MAX, &set) {
+                        prop_assert!(value <= MAX_EXACT, "{}: {} is not exact in Lua", set.rules()[0], value);
+                    }
+                }
+                let args = CheckArgs::to_args(Time::Injected(now), cost, u64::MAX, &set);
+                prop_assert_eq!(args[1].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
+            }
+        }
+
+        /// Whatever integers come back, decoding answers a decision or an error, never a
+        /// panic.
+        #[test]
+        fn any_reply_decodes_or_errs(values in proptest::collection::vec(any::<i64>(), 0..12)) {
+            let r = rules("10/s; 5/min sliding-log");
+            let _ = CheckArgs::decision(&r, &ints(&values));
+            let mut shaped = vec![0, values.first().copied().unwrap_or(0)];
+            shaped.extend(values.iter().copied().chain(std::iter::repeat(1)).take(8));
+            let _ = CheckArgs::decision(&r, &ints(&shaped));
+        }
     }
 }

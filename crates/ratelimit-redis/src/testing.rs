@@ -1,5 +1,6 @@
-//! Throwaway Redis servers for tests: a `redis-server` on a free port, or a 3-master
-//! Redis Cluster, each killed when dropped.
+//! Throwaway Redis servers for tests: a `redis-server` on a free port, a 3-master Redis
+//! Cluster, or a primary with a replica watched by a `redis-sentinel`, each killed when
+//! dropped.
 //!
 //! `redis-server` and `redis-cli` must be on `PATH` (Debian: `redis-server` and
 //! `redis-tools`). When they are missing or cannot start, [`RedisServer::start`] and
@@ -127,6 +128,17 @@ impl RedisServer {
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
         Self::try_start_with(&[], false)
+    }
+
+    /// Starts a server with extra command-line options, e.g.
+    /// `&["--maxmemory-policy", "allkeys-lru"]`.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_with(options: &[&str]) -> Self {
+        Self::try_start_with(options, false)
+            .unwrap_or_else(|e| panic!("cannot start redis-server {options:?}: {e}"))
     }
 
     fn try_start_with(extra_args: &[&str], cluster: bool) -> io::Result<Self> {
@@ -364,5 +376,205 @@ impl RedisCluster {
     /// The nodes.
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
+    }
+}
+
+/// The decision script in the forms the store sends it, for sending checks by hand (a
+/// benchmark): with `SCRIPT LOAD` and `EVALSHA` (Redis 6.2), or with `FUNCTION LOAD` and
+/// `FCALL` (Redis 7). The keys are `<prefix>:{<tag>}:b`,
+/// `<prefix>:{<tag>}:s:<fingerprint>` and, when a rule is a sliding log,
+/// `<prefix>:{<tag>}:l:<fingerprint>`, with the fingerprint as 16 hex digits; the
+/// arguments come from [`check_script_args`].
+#[derive(Debug, Clone, Copy)]
+pub struct CheckScript {
+    /// The script, for `SCRIPT LOAD` or `EVAL`.
+    pub body: &'static str,
+    /// Its SHA1, for `EVALSHA`.
+    pub sha: &'static str,
+    /// The function library, for `FUNCTION LOAD`.
+    pub library: &'static str,
+    /// The function's name, for `FCALL`.
+    pub function: &'static str,
+}
+
+/// The decision script's forms; see [`CheckScript`].
+pub fn check_script() -> CheckScript {
+    let [body, sha, library, function] = crate::script::check_forms();
+    CheckScript {
+        body,
+        sha,
+        library,
+        function,
+    }
+}
+
+/// The arguments of the decision script for `rules` and `cost` with Redis `TIME` as the
+/// clock, in the script's layout (binary: two of them pack doubles).
+pub fn check_script_args(rules: &ratelimit_core::RuleSet, cost: u64) -> Vec<Vec<u8>> {
+    crate::script::CheckArgs::to_args(
+        crate::script::Time::Redis { deadline: None },
+        cost,
+        0,
+        rules,
+    )
+}
+
+/// The service name [`RedisSentinel`] monitors.
+pub const SENTINEL_SERVICE: &str = "ratelimit";
+
+/// A primary `redis-server`, a replica of it, and one `redis-sentinel` (quorum 1)
+/// watching them as service [`SENTINEL_SERVICE`]; all killed on drop.
+#[derive(Debug)]
+pub struct RedisSentinel {
+    primary: RedisServer,
+    replica: RedisServer,
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl RedisSentinel {
+    /// Starts the three processes and waits until the replica is in sync and the
+    /// Sentinel knows it.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` or `redis-sentinel` is missing or the set does not form.
+    pub fn start() -> Self {
+        Self::try_start().unwrap_or_else(|e| {
+            panic!(
+                "cannot start Redis Sentinel: {e} (install `redis-server`, `redis-sentinel` \
+                 and `redis-tools`)"
+            )
+        })
+    }
+
+    /// Like [`start`](Self::start), returning the error instead of panicking.
+    pub fn try_start() -> io::Result<Self> {
+        let primary = RedisServer::try_start()?;
+        let replica = RedisServer::try_start_with(
+            &["--replicaof", "127.0.0.1", &primary.port.to_string()],
+            false,
+        )?;
+        let dir = scratch_dir("sentinel")?;
+        let port = free_port(false)?;
+        let config = dir.join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n\
+                 sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {primary} 1\n\
+                 sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n\
+                 sentinel failover-timeout {SENTINEL_SERVICE} 10000\n",
+                dir = dir.display(),
+                log = dir.join("redis.log").display(),
+                primary = primary.port,
+            ),
+        )?;
+        let child = Command::new("redis-sentinel")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
+        let sentinel = RedisSentinel {
+            primary,
+            replica,
+            port,
+            dir,
+            child: Some(child),
+        };
+        let replica_port = sentinel.replica.port.to_string();
+        sentinel.wait_for("the replica to sync and the Sentinel to see it", || {
+            let synced = sentinel
+                .replica
+                .command("INFO replication")
+                .is_ok_and(|r| r.contains("master_link_status:up"));
+            synced
+                && raw_command(port, &format!("SENTINEL REPLICAS {SENTINEL_SERVICE}"))
+                    .is_ok_and(|r| r.contains(&replica_port))
+        })?;
+        Ok(sentinel)
+    }
+
+    fn wait_for(&self, what: &str, mut done: impl FnMut() -> bool) -> io::Result<()> {
+        let deadline = Instant::now() + STARTUP;
+        while !done() {
+            if Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "timed out waiting for {what}; sentinel log:\n{}",
+                        log_tail(&self.dir)
+                    ),
+                ));
+            }
+            sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// The Sentinel's URL, `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The server that was primary at start.
+    pub fn primary(&self) -> &RedisServer {
+        &self.primary
+    }
+
+    /// The server that was a replica at start.
+    pub fn replica(&self) -> &RedisServer {
+        &self.replica
+    }
+
+    /// The port of the primary the Sentinel names now.
+    pub fn current_primary_port(&self) -> io::Result<u16> {
+        let reply = raw_command(
+            self.port,
+            &format!("SENTINEL GET-MASTER-ADDR-BY-NAME {SENTINEL_SERVICE}"),
+        )?;
+        reply
+            .lines()
+            .filter_map(|line| line.parse::<u16>().ok())
+            .next_back()
+            .ok_or_else(|| io::Error::other(format!("no primary address in {reply:?}")))
+    }
+
+    /// Makes the Sentinel promote the replica (`SENTINEL FAILOVER`: the primary first
+    /// waits for the replica to catch up, so nothing written is lost) and waits until the
+    /// replica is the primary and the old primary follows it.
+    pub fn failover(&self) -> io::Result<()> {
+        let before = self.current_primary_port()?;
+        let reply = raw_command(self.port, &format!("SENTINEL FAILOVER {SENTINEL_SERVICE}"))?;
+        if !reply.starts_with("+OK") {
+            return Err(io::Error::other(format!(
+                "SENTINEL FAILOVER answered {reply:?}"
+            )));
+        }
+        self.wait_for("the failover", || {
+            let moved = self.current_primary_port().is_ok_and(|p| p != before);
+            let old = if before == self.primary.port {
+                &self.primary
+            } else {
+                &self.replica
+            };
+            moved
+                && old
+                    .command("INFO replication")
+                    .is_ok_and(|r| r.contains("role:slave") && r.contains("master_link_status:up"))
+        })
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -1,4 +1,4 @@
-//! The core conformance suite and random traces: RedisStore and RedisClusterStore must
+//! The core conformance suite and random traces: RedisStore on one server and on a Cluster must
 //! make exactly the decisions MemoryStore makes.
 
 use std::future::Future;
@@ -10,7 +10,7 @@ use proptest::test_runner::TestRunner;
 use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
 use ratelimit_core::{ManualClock, MemoryStore, Rule, RuleSet, Store};
 use ratelimit_redis::testing::{RedisCluster, RedisServer};
-use ratelimit_redis::{RedisClusterStore, RedisStore};
+use ratelimit_redis::RedisStore;
 use tokio::runtime::Runtime;
 
 static PREFIXES: AtomicU64 = AtomicU64::new(0);
@@ -50,15 +50,15 @@ fn single(
 fn clustered(
     urls: Vec<String>,
     tag: &'static str,
-) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisClusterStore>>> {
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
     move |clock| {
         let urls = urls.clone();
         Box::pin(async move {
-            RedisClusterStore::builder()
+            RedisStore::builder()
                 .prefix(&fresh_prefix(tag))
                 .clock(clock)
                 .timeout(TIMEOUT)
-                .build(&urls)
+                .build_cluster(&urls)
                 .await
                 .expect("cluster store")
         })

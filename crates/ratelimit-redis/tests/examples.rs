@@ -6,7 +6,7 @@ use ratelimit_core::{Outcome, RuleSet, Store};
 use ratelimit_redis::bb8;
 use ratelimit_redis::bb8_redis::RedisConnectionManager;
 use ratelimit_redis::testing::{RedisCluster, RedisServer};
-use ratelimit_redis::{RedisClusterStore, RedisStore};
+use ratelimit_redis::RedisStore;
 
 #[tokio::test]
 async fn crate_docs_example() {
@@ -56,7 +56,10 @@ async fn redis_store_docs_example() {
 #[tokio::test]
 async fn cluster_store_docs_example() {
     let cluster = RedisCluster::start();
-    let store = RedisClusterStore::connect(cluster.urls()).await.unwrap();
+    let store = RedisStore::builder()
+        .build_cluster(cluster.urls())
+        .await
+        .unwrap();
     let rules: RuleSet = "1/s sliding-log; 20/min sliding-log".parse().unwrap();
     assert!(store
         .check(b"user-42", &rules, 1)

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::redis;
 use ratelimit_redis::testing::RedisServer;
-use ratelimit_redis::{RedisClusterStore, RedisStore, RedisStoreError};
+use ratelimit_redis::{RedisStore, RedisStoreError};
 use tokio::sync::Barrier;
 
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -165,9 +165,9 @@ async fn an_unreachable_cluster_fails_the_build_with_a_typed_error() {
     let url = server.url();
     server.stop();
     let started = Instant::now();
-    let err = RedisClusterStore::builder()
+    let err = RedisStore::builder()
         .connect_timeout(Duration::from_millis(500))
-        .build([url])
+        .build_cluster([url])
         .await
         .unwrap_err();
     assert!(err.is_unavailable(), "{err:?}");
@@ -175,12 +175,13 @@ async fn an_unreachable_cluster_fails_the_build_with_a_typed_error() {
 }
 
 #[tokio::test]
-async fn script_flush_is_transparent() {
+async fn script_and_function_flush_are_transparent() {
     let server = RedisServer::start();
     let store = store(&server).await;
     let mut con = common::conn(&server.url());
     assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut con).unwrap();
+    let _: () = redis::cmd("FUNCTION").arg("FLUSH").query(&mut con).unwrap();
     common::reset_stats(&mut con);
     for _ in 0..5 {
         assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
@@ -190,16 +191,22 @@ async fn script_flush_is_transparent() {
         .await
         .unwrap();
     let stats = common::commandstats(&mut con);
-    // Every call starts with EVALSHA; the first of each script finds nothing and the body
-    // is sent once with EVAL, which caches it again.
-    assert_eq!(stats.get("eval").map(|s| s.0), Some(2), "{stats:?}");
-    assert_eq!(stats.get("evalsha").map(|s| s.0), Some(6), "{stats:?}");
+    // Checks are FCALLs: the first finds no function, the library is loaded once and the
+    // call resent. The block script starts with EVALSHA, finds nothing, and the body is
+    // sent once with EVAL, which caches it again.
+    assert_eq!(
+        stats.get("function|load").map(|s| s.0),
+        Some(1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.get("eval").map(|s| s.0), Some(1), "{stats:?}");
+    assert_eq!(stats.get("evalsha").map(|s| s.0), Some(1), "{stats:?}");
     let d = store.check(b"b", &rules(), 1).await.unwrap();
     assert_eq!(d.outcome(), ratelimit_core::Outcome::Blocked);
 }
 
 #[tokio::test]
-async fn keys_of_the_wrong_type_give_a_clear_error() {
+async fn foreign_values_at_limiter_keys_heal() {
     let server = RedisServer::start();
     let store = RedisStore::builder()
         .prefix("wt")
@@ -224,67 +231,110 @@ async fn keys_of_the_wrong_type_give_a_clear_error() {
         .unwrap();
     assert_eq!(exists, (true, true), "the layout the crate documents");
 
-    let mut expect_wrong_type = async |setup: &dyn Fn(&mut redis::Connection), fragment: &str| {
-        setup(&mut con);
-        let err = store.check(b"k", &rules, 1).await.unwrap_err();
-        assert!(matches!(err, RedisStoreError::WrongType(_)), "{err:?}");
-        let text = err.to_string();
-        assert!(text.contains(fragment) && text.contains("prefix"), "{text}");
+    let types = |con: &mut redis::Connection| -> (String, String) {
+        redis::pipe()
+            .cmd("TYPE")
+            .arg(&state)
+            .cmd("TYPE")
+            .arg(&log)
+            .query(con)
+            .unwrap()
+    };
+    let mut expect_healed = async |setup: &dyn Fn(&mut redis::Connection)| {
         let _: () = redis::cmd("DEL")
             .arg(&block)
             .arg(&state)
             .arg(&log)
             .query(&mut con)
             .unwrap();
-        assert!(
-            store.check(b"k", &rules, 1).await.unwrap().is_allowed(),
-            "recovers once the key is gone"
-        );
+        setup(&mut con);
+        // The next check decides on a fresh state and replaces what it found.
+        let d = store.check(b"k", &rules, 1).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(types(&mut con), ("string".to_owned(), "list".to_owned()));
+        // And the state counts again from there.
+        let d = store.check(b"k", &rules, 1).await.unwrap();
+        assert_eq!(d.rules()[1].remaining, 10_000 - 2);
     };
-    expect_wrong_type(
-        &|c| {
-            redis::cmd("DEL").arg(&state).exec(c).unwrap();
-            redis::cmd("HSET")
-                .arg(&state)
-                .arg("1")
-                .arg("2")
-                .exec(c)
-                .unwrap()
-        },
-        "WRONGTYPE",
-    )
+    expect_healed(&|c| {
+        redis::cmd("DEL").arg(&state).exec(c).unwrap();
+        redis::cmd("HSET")
+            .arg(&state)
+            .arg("1")
+            .arg("2")
+            .exec(c)
+            .unwrap()
+    })
     .await;
-    expect_wrong_type(
-        &|c| redis::cmd("SET").arg(&state).arg("12 x").exec(c).unwrap(),
-        "RLSTATE",
-    )
+    expect_healed(&|c| redis::cmd("SET").arg(&state).arg("12 x").exec(c).unwrap()).await;
+    // Sixteen bytes of the right length that are not two non-negative integers.
+    expect_healed(&|c| {
+        redis::cmd("SET")
+            .arg(&state)
+            .arg(&[0xff_u8; 16][..])
+            .exec(c)
+            .unwrap()
+    })
     .await;
-    expect_wrong_type(
-        &|c| redis::cmd("RPUSH").arg(&block).arg("x").exec(c).unwrap(),
-        "WRONGTYPE",
-    )
+    expect_healed(&|c| redis::cmd("SET").arg(&log).arg("x").exec(c).unwrap()).await;
+    expect_healed(&|c| {
+        redis::cmd("LPUSH")
+            .arg(&log)
+            .arg("yesterday")
+            .exec(c)
+            .unwrap()
+    })
     .await;
-    expect_wrong_type(
-        &|c| redis::cmd("SET").arg(&block).arg("soon").exec(c).unwrap(),
-        "RLSTATE",
-    )
-    .await;
-    expect_wrong_type(
-        &|c| redis::cmd("SET").arg(&log).arg("x").exec(c).unwrap(),
-        "WRONGTYPE",
-    )
-    .await;
-    expect_wrong_type(
-        &|c| {
-            redis::cmd("LPUSH")
-                .arg(&log)
-                .arg("yesterday")
-                .exec(c)
-                .unwrap()
-        },
-        "RLSTATE",
-    )
-    .await;
+    // A block marker that is not a time is dropped.
+    redis::cmd("SET")
+        .arg(&block)
+        .arg("soon")
+        .exec(&mut con)
+        .unwrap();
+    assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    let gone: bool = redis::cmd("EXISTS").arg(&block).query(&mut con).unwrap();
+    assert!(!gone);
+    // A block marker of another type reads as "not blocked" (MGET answers nil for it).
+    redis::cmd("RPUSH")
+        .arg(&block)
+        .arg("x")
+        .exec(&mut con)
+        .unwrap();
+    assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    redis::cmd("DEL").arg(&block).exec(&mut con).unwrap();
+
+    // An entry deep in the log that is not a timestamp: reported once, with the log
+    // dropped, so the check after it starts clean.
+    redis::cmd("RPUSH")
+        .arg(&log)
+        .arg("yesterday")
+        .exec(&mut con)
+        .unwrap();
+    let deep = "10/s sliding-log; 10000/h sliding-log"
+        .parse::<RuleSet>()
+        .unwrap();
+    let deep_log = format!("wt:{{k6b}}:l:{:016x}", deep.fingerprint());
+    for _ in 0..3 {
+        assert!(store.check(b"k", &deep, 1).await.unwrap().is_allowed());
+    }
+    redis::cmd("RPUSH")
+        .arg(&deep_log)
+        .arg("yesterday")
+        .exec(&mut con)
+        .unwrap();
+    let mut errors = 0;
+    for _ in 0..3 {
+        match store.check(b"k", &deep, 1).await {
+            Err(RedisStoreError::WrongType(text)) => {
+                assert!(text.contains("RLSTATE"), "{text}");
+                errors += 1;
+            }
+            Ok(d) => assert!(d.is_allowed()),
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(errors, 1, "reported once, then healed");
+
     // Blocking does not overwrite someone else's key either.
     redis::cmd("RPUSH")
         .arg(&block)
@@ -301,4 +351,56 @@ async fn keys_of_the_wrong_type_give_a_clear_error() {
         .unwrap();
     assert_eq!(kept, ["x"]);
     redis::cmd("DEL").arg(&block).exec(&mut con).unwrap();
+}
+
+/// A check whose caller timed out while Redis was stalled (a slow command, a fork,
+/// `DEBUG SLEEP`) still reaches Redis afterwards; it must not charge the client.
+#[tokio::test]
+async fn checks_that_timed_out_in_a_stalled_redis_charge_nothing() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    let mut con = common::conn(&server.url());
+    common::reset_stats(&mut con);
+    let mut probe = common::conn(&server.url());
+    probe
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let url = server.url();
+    let stall = std::thread::spawn(move || {
+        let mut con = common::conn(&url);
+        redis::cmd("DEBUG").arg("SLEEP").arg("3").exec(&mut con)
+    });
+    // Wait until the stall has begun: PING stops being answered within 300 ms.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if redis::cmd("PING").query::<String>(&mut probe).is_err() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "DEBUG SLEEP never began");
+    }
+    for _ in 0..10 {
+        let err = store.check(b"k", &rules, 1).await.unwrap_err();
+        assert!(matches!(err, RedisStoreError::Timeout(_)), "{err:?}");
+    }
+    stall.join().unwrap().unwrap();
+    // Redis runs the queued checks once it wakes up; wait until it has.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while common::commandstats(&mut con)
+        .get("fcall")
+        .map_or(0, |s| s.0)
+        < 10
+    {
+        assert!(Instant::now() < deadline, "the queued checks never ran");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // None of them was charged: the client still has its 5.
+    for i in 0..6 {
+        let d = store.check(b"k", &rules, 1).await.unwrap();
+        assert_eq!(d.is_allowed(), i < 5, "check {i}: {d:?}");
+    }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use ratelimit_core::{Outcome, RuleSet, Store};
 use ratelimit_redis::redis;
 use ratelimit_redis::testing::{RedisCluster, RedisServer};
-use ratelimit_redis::{RedisClusterStore, RedisStore, RedisStoreError};
+use ratelimit_redis::{RedisStore, RedisStoreError};
 
 /// Client keys chosen to break naive key building.
 fn awkward_keys() -> Vec<Vec<u8>> {
@@ -83,31 +83,38 @@ async fn exercise(store: &impl Store<Error = RedisStoreError>, keys: &[Vec<u8>])
 
 /// Groups the store keys by the client key in their hash tag, asserting that every key
 /// is behind `prefix`, printable, and has exactly one hash tag.
-fn keys_by_client(all: Vec<Vec<u8>>, prefix: &str) -> BTreeMap<Vec<u8>, BTreeSet<String>> {
-    let mut by_client: BTreeMap<Vec<u8>, BTreeSet<String>> = BTreeMap::new();
+fn keys_by_client(
+    all: Vec<Vec<u8>>,
+    prefix: &str,
+) -> BTreeMap<common::StoredKeyBuf, BTreeSet<String>> {
+    let mut by_client: BTreeMap<common::StoredKeyBuf, BTreeSet<String>> = BTreeMap::new();
     for name in all {
         let text = String::from_utf8(name.clone()).expect("printable key names");
         assert!(
-            text.starts_with(&format!("{prefix}:{{k")),
+            text.starts_with(&format!("{prefix}:{{k"))
+                || text.starts_with(&format!("{prefix}:{{d")),
             "{text} escapes {prefix}"
         );
         assert!(text.bytes().all(|b| b.is_ascii_graphic()), "{text:?}");
         assert_eq!(text.matches('{').count(), 1, "{text}");
         assert_eq!(text.matches('}').count(), 1, "{text}");
+        // Bounded whatever the client key's length: a 32-byte digest at most.
+        assert!(text.len() <= prefix.len() + 2 * 64 + 24, "{text}");
         by_client
-            .entry(common::client_key_of(&name))
+            .entry(common::held_key_of(&name))
             .or_default()
             .insert(text);
     }
     by_client
 }
 
-fn assert_layout(by_client: &BTreeMap<Vec<u8>, BTreeSet<String>>, keys: &[Vec<u8>]) {
-    let expected: BTreeSet<Vec<u8>> = keys.iter().cloned().collect();
-    let found: BTreeSet<Vec<u8>> = by_client.keys().cloned().collect();
+fn assert_layout(by_client: &BTreeMap<common::StoredKeyBuf, BTreeSet<String>>, keys: &[Vec<u8>]) {
+    let expected: BTreeSet<common::StoredKeyBuf> =
+        keys.iter().map(|k| common::StoredKeyBuf::of(k)).collect();
+    let found: BTreeSet<common::StoredKeyBuf> = by_client.keys().cloned().collect();
     assert_eq!(
         found, expected,
-        "hex decoding gives back exactly the client keys"
+        "hex decoding gives back exactly the client keys, long ones as their digest"
     );
     for (client, names) in by_client {
         // Block marker; per rule set a state hash (both sets have a non-log rule); the
@@ -161,10 +168,10 @@ async fn a_prefix_that_would_change_the_hash_tag_is_refused() {
 #[tokio::test]
 async fn each_clients_keys_share_one_cluster_slot() {
     let cluster = RedisCluster::start();
-    let store = RedisClusterStore::builder()
+    let store = RedisStore::builder()
         .prefix("rl")
         .timeout(Duration::from_secs(5))
-        .build(cluster.urls())
+        .build_cluster(cluster.urls())
         .await
         .unwrap();
     let keys = awkward_keys();
@@ -206,4 +213,32 @@ async fn each_clients_keys_share_one_cluster_slot() {
         per_node.iter().all(|n| *n > 0),
         "keys per node: {per_node:?}"
     );
+}
+
+#[tokio::test]
+async fn a_mebibyte_key_is_one_client_under_a_bounded_name() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder()
+        .prefix("rl")
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let rules: RuleSet = "2/min fixed-window".parse().unwrap();
+    let mut huge = vec![b'k'; 1 << 20];
+    assert!(store.check(&huge, &rules, 1).await.unwrap().is_allowed());
+    assert!(store.check(&huge, &rules, 1).await.unwrap().is_allowed());
+    assert_eq!(
+        store.check(&huge, &rules, 1).await.unwrap().outcome(),
+        Outcome::Limited
+    );
+    // One byte different is another client.
+    huge[12345] = b'j';
+    assert!(store.check(&huge, &rules, 1).await.unwrap().is_allowed());
+    let mut con = common::conn(&server.url());
+    let names = common::all_keys(&mut con);
+    assert_eq!(names.len(), 2, "{names:?}");
+    for name in names {
+        assert!(name.len() < 100, "{}", String::from_utf8_lossy(&name));
+    }
 }

@@ -1,5 +1,6 @@
-//! One round trip per check: `INFO commandstats` counts exactly one EVALSHA per check,
-//! for 1, 2 and 4 rules, and nothing else sent by the store.
+//! One round trip per check: `INFO commandstats` counts exactly one FCALL per check (one
+//! EVALSHA on a server without functions), for 1, 2 and 4 rules, and nothing else sent by
+//! the store.
 
 mod common;
 
@@ -10,7 +11,7 @@ use ratelimit_redis::testing::RedisServer;
 use ratelimit_redis::RedisStore;
 
 #[tokio::test]
-async fn one_evalsha_per_check_whatever_the_number_of_rules() {
+async fn one_call_per_check_whatever_the_number_of_rules() {
     let server = RedisServer::start();
     let store = RedisStore::builder()
         .timeout(Duration::from_secs(5))
@@ -35,21 +36,23 @@ async fn one_evalsha_per_check_whatever_the_number_of_rules() {
         }
         let stats = common::commandstats(&mut con);
         assert_eq!(
-            stats.get("evalsha").map(|s| s.0),
+            stats.get("fcall").map(|s| s.0),
             Some(checks),
             "{} rules: {stats:?}",
             rules.len()
         );
-        // TIME runs inside the script, once per check (the store's clock is Redis's).
+        // TIME runs inside the script, once per check (the store's clock is Redis's), and
+        // one MGET reads block marker and state together.
         assert_eq!(stats.get("time").map(|s| s.0), Some(checks), "{stats:?}");
+        assert_eq!(stats.get("mget").map(|s| s.0), Some(checks), "{stats:?}");
         // Everything else counted was run by the script itself (or is this test's own
         // CONFIG RESETSTAT): the store sent no EVAL, PING, SCRIPT, MULTI or plain reads.
         assert!(
             stats.keys().all(|cmd| [
-                "evalsha",
+                "fcall",
                 "config|resetstat",
                 "time",
-                "get",
+                "mget",
                 "del",
                 "set",
                 "pexpireat",
@@ -61,5 +64,44 @@ async fn one_evalsha_per_check_whatever_the_number_of_rules() {
             .contains(&cmd.as_str())),
             "{stats:?}"
         );
+    }
+}
+
+/// Redis before 7.0 has no functions: a server without FUNCTION and FCALL gets EVALSHA,
+/// whether the store learns it at connect or on its first call.
+#[tokio::test]
+async fn without_functions_checks_use_evalsha() {
+    let server = RedisServer::start_with(&[
+        "--rename-command",
+        "FUNCTION",
+        "hidden-function",
+        "--rename-command",
+        "FCALL",
+        "hidden-fcall",
+    ]);
+    let rules: RuleSet = "2/min gcra burst=2".parse().unwrap();
+    let mut con = common::conn(&server.url());
+    let connected = RedisStore::builder()
+        .prefix("a")
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let pool = ratelimit_redis::bb8::Pool::builder()
+        .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(server.url()).unwrap())
+        .await
+        .unwrap();
+    let pooled = RedisStore::builder()
+        .prefix("b")
+        .timeout(Duration::from_secs(5))
+        .build_with_pool(pool);
+    for store in [&connected, &pooled] {
+        common::reset_stats(&mut con);
+        for expected in [true, true, false] {
+            let d = store.check(b"k", &rules, 1).await.unwrap();
+            assert_eq!(d.is_allowed(), expected);
+        }
+        let stats = common::commandstats(&mut con);
+        assert!(stats.get("evalsha").map(|s| s.0) >= Some(3), "{stats:?}");
     }
 }

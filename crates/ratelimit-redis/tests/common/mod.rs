@@ -54,14 +54,37 @@ pub(crate) fn all_keys(con: &mut Connection) -> Vec<Vec<u8>> {
     redis::cmd("KEYS").arg("*").query(con).expect("KEYS")
 }
 
-/// The client key encoded in a store key's hash tag, `<prefix>:{k<hex>}:...`.
-pub(crate) fn client_key_of(name: &[u8]) -> Vec<u8> {
+/// The client key as the hash tag of a store key holds it, `<prefix>:{k<hex>}:...` for a
+/// short key, `<prefix>:{d<hex>}:...` for a long key's digest.
+pub(crate) fn held_key_of(name: &[u8]) -> StoredKeyBuf {
     let name = std::str::from_utf8(name).expect("store keys are ASCII");
-    let open = name.find("{k").expect("hash tag") + 2;
+    let open = name.find('{').expect("hash tag") + 1;
     let close = open + name[open..].find('}').expect("hash tag end");
-    let hex = &name[open..close];
-    (0..hex.len())
+    let (letter, hex) = name[open..close].split_at(1);
+    let bytes = (0..hex.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
-        .collect()
+        .collect();
+    match letter {
+        "k" => StoredKeyBuf::Inline(bytes),
+        "d" => StoredKeyBuf::Digest(bytes),
+        other => panic!("unknown tag letter {other:?} in {name}"),
+    }
+}
+
+/// An owned [`StoredKey`](ratelimit_core::key::StoredKey).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum StoredKeyBuf {
+    Inline(Vec<u8>),
+    Digest(Vec<u8>),
+}
+
+impl StoredKeyBuf {
+    /// How the core holds `key`.
+    pub(crate) fn of(key: &[u8]) -> Self {
+        match ratelimit_core::key::StoredKey::new(key) {
+            ratelimit_core::key::StoredKey::Inline(k) => StoredKeyBuf::Inline(k.to_vec()),
+            ratelimit_core::key::StoredKey::Digest(d) => StoredKeyBuf::Digest(d.to_vec()),
+        }
+    }
 }

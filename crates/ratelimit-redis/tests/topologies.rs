@@ -1,0 +1,87 @@
+//! One store over every topology: the primary Redis Sentinel names (across a failover),
+//! and what the store reads about the server at connect.
+
+use std::time::Duration;
+
+use ratelimit_core::{Outcome, RuleSet, Store};
+use ratelimit_redis::testing::{RedisSentinel, RedisServer, SENTINEL_SERVICE};
+use ratelimit_redis::{RedisStore, RedisStoreError};
+
+fn rules() -> RuleSet {
+    "10/min fixed-window; 10/min sliding-log".parse().unwrap()
+}
+
+#[tokio::test]
+async fn sentinel_store_follows_a_failover_without_losing_counts() {
+    let set = RedisSentinel::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .build_sentinel([set.url()], SENTINEL_SERVICE)
+        .await
+        .unwrap();
+    assert!(store.pool().is_none());
+    let rules = rules();
+    for _ in 0..6 {
+        assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    }
+    set.failover().unwrap();
+    assert_eq!(
+        set.current_primary_port().unwrap(),
+        set.replica().port(),
+        "the replica was promoted"
+    );
+    // The old primary now answers writes with READONLY; the store asks the Sentinel
+    // again and carries on with the new primary, which has the counts.
+    let mut admitted = 0;
+    let mut limited = 0;
+    for _ in 0..10 {
+        match store.check(b"k", &rules, 1).await {
+            Ok(d) if d.is_allowed() => admitted += 1,
+            Ok(d) => {
+                assert_eq!(d.outcome(), Outcome::Limited);
+                limited += 1;
+            }
+            Err(e) => panic!("the store should have found the new primary: {e:?}"),
+        }
+    }
+    assert_eq!((admitted, limited), (4, 6));
+    // Blocks go to the new primary too.
+    store.block(b"k2", None).await.unwrap();
+    assert_eq!(
+        store.check(b"k2", &rules, 1).await.unwrap().outcome(),
+        Outcome::Blocked
+    );
+}
+
+#[tokio::test]
+async fn sentinel_misconfiguration_is_an_error() {
+    let set = RedisSentinel::start();
+    let err = RedisStore::builder()
+        .build_sentinel([set.url()], "no-such-service")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RedisStoreError::InvalidConfig(_)), "{err:?}");
+    assert!(err.to_string().contains("service name"), "{err}");
+    let err = RedisStore::builder()
+        .build_sentinel(Vec::<String>::new(), SENTINEL_SERVICE)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RedisStoreError::InvalidConfig(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn the_eviction_policy_is_read_at_connect() {
+    let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+    let store = RedisStore::connect(&evicting.url()).await.unwrap();
+    assert_eq!(store.maxmemory_policy(), Some("allkeys-lru"));
+
+    let safe = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    let store = RedisStore::connect(&safe.url()).await.unwrap();
+    assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+
+    // A server that forbids CONFIG (as managed services do) still serves the store.
+    let locked = RedisServer::start_with(&["--rename-command", "CONFIG", "\"\""]);
+    let store = RedisStore::connect(&locked.url()).await.unwrap();
+    assert_eq!(store.maxmemory_policy(), None);
+    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+}
