@@ -53,7 +53,7 @@ fn pure_decisions(c: &mut Criterion) {
 }
 
 fn hot_key(c: &mut Criterion) {
-    let key = "203.0.113.7".to_string();
+    let key = "203.0.113.7".to_owned();
     let mut group = c.benchmark_group("hot_key_gcra");
     // Same quota on both: 100M per second, burst 1M (admits on almost every call).
     let store = MemoryStore::new();
