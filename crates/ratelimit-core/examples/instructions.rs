@@ -87,7 +87,7 @@ fn main() {
     run_decide_gcra(n);
 
     // The hot-key comparison of `benches/core.rs`: the same quota on both.
-    let key = "203.0.113.7".to_string();
+    let key = "203.0.113.7".to_owned();
     let store = MemoryStore::new();
     let rules: RuleSet = "100000000/s gcra burst=1000000".parse().unwrap();
     // The clock's one-time calibration outside the counted calls.
@@ -96,6 +96,6 @@ fn main() {
     let quota = Quota::per_second(NonZeroU32::new(100_000_000).unwrap())
         .allow_burst(NonZeroU32::new(1_000_000).unwrap());
     let governor = RateLimiter::keyed(quota);
-    let _ = governor.check_key(&"warm-up".to_string());
+    let _ = governor.check_key(&"warm-up".to_owned());
     run_governor_check_key(|| governor.check_key(black_box(&key)).is_ok(), n);
 }

@@ -152,9 +152,9 @@ proptest! {
         b in field(),
     ) {
         let options = match algo {
-            0 => "fixed-window".to_string(),
+            0 => "fixed-window".to_owned(),
             1 => format!("sliding-window precision={a}"),
-            2 => "sliding-log".to_string(),
+            2 => "sliding-log".to_owned(),
             3 => format!("token-bucket capacity={a}"),
             4 => format!("leaky-bucket mode=meter capacity={a}"),
             5 => format!("leaky-bucket mode=shaper burst={a} delay={b}"),
