@@ -481,12 +481,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             tiers.push((String::new(), RuleSet::new(self.rules)?));
         }
         for (name, rules) in self.tiers {
-            let ok = !name.is_empty()
-                && name.len() <= 64
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
-            if !ok {
+            if !Rule::is_valid_name(&name) {
                 return Err(BuildError::BadTierName(name));
             }
             if tiers.iter().any(|(n, _)| *n == name) {

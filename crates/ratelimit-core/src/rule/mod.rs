@@ -255,14 +255,21 @@ impl Rule {
         Self::build(Algorithm::Gcra { burst }, limit, period)
     }
 
-    /// Names the rule (shown in `RateLimit-Policy`; part of the rule's identity).
-    pub fn named(mut self, name: &str) -> Result<Self, ConfigError> {
-        let ok = !name.is_empty()
+    /// Whether `name` can name a rule (or anything else shown beside rules in
+    /// `RateLimit-Policy`): 1 to 64 ASCII letters, digits, `_`, `-` or `.`, so it needs no
+    /// quoting in a header or in the rule text.
+    #[must_use]
+    pub fn is_valid_name(name: &str) -> bool {
+        !name.is_empty()
             && name.len() <= 64
             && name
                 .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
-        if !ok {
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    }
+
+    /// Names the rule (shown in `RateLimit-Policy`; part of the rule's identity).
+    pub fn named(mut self, name: &str) -> Result<Self, ConfigError> {
+        if !Self::is_valid_name(name) {
             return Err(ConfigError::BadName(name.to_owned()));
         }
         self.name = Some(name.into());
