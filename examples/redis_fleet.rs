@@ -13,9 +13,11 @@
 //! runs over a Redis Cluster (`REDIS_CLUSTER_URLS`, comma-separated node URLs) or over
 //! the primary Redis Sentinel names (`REDIS_SENTINEL_URLS`, comma-separated Sentinel URLs,
 //! and `REDIS_SERVICE`, the monitored name). If Redis becomes unreachable, each instance
-//! falls back to limiting on its own with a local store (and logs a warning per failed
-//! check) until it is back.
+//! limits `/` on its own with a local store holding half of each limit (two instances keep
+//! the fleet within the limit; set `FLEET_SIZE` for more) and refuses logins with 503,
+//! logging a warning every 10 s with the number of failed checks until Redis is back.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use axum::routing::{get, post};
@@ -55,13 +57,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = store.map_err(|e| format!("cannot reach {url} (see the example's docs): {e}"))?;
 
     // The store is cheap to clone: both layers share its connection pool.
+    let fleet_size: NonZeroU32 = match std::env::var("FLEET_SIZE") {
+        Ok(n) => n.parse().map_err(|e| format!("FLEET_SIZE={n:?}: {e}"))?,
+        Err(_) => NonZeroU32::new(2).expect("2 is not zero"),
+    };
+    // Named namespaces: every instance shares these budgets, and a deploy that moves this
+    // code keeps them (an unnamed layer's namespace comes from where it is built).
     let per_ip = RateLimitLayer::builder(store.clone(), PeerIp::new())
+        .namespace("fleet-per-ip")
         .rules("10/min sliding-window name=per-ip")?
-        .failure_policy(FailurePolicy::Fallback)
+        // While Redis is down each instance holds 1/FLEET_SIZE of the limit locally.
+        .fallback_share(fleet_size)
         .build()?;
     let login = RateLimitLayer::builder(store, PeerIp::new())
+        .namespace("fleet-login")
         .rules("1/s sliding-log name=login-1s; 5/min sliding-log name=login-5min")?
-        .failure_policy(FailurePolicy::Fallback)
+        // No login attempt that was not counted: refuse (503) while Redis is down.
+        .failure_policy(FailurePolicy::FailClosed)
         .build()?;
 
     let app = Router::new()

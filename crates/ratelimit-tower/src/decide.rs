@@ -96,7 +96,7 @@ where
         }
         if let Some(cache) = &this.deny_cache {
             if let Some(hit) = cache.get(&key, cost, || this.store.now_us()) {
-                tracing::trace!(key = %KeyDisplay(&key), "rate limit: denied from the local deny cache");
+                tracing::trace!(key = %KeyDisplay(tier.client_key(&key)), "rate limit: denied from the local deny cache");
                 #[cfg(feature = "metrics")]
                 tier.metrics.decision(&hit.decision);
                 let ratelimit = ratelimit_value_of(hit.decision.rules(), &tier.names, hit.elapsed);
@@ -122,7 +122,8 @@ where
         }
         let shared = Arc::clone(this);
         // A span around the store round trip, so that its latency shows in traces.
-        let span = tracing::debug_span!("ratelimit_check", key = %KeyDisplay(&key), cost);
+        let span =
+            tracing::debug_span!("ratelimit_check", key = %KeyDisplay(tier.client_key(&key)), cost);
         let check = async move {
             let tier = &shared.tiers[tier_index];
             let check = shared.store.check(&key, &tier.rules, cost);
@@ -246,7 +247,7 @@ where
                 let delay = decision.delay();
                 if delay > self.max_delay {
                     tracing::debug!(
-                        key = %KeyDisplay(key),
+                        key = %KeyDisplay(tier.client_key(key)),
                         delay_ms = delay.as_millis() as u64,
                         max_delay_ms = self.max_delay.as_millis() as u64,
                         "rate limit: shaping delay above the maximum; refusing"
@@ -264,12 +265,12 @@ where
                 }
                 if !delay.is_zero() {
                     tracing::debug!(
-                        key = %KeyDisplay(key),
+                        key = %KeyDisplay(tier.client_key(key)),
                         delay_ms = delay.as_millis() as u64,
                         "rate limit: delaying request"
                     );
                 } else {
-                    tracing::trace!(key = %KeyDisplay(key), "rate limit: admitted");
+                    tracing::trace!(key = %KeyDisplay(tier.client_key(key)), "rate limit: admitted");
                 }
                 let fields = self.admitted_headers.then(|| Fields {
                     policy: Some(tier.policy_header.clone()),
@@ -310,7 +311,7 @@ where
     ) -> Verdict {
         let blocked = decision.outcome() == Outcome::Blocked;
         tracing::debug!(
-            key = %KeyDisplay(key),
+            key = %KeyDisplay(tier.client_key(key)),
             outcome = if blocked { "blocked" } else { "limited" },
             retry_after_ms = retry_after.map(|d| d.as_millis() as u64),
             "rate limit: refusing request"
@@ -332,7 +333,7 @@ where
     }
 
     fn cost_exceeded(&self, tier: &Tier, key: &[u8], e: &CapacityError) -> Verdict {
-        tracing::debug!(key = %KeyDisplay(key), error = %e, "rate limit: cost above capacity");
+        tracing::debug!(key = %KeyDisplay(tier.client_key(key)), error = %e, "rate limit: cost above capacity");
         let reason = RejectReason::CostExceedsCapacity {
             cost: e.cost,
             capacity: e.capacity,
@@ -358,26 +359,34 @@ where
     ) -> Verdict {
         #[cfg(feature = "metrics")]
         tier.metrics.store_error();
-        let policy = self.failure_policy.label();
+        if let Some(count) = self.store_error_log.hit(self.store.now_us()) {
+            let action = match self.failure_policy {
+                FailurePolicy::FailOpen => "admitted unchecked",
+                FailurePolicy::FailClosed => "refused with 503",
+                FailurePolicy::Fallback => "decided by the local fallback store",
+            };
+            tracing::warn!(
+                policy = self.failure_policy.label(),
+                error,
+                requests = count,
+                key = %KeyDisplay(tier.client_key(key)),
+                action,
+                "rate-limit store failed \
+                 (reported at most every 10 s, with the requests since the last report)"
+            );
+        }
         match self.failure_policy {
-            FailurePolicy::FailOpen => {
-                tracing::warn!(policy, error, key = %KeyDisplay(key), "rate-limit store failed; admitting the request unchecked");
-                Verdict::UNCHECKED
-            }
-            FailurePolicy::FailClosed => {
-                tracing::warn!(policy, error, key = %KeyDisplay(key), "rate-limit store failed; refusing the request with 503");
-                self.refuse(
-                    None,
-                    RejectReason::StoreUnavailable,
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    None,
-                    None,
-                    None,
-                    None,
-                )
-            }
+            FailurePolicy::FailOpen => Verdict::UNCHECKED,
+            FailurePolicy::FailClosed => self.refuse(
+                None,
+                RejectReason::StoreUnavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                None,
+                None,
+                None,
+            ),
             FailurePolicy::Fallback => {
-                tracing::warn!(policy, error, key = %KeyDisplay(key), "rate-limit store failed; deciding with the local fallback store");
                 let fallback = self
                     .fallback
                     .as_ref()

@@ -540,6 +540,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             missing_key: self.missing_key,
             missing_log: BoundedLog::default(),
             tier_log: BoundedLog::default(),
+            store_error_log: BoundedLog::default(),
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
             shadow: self.shadow,
@@ -585,6 +586,9 @@ pub(crate) struct Shared<S, K, C, T> {
     pub(crate) missing_key: MissingKey,
     pub(crate) missing_log: BoundedLog,
     pub(crate) tier_log: BoundedLog,
+    /// Store failures: an outage fails every request, so one line per request would be a
+    /// flood of its own.
+    pub(crate) store_error_log: BoundedLog,
     pub(crate) blocked_status: BlockedStatus,
     pub(crate) admitted_headers: bool,
     pub(crate) shadow: bool,

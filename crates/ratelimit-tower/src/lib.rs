@@ -203,7 +203,7 @@
 //!   `RateLimit-Shadow` field and an `INFO` event) but never refuses: for trying new
 //!   limits on real traffic.
 //! * **Observability.** `tracing` events with targets under `ratelimit_tower` (`WARN` for
-//!   store failures, with the policy applied; `DEBUG` for refusals and delays; `TRACE`
+//!   store failures, with the policy applied, at most every 10 s with a count; `DEBUG` for refusals and delays; `TRACE`
 //!   for admissions), a `ratelimit_check` span (`DEBUG`) around each store round trip
 //!   that does not complete at once, and, with the `metrics` feature, counters labelled
 //!   by rule (see below).

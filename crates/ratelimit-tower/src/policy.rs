@@ -9,9 +9,11 @@ use crate::layer::BuildError;
 
 /// What to do with a request when the store fails (unreachable, timed out).
 ///
-/// Whichever is chosen, every failure is logged (`WARN`, target `ratelimit_tower`, with
-/// the policy and the error) and counted (`ratelimit_store_errors_total`, feature
-/// `metrics`).
+/// Whichever is chosen, every failure is counted (`ratelimit_store_errors_total`, feature
+/// `metrics`) and logged (`WARN`, target `ratelimit_tower`, with the policy, the action
+/// and the error) at most once per 10 seconds of the store's clock, with the number of
+/// failed requests since the last report: an outage fails every request, and one line
+/// per request would bury the logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FailurePolicy {
     /// Admit the request unlimited: an outage of the limiter is not an outage of the

@@ -93,6 +93,13 @@ impl Tier {
         }
     }
 
+    /// The client's part of a store key built by [`Tier::store_key`], for logs: operators
+    /// look for the client, not the prefix that sets budgets apart.
+    #[inline]
+    pub(crate) fn client_key<'k>(&self, store_key: &'k [u8]) -> &'k [u8] {
+        store_key.get(self.prefix.len()..).unwrap_or(store_key)
+    }
+
     /// The store key for `client`: the prefix, then the client key's bytes as they are.
     #[inline]
     pub(crate) fn store_key(&self, client: &[u8]) -> StoreKey {

@@ -149,6 +149,91 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
     assert!(lines[1].contains("requests=100"), "{log}");
 }
 
+/// A store that always fails, on a clock the test moves.
+struct DownOn(ratelimit_core::ManualClock);
+
+impl Store for DownOn {
+    type Error = std::io::Error;
+    fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
+        Down.check(key, rules, cost)
+    }
+    fn block(
+        &self,
+        key: &[u8],
+        duration: Option<Duration>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        Down.block(key, duration)
+    }
+    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        Down.unblock(key)
+    }
+    fn reset(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        Down.reset(key, rules)
+    }
+    fn now_us(&self) -> u64 {
+        use ratelimit_core::Clock;
+        self.0.now_us()
+    }
+}
+
+#[test]
+fn store_failures_are_logged_at_a_bounded_rate_with_a_count() {
+    use ratelimit_core::ManualClock;
+
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    tracing::subscriber::with_default(subscriber, || {
+        let layer = RateLimitLayer::builder(DownOn(clock.clone()), GlobalKey)
+            .rules("5/min")
+            .unwrap()
+            .failure_policy(FailurePolicy::FailOpen)
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer);
+        let send = |n: usize| {
+            for _ in 0..n {
+                let req = Request::get("/").body(Body::empty()).unwrap();
+                assert_eq!(
+                    run(app.clone().oneshot(req)).unwrap().status(),
+                    StatusCode::OK
+                );
+            }
+        };
+        send(200);
+        clock.advance(Duration::from_secs(9));
+        send(200);
+        clock.advance(Duration::from_secs(1));
+        send(1);
+    });
+    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    // An outage fails every request: one line per 10 s, not one per request.
+    assert_eq!(lines.len(), 2, "{log}");
+    assert!(
+        lines[0].contains("WARN") && lines[0].contains("requests=1"),
+        "{log}"
+    );
+    assert!(lines[0].contains("admitted unchecked"), "{log}");
+    assert!(lines[1].contains("requests=400"), "{log}");
+}
+
 #[cfg(feature = "metrics")]
 mod counters {
     use super::*;
