@@ -5,8 +5,9 @@
 -- sliding_log.rs, token_bucket.rs, leaky_bucket.rs, gcra.rs), evaluated on the state as
 -- it stands and committed all or nothing. Every value is an integer below 2^53 (the core
 -- refuses rules outside that bound), so Lua's doubles hold them exactly; divisions go
--- through `divmod`, never `/` or `%` alone, and numbers sent back to Redis as text are
--- formatted with '%d', never `tostring` (which would switch to exponent notation).
+-- through `divmod`, never `/` or `%` alone (but for `x % 1` and `/ 1000`, exact where
+-- they are used, as said there), and numbers sent back to Redis as text are formatted
+-- with '%d', never `tostring` (which would switch to exponent notation).
 --
 -- The argument layout is owned by `CheckArgs` in src/script.rs, which encodes it and
 -- decodes the reply; change both together.
@@ -84,8 +85,9 @@ end
 -- chunks of at most 1000: Lua can hold only so many values on its stack at once.
 
 -- Whether a stored value is one this script could have written: an integer in [0, 2^53).
+-- Below 2^53, x % 1 is exact (x - floor(x)); NaN and the infinities give NaN.
 local function whole(x)
-  return x >= 0 and x < 9007199254740992 and x == math.floor(x)
+  return x >= 0 and x < 9007199254740992 and x % 1 == 0
 end
 
 -- The state in `raw`, or nil when `raw` is not `width` non-negative integers.
@@ -420,11 +422,14 @@ end
 -- The expiry option of a key whose state matters until `at` µs, and its value: exact on
 -- Redis's clock (PXAT, in ms since the epoch: 13 digits, which Lua's number-to-text
 -- conversion keeps exact), or relative to an injected clock with a floor (PX).
+-- math.ceil(a / 1000) is exact for 0 <= a < 2^53: a / 1000 is below 2^43, where the
+-- division's rounding error (under 2^-10) is less than the 0.001 that separates a
+-- non-integer quotient from an integer, so rounding never crosses one.
 local function expiry_arg(injected, now, ttl_floor, at)
   if injected then
     local ms = 0
     if at > now then
-      ms = ceil_div(at - now, 1000)
+      ms = math.ceil((at - now) / 1000)
     end
     if ms < ttl_floor then
       ms = ttl_floor
@@ -434,7 +439,7 @@ local function expiry_arg(injected, now, ttl_floor, at)
     end
     return 'PX', string.format('%d', ms)
   end
-  return 'PXAT', ceil_div(at, 1000)
+  return 'PXAT', math.ceil(at / 1000)
 end
 
 -- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
@@ -554,7 +559,10 @@ local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, lim
   if raw then
     if #raw == 24 then
       idx, c0, c1 = struct.unpack('<ddd', raw)
-      if not (whole(idx) and whole(c0) and whole(c1)) then
+      -- whole() of each, without the calls.
+      if not (idx >= 0 and c0 >= 0 and c1 >= 0 and idx < 9007199254740992
+          and c0 < 9007199254740992 and c1 < 9007199254740992 and idx % 1 == 0
+          and c0 % 1 == 0 and c1 % 1 == 0) then
         idx = nil
       end
     end
