@@ -253,8 +253,9 @@ enum Code {
 /// values (injected, now, cost, TTL floor, rules, state width, log limit, log period) and
 /// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b`) as
 /// little-endian doubles, so that the script reads every argument in one C call instead
-/// of parsing text; `ARGV[3]` is the struct format of the state. The reply is
-/// `{1, block left}` or `{status, delay, 4 values per rule}`.
+/// of parsing text; `ARGV[3]` is the struct format of the state. The reply is one string
+/// of little-endian doubles, every one an integer (cheaper for Redis to send than an
+/// array): `{1, block left}`, `{3, Redis time}` or `{status, delay, 4 values per rule}`.
 #[derive(Debug)]
 pub(crate) struct CheckArgs;
 
@@ -434,20 +435,25 @@ impl CheckArgs {
         rules: &RuleSet,
         reply: &Value,
     ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
-        let Value::Array(items) = reply else {
-            return Err(unexpected("the check script should return an array", reply));
+        let Value::BulkString(bytes) = reply else {
+            return Err(unexpected("the check script should return a string", reply));
         };
         let mut ints = [0i64; 2 + 4 * ratelimit_core::MAX_RULES];
-        if items.len() > ints.len() {
+        if bytes.len() % 8 != 0 {
+            return Err(unexpected("the reply should be whole doubles", reply));
+        }
+        if bytes.len() / 8 > ints.len() {
             return Err(unexpected("too many values", reply));
         }
-        for (slot, item) in ints.iter_mut().zip(items) {
-            let Value::Int(n) = item else {
+        for (slot, chunk) in ints.iter_mut().zip(bytes.chunks_exact(8)) {
+            let x = f64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+            // Exact integers only: the script's values stay below 2^53.
+            if !(x.fract() == 0.0 && x.abs() <= MAX_EXACT as f64) {
                 return Err(unexpected("the check script should return integers", reply));
-            };
-            *slot = *n;
+            }
+            *slot = x as i64;
         }
-        let ints = &ints[..items.len()];
+        let ints = &ints[..bytes.len() / 8];
         let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
         match ints {
             [1, -1] => Ok(Ok((Decision::blocked(None), false))),
@@ -598,8 +604,9 @@ mod tests {
         text.parse().unwrap()
     }
 
+    /// A reply as the script packs it.
     fn ints(v: &[i64]) -> Value {
-        Value::Array(v.iter().map(|n| Value::Int(*n)).collect())
+        Value::BulkString(v.iter().flat_map(|&n| (n as f64).to_le_bytes()).collect())
     }
 
     #[test]
@@ -648,6 +655,28 @@ mod tests {
             ints(&[1, -2]),
             ints(&[2, 0]),
             ints(&[0; 80]),
+            ints(&[0, 0, 1, 1 << 54, 1, 1]),
+            Value::BulkString(vec![0; 12]),
+            Value::BulkString(
+                [0.0, 0.0, 1.0, 1.5, 1.0, 1.0]
+                    .iter()
+                    .flat_map(|x: &f64| x.to_le_bytes())
+                    .collect(),
+            ),
+            Value::BulkString(
+                [0.0, 0.0, 1.0, f64::NAN, 1.0, 1.0]
+                    .iter()
+                    .flat_map(|x: &f64| x.to_le_bytes())
+                    .collect(),
+            ),
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(0),
+                Value::Int(1),
+                Value::Int(1),
+                Value::Int(1),
+                Value::Int(1),
+            ]),
         ] {
             let err = CheckArgs::decision(&r, &bad).unwrap_err();
             assert!(
