@@ -21,8 +21,7 @@
 -- KEYS[3]  shared sliding log of (client key, rule set), only when a rule is a sliding
 --          log: list of µs timestamps, newest first, at most the largest log limit long
 --
--- ARGV[1]  the struct format of ARGV[2]: '<' and one 'd' per value
--- ARGV[2]  the values as little-endian doubles (exact: every one is an integer < 2^53):
+-- ARGV[1]  the values as little-endian doubles (exact: every one is an integer < 2^53):
 --          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
 --          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
 --          none; a check that starts later is not run), cost (0 peeks: evaluated as 1, nothing written), TTL floor in ms
@@ -37,8 +36,6 @@
 --            LEAKY_BUCKET    5   meter: a = capacity, b = 0
 --                                shaper: a = burst, b = delay + 1
 --            GCRA            6   a = burst
--- ARGV[3]  the struct format of the state ('<' and `width` 'd'), or '' when the state is
---          too wide for one struct call (it is then read and written in chunks)
 --
 -- Returns one string of little-endian doubles (all integers below 2^53, or -1; Redis
 -- turns a string into a reply at about half the cost of a table of 6 integers):
@@ -59,6 +56,8 @@
 local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
   1, 2, 3, 4, 5, 6
 local HEADER, PER_RULE = 8, 5
+-- The struct format of the arguments of one rule: '<' and HEADER + PER_RULE 'd'.
+local ONE_RULE = '<ddddddddddddd'
 
 -- Exact floor division of non-negative integers below 2^53: the double quotient may round
 -- across an integer, the exact remainder corrects it.
@@ -629,13 +628,13 @@ local function check(KEYS, ARGV)
   -- One C call reads every argument (no text to parse); the last value is unpack's next
   -- position.
   local VERSION_SKEW = ' values; the store and the script are from different versions'
-  if #ARGV ~= 3 then
-    return redis.error_reply('RLARGS check.lua takes 3 arguments, got ' .. #ARGV .. VERSION_SKEW)
+  if #ARGV ~= 1 then
+    return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
   end
-  local packed = ARGV[2]
+  local packed = ARGV[1]
   if #packed == 8 * (HEADER + PER_RULE) then
     local inj, t, cost, ttl_floor, n, width, log_limit, _, code, limit, period, a, b =
-      struct.unpack(ARGV[1], packed)
+      struct.unpack(ONE_RULE, packed)
     if n == 1 and log_limit == 0 then
       if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
         return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a)
@@ -644,7 +643,12 @@ local function check(KEYS, ARGV)
       end
     end
   end
-  local v = {struct.unpack(ARGV[1], packed)}
+  local count = #packed / 8
+  if count % 1 ~= 0 or count < HEADER or count > HEADER + PER_RULE * 64 then
+    return redis.error_reply(fmt('RLARGS check.lua takes its values as doubles, got %d bytes',
+      #packed) .. VERSION_SKEW)
+  end
+  local v = {struct.unpack('<' .. string.rep('d', count), packed)}
   local n = v[5] or 0
   if #v ~= HEADER + PER_RULE * n + 1 then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
@@ -653,6 +657,12 @@ local function check(KEYS, ARGV)
 
   local injected = v[1] == 1
   local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
+  -- The state's struct format, or '' when it is too wide for one struct call (it is then
+  -- read and written in chunks).
+  local shape = ''
+  if width <= 1000 then
+    shape = '<' .. string.rep('d', width)
+  end
   local now, raw, status, c = begin(KEYS, injected, v[2], cost)
   if not now then
     return raw
@@ -660,7 +670,7 @@ local function check(KEYS, ARGV)
 
   local st = nil
   if raw and width > 0 then
-    st = decode(raw, width, ARGV[3])
+    st = decode(raw, width, shape)
     if not st then
       -- Read as fresh; the commit replaces it.
       status = 2
@@ -767,7 +777,7 @@ local function check(KEYS, ARGV)
 
   if width > 0 then
     local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
-    redis.call('SET', KEYS[2], encode(new, width, ARGV[3]), unit, at)
+    redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
   end
 
   if log_limit > 0 then

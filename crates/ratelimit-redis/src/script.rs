@@ -249,11 +249,11 @@ enum Code {
 /// The argument layout of `lua/check.lua` and the shape of its reply: the one place both
 /// are written down on the Rust side.
 ///
-/// `ARGV[1]` is the struct format of `ARGV[2]`, which packs [`HEADER`](Self::HEADER)
-/// values (injected, now, cost, TTL floor, rules, state width, log limit, log period) and
+/// The one argument, `ARGV[1]`, packs [`HEADER`](Self::HEADER) values (injected, now,
+/// cost, TTL floor, rules, state width, log limit, log period) and
 /// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b`) as
 /// little-endian doubles, so that the script reads every argument in one C call instead
-/// of parsing text; `ARGV[3]` is the struct format of the state. The reply is one string
+/// of parsing text (the script derives the struct formats from the lengths). The reply is one string
 /// of little-endian doubles, every one an integer (cheaper for Redis to send than an
 /// array): `{1, block left}`, `{3, Redis time}` or `{status, delay, 4 values per rule}`.
 #[derive(Debug)]
@@ -315,9 +315,6 @@ impl RedisClock {
 
 /// Values above this are not exact in Lua's doubles.
 const MAX_EXACT: u64 = (1 << 53) - 1;
-
-/// The widest state read or written with one struct call; wider ones go in chunks.
-const MAX_SHAPE: u64 = 1000;
 
 impl CheckArgs {
     /// Values before the first rule.
@@ -391,23 +388,12 @@ impl CheckArgs {
     /// Appends the arguments of a check to `cmd`.
     fn write(cmd: &mut Cmd, time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
         let count = Self::HEADER + Self::PER_RULE * rules.len();
-        let mut format = String::with_capacity(1 + count);
-        format.push('<');
         let mut packed = Vec::with_capacity(8 * count);
         for value in Self::values(time, cost, ttl_floor_ms, rules) {
-            format.push('d');
             // Exact: rules, costs and times stay below 2^53 (see the tests).
             packed.extend_from_slice(&(value as f64).to_le_bytes());
         }
-        cmd.arg(&format).arg(packed);
-        let width = Self::state_width(rules);
-        if width <= MAX_SHAPE {
-            format.truncate(1);
-            format.extend(std::iter::repeat_n('d', width as usize));
-            cmd.arg(format);
-        } else {
-            cmd.arg("");
-        }
+        cmd.arg(packed);
     }
 
     /// The arguments of a check, for tools that send the script by hand.
@@ -548,7 +534,7 @@ impl Shared {
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 2 + usize::from(has_log);
-        let mut call = CHECK.call(&self.functions, keys, keys + 3);
+        let mut call = CHECK.call(&self.functions, keys, keys + 1);
         let mut names = KeyNames::new(&self.prefix, key);
         call.cmd.arg(names.block());
         call.cmd.arg(names.state(rules));
@@ -711,16 +697,14 @@ mod tests {
         assert_eq!(CheckArgs::state_width(&r), 16);
         let args = CheckArgs::to_args(Time::Injected(7), 2, 60_000, &r);
         let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
-        assert_eq!(args[0], format!("<{}", "d".repeat(count)).into_bytes());
-        let values: Vec<f64> = args[1]
+        assert_eq!(args.len(), 1);
+        assert_eq!(args[0].len(), 8 * count);
+        let values: Vec<f64> = args[0]
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(values[..8], [1.0, 7.0, 2.0, 60_000.0, 7.0, 16.0, 7.0, 1e6]);
         assert_eq!(values[8..13], [1.0, 5.0, 1e6, 0.0, 0.0]);
-        assert_eq!(args[2], format!("<{}", "d".repeat(16)).into_bytes());
-        let wide: RuleSet = "1000/s sliding-window precision=1000".parse().unwrap();
-        assert!(CheckArgs::to_args(Time::Redis { deadline: None }, 1, 0, &wide)[2].is_empty());
     }
 
     /// Builds whatever rule the core accepts from arbitrary numbers.
@@ -776,7 +760,7 @@ mod tests {
                     }
                 }
                 let args = CheckArgs::to_args(Time::Injected(now), cost, u64::MAX, &set);
-                prop_assert_eq!(args[1].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
+                prop_assert_eq!(args[0].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
             }
         }
 
