@@ -737,12 +737,16 @@ mod tests {
                     3 => Rule::token_bucket(limit, period, a),
                     4 => Rule::gcra(limit, period, a),
                     5 => Rule::leaky_meter(limit, period, a),
-                    // Rule::leaky_shaper overflows in the core (`Rule::capacity`, burst + 1)
-                    // at burst = u64::MAX; that bound is the core's to fix.
-                    _ => Rule::leaky_shaper(limit, period, a.min(u64::MAX - 1), b),
+                    _ => Rule::leaky_shaper(limit, period, a, b),
                 }
                 .ok()
             })
+    }
+
+    #[test]
+    fn a_shaper_burst_at_the_top_of_u64_is_refused_by_name() {
+        let err = Rule::leaky_shaper(1, Duration::from_secs(1), u64::MAX, 0).unwrap_err();
+        assert!(err.to_string().contains("burst"), "{err}");
     }
 
     proptest! {
