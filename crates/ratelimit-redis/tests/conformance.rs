@@ -355,4 +355,5 @@ fn cluster_store_passes_the_conformance_suite_and_random_traces() {
     rt.block_on(testing::conformance(clustered(cluster.urls(), "conf")));
     // Fewer traces: the cluster adds routing, not arithmetic.
     traces_agree(&rt, 32, traces(), clustered(cluster.urls(), "trace"));
+    segmented_traces_agree(&rt, 32, one_rule_traces(), clustered(cluster.urls(), "one"));
 }
