@@ -5,8 +5,9 @@
 -- sliding_log.rs, token_bucket.rs, leaky_bucket.rs, gcra.rs), evaluated on the state as
 -- it stands and committed all or nothing. Every value is an integer below 2^53 (the core
 -- refuses rules outside that bound), so Lua's doubles hold them exactly; divisions go
--- through `divmod`, never `/` or `%` alone, and numbers sent back to Redis as text are
--- formatted with '%d', never `tostring` (which would switch to exponent notation).
+-- through `divmod`, never `/` or `%` alone (but for `x % 1` and `/ 1000`, exact where
+-- they are used, as said there), and numbers sent back to Redis as text are formatted
+-- with '%d', never `tostring` (which would switch to exponent notation).
 --
 -- The argument layout is owned by `CheckArgs` in src/script.rs, which encodes it and
 -- decodes the reply; change both together.
@@ -20,8 +21,7 @@
 -- KEYS[3]  shared sliding log of (client key, rule set), only when a rule is a sliding
 --          log: list of µs timestamps, newest first, at most the largest log limit long
 --
--- ARGV[1]  the struct format of ARGV[2]: '<' and one 'd' per value
--- ARGV[2]  the values as little-endian doubles (exact: every one is an integer < 2^53):
+-- ARGV[1]  the values as little-endian doubles (exact: every one is an integer < 2^53):
 --          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
 --          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
 --          none; a check that starts later is not run), cost (0 peeks: evaluated as 1, nothing written), TTL floor in ms
@@ -36,10 +36,9 @@
 --            LEAKY_BUCKET    5   meter: a = capacity, b = 0
 --                                shaper: a = burst, b = delay + 1
 --            GCRA            6   a = burst
--- ARGV[3]  the struct format of the state ('<' and `width` 'd'), or '' when the state is
---          too wide for one struct call (it is then read and written in chunks)
 --
--- Returns
+-- Returns one string of little-endian doubles (all integers below 2^53, or -1; Redis
+-- turns a string into a reply at about half the cost of a table of 6 integers):
 --   {1, retry_us}   blocked; retry_us = -1 for a block without end
 --   {3, now_us}     past the caller's deadline: nothing decided, nothing written
 --   {s, delay_us, then per rule: allowed (1/0), remaining, reset_us, retry_us}
@@ -57,6 +56,8 @@
 local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
   1, 2, 3, 4, 5, 6
 local HEADER, PER_RULE = 8, 5
+-- The struct format of the arguments of one rule: '<' and HEADER + PER_RULE 'd'.
+local ONE_RULE = '<ddddddddddddd'
 
 -- Exact floor division of non-negative integers below 2^53: the double quotient may round
 -- across an integer, the exact remainder corrects it.
@@ -83,6 +84,12 @@ end
 -- The state as a string of little-endian doubles (exact for integers below 2^53), in
 -- chunks of at most 1000: Lua can hold only so many values on its stack at once.
 
+-- Whether a stored value is one this script could have written: an integer in [0, 2^53).
+-- Below 2^53, x % 1 is exact (x - floor(x)); NaN and the infinities give NaN.
+local function whole(x)
+  return x >= 0 and x < 9007199254740992 and x % 1 == 0
+end
+
 -- The state in `raw`, or nil when `raw` is not `width` non-negative integers.
 local function decode(raw, width, shape)
   if #raw ~= 8 * width then
@@ -107,10 +114,8 @@ local function decode(raw, width, shape)
       pos = vals[m + 1]
     end
   end
-  local floor = math.floor
   for j = 1, width do
-    local x = t[j]
-    if not (x >= 0 and x < 9007199254740992) or x ~= floor(x) then
+    if not whole(t[j]) then
       return nil
     end
   end
@@ -350,12 +355,13 @@ local function token_bucket(now, c, st, new, off, limit, period, capacity)
     last + ceil_div(full - held, limit), 0
 end
 
--- The theoretical arrival time: `cap` emission intervals of room, requests beyond the
--- first `no_delay` (0 = all) admitted with a delay.
-local function gcra_tat(now, c, st, new, off, limit, period, cap, no_delay)
+-- The theoretical arrival time (su µs and sf / limit of one; su nil: no state):
+-- `cap` emission intervals of room, requests beyond the first `no_delay` (0 = all)
+-- admitted with a delay. Returns the six values every algorithm returns, then the next
+-- state (µs, fraction).
+local function gcra_tat(now, c, su, sf, limit, period, cap, no_delay)
   local bus, bfrac, reset = now, 0, 0
-  if st then
-    local su, sf = st[off + 1], st[off + 2]
+  if su then
     if su > now or (su == now and sf > 0) then
       bus, bfrac = su, sf
     end
@@ -381,35 +387,49 @@ local function gcra_tat(now, c, st, new, off, limit, period, cap, no_delay)
   if not allowed then
     retry = ceil_div(diff_next - max, limit)
   end
-  new[off + 1], new[off + 2] = nus, m
   local exp = nus
   if m > 0 then
     exp = nus + 1
   end
-  return allowed, divmod(room, period), reset, retry, exp, delay
+  return allowed, (divmod(room, period)), reset, retry, exp, delay, nus, m
+end
+
+-- gcra_tat on a rule's slice of the state tables.
+local function tat_rule(now, c, st, new, off, limit, period, cap, no_delay)
+  local su, sf
+  if st then
+    su, sf = st[off + 1], st[off + 2]
+  end
+  local allowed, remaining, reset, retry, exp, delay, nus, m =
+    gcra_tat(now, c, su, sf, limit, period, cap, no_delay)
+  new[off + 1], new[off + 2] = nus, m
+  return allowed, remaining, reset, retry, exp, delay
 end
 
 -- A meter holds `capacity` requests; a shaper lets `burst` wait and the first `delay`
 -- of them through at once.
 local function leaky_bucket(now, c, st, new, off, limit, period, a, b)
   if b == 0 then
-    return gcra_tat(now, c, st, new, off, limit, period, a, 0)
+    return tat_rule(now, c, st, new, off, limit, period, a, 0)
   end
-  return gcra_tat(now, c, st, new, off, limit, period, a + 1, b)
+  return tat_rule(now, c, st, new, off, limit, period, a + 1, b)
 end
 
 local function gcra(now, c, st, new, off, limit, period, burst)
-  return gcra_tat(now, c, st, new, off, limit, period, burst, 0)
+  return tat_rule(now, c, st, new, off, limit, period, burst, 0)
 end
 
 -- The expiry option of a key whose state matters until `at` µs, and its value: exact on
 -- Redis's clock (PXAT, in ms since the epoch: 13 digits, which Lua's number-to-text
 -- conversion keeps exact), or relative to an injected clock with a floor (PX).
+-- math.ceil(a / 1000) is exact for 0 <= a < 2^53: a / 1000 is below 2^43, where the
+-- division's rounding error (under 2^-10) is less than the 0.001 that separates a
+-- non-integer quotient from an integer, so rounding never crosses one.
 local function expiry_arg(injected, now, ttl_floor, at)
   if injected then
     local ms = 0
     if at > now then
-      ms = ceil_div(at - now, 1000)
+      ms = math.ceil((at - now) / 1000)
     end
     if ms < ttl_floor then
       ms = ttl_floor
@@ -419,7 +439,183 @@ local function expiry_arg(injected, now, ttl_floor, at)
     end
     return 'PX', string.format('%d', ms)
   end
-  return 'PXAT', ceil_div(at, 1000)
+  return 'PXAT', math.ceil(at / 1000)
+end
+
+-- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
+-- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
+-- or nil and the reply when the key is blocked or the check came past the caller's
+-- deadline. Blocks come first: a blocked key consults no rule.
+local function begin(KEYS, injected, now_or_deadline, cost)
+  local now
+  if injected then
+    now = now_or_deadline
+  else
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if now_or_deadline > 0 and now > now_or_deadline then
+      -- The caller stopped waiting before Redis got to this check (a slow command, a
+      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
+      return nil, struct.pack('<dd', 3, now)
+    end
+  end
+  local got = redis.call('MGET', KEYS[1], KEYS[2])
+  local status = 0
+  local block = got[1]
+  if block then
+    if block == 'inf' then
+      return nil, struct.pack('<dd', 1, -1)
+    end
+    local untl = tonumber(block)
+    if untl and untl > now then
+      return nil, struct.pack('<dd', 1, untl - now)
+    end
+    if not untl then
+      status = 2
+    end
+    redis.call('DEL', KEYS[1])
+  end
+  local c = cost
+  if c < 1 then
+    c = 1
+  end
+  return now, got[2], status, c
+end
+
+-- One-rule checks of the common algorithms skip the general loop: no argument or state
+-- tables, the state read and written with one fixed struct call. They decide exactly as
+-- the functions above (they are the same arithmetic, or call them in the rare cases).
+
+-- The reply `out` as one string of doubles.
+local function as_reply(out)
+  return struct.pack('<' .. string.rep('d', #out), unpack(out))
+end
+
+-- A rule's remaining, reset and retry as replied: never negative.
+local function at_least_zero(remaining, reset, retry)
+  if remaining < 0 then
+    remaining = 0
+  end
+  if reset < 0 then
+    reset = 0
+  end
+  if retry < 0 then
+    retry = 0
+  end
+  return remaining, reset, retry
+end
+
+-- The reply of a one-rule check and whether it commits; as the general loop below.
+local function one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
+  remaining, reset, retry = at_least_zero(remaining, reset, retry)
+  if not allowed then
+    return struct.pack('<dddddd', status, 0, 0, remaining, reset, retry), false
+  elseif cost == 0 then
+    return struct.pack('<dddddd', status, 0, 1, remaining, reset, retry), false
+  end
+  reset = exp - now
+  if reset < 0 then
+    reset = 0
+  end
+  remaining = remaining - cost
+  if remaining < 0 then
+    remaining = 0
+  end
+  return struct.pack('<dddddd', status, 0, 1, remaining, reset, retry), true
+end
+
+-- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst).
+local function gcra_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, period, cap)
+  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
+  if not now then
+    return raw
+  end
+  local su, sf
+  if raw then
+    if #raw == 16 then
+      su, sf = struct.unpack('<dd', raw)
+      if not (whole(su) and whole(sf)) then
+        su = nil
+      end
+    end
+    if not su then
+      status = 2
+    end
+  end
+  local allowed, remaining, reset, retry, exp, _, nus, m =
+    gcra_tat(now, c, su, sf, limit, period, cap, 0)
+  local out, commit = one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
+  if commit then
+    redis.call('SET', KEYS[2], struct.pack('<dd', nus, m),
+      expiry_arg(injected, now, ttl_floor, exp))
+  end
+  return out
+end
+
+-- One sliding window counter of precision 1: state (index, c0, c1). The common cases (no
+-- state, or a state of this sub-window or the one before, and an admitted check) are
+-- worked out here; a denial or a clock that went back goes through sliding_window.
+local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, sub)
+  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
+  if not now then
+    return raw
+  end
+  local idx, c0, c1
+  if raw then
+    if #raw == 24 then
+      idx, c0, c1 = struct.unpack('<ddd', raw)
+      -- whole() of each, without the calls.
+      if not (idx >= 0 and c0 >= 0 and c1 >= 0 and idx < 9007199254740992
+          and c0 < 9007199254740992 and c1 < 9007199254740992 and idx % 1 == 0
+          and c0 % 1 == 0 and c1 % 1 == 0) then
+        idx = nil
+      end
+    end
+    if not idx then
+      status = 2
+    end
+  end
+  local cur, elapsed = divmod(now, sub)
+  -- (oldest count, weighted; the newer count) as seen in sub-window cur.
+  local old, recent = 0, 0
+  if idx == cur then
+    old, recent = c1, c0
+  elseif idx == cur - 1 then
+    old = c0
+  end
+  local weighted = old * (sub - elapsed)
+  local allowed, remaining, reset, retry, exp, s0, s1, s2
+  if (idx and idx > cur) or weighted + sub * (recent + c) > limit * sub then
+    local st = nil
+    if idx then
+      st = {idx, c0, c1}
+    end
+    local new = {0, 0, 0}
+    allowed, remaining, reset, retry, exp = sliding_window(now, c, st, new, 0, limit, sub, 1, sub)
+    s0, s1, s2 = new[1], new[2], new[3]
+  else
+    local room = limit * sub - weighted
+    if room < 0 then
+      room = 0
+    end
+    allowed, remaining, reset, retry = true, divmod(room, sub) - recent, 0, 0
+    if idx then
+      if c0 > 0 then
+        reset = (idx + 2) * sub - now
+      elseif c1 > 0 then
+        reset = (idx + 1) * sub - now
+      end
+    end
+    -- The next state: counts shifted to sub-window cur (the newer one becomes the
+    -- older), cost added to the newest.
+    exp, s0, s1, s2 = (cur + 2) * sub, cur, recent + c, old
+  end
+  local out, commit = one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
+  if commit then
+    redis.call('SET', KEYS[2], struct.pack('<ddd', s0, s1, s2),
+      expiry_arg(injected, now, ttl_floor, exp))
+  end
+  return out
 end
 
 -- One decision. The file defines `check` and nothing else runs at load: the store loads
@@ -432,10 +628,27 @@ local function check(KEYS, ARGV)
   -- One C call reads every argument (no text to parse); the last value is unpack's next
   -- position.
   local VERSION_SKEW = ' values; the store and the script are from different versions'
-  if #ARGV ~= 3 then
-    return redis.error_reply('RLARGS check.lua takes 3 arguments, got ' .. #ARGV .. VERSION_SKEW)
+  if #ARGV ~= 1 then
+    return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
   end
-  local v = {struct.unpack(ARGV[1], ARGV[2])}
+  local packed = ARGV[1]
+  if #packed == 8 * (HEADER + PER_RULE) then
+    local inj, t, cost, ttl_floor, n, width, log_limit, _, code, limit, period, a, b =
+      struct.unpack(ONE_RULE, packed)
+    if n == 1 and log_limit == 0 then
+      if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
+        return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a)
+      elseif code == SLIDING_WINDOW and a == 1 and width == 3 then
+        return sliding_one(KEYS, inj == 1, t, cost, ttl_floor, limit, b)
+      end
+    end
+  end
+  local count = #packed / 8
+  if count % 1 ~= 0 or count < HEADER or count > HEADER + PER_RULE * 64 then
+    return redis.error_reply(fmt('RLARGS check.lua takes its values as doubles, got %d bytes',
+      #packed) .. VERSION_SKEW)
+  end
+  local v = {struct.unpack('<' .. string.rep('d', count), packed)}
   local n = v[5] or 0
   if #v ~= HEADER + PER_RULE * n + 1 then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
@@ -443,47 +656,21 @@ local function check(KEYS, ARGV)
   end
 
   local injected = v[1] == 1
-  local now
-  if injected then
-    now = v[2]
-  else
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    if v[2] > 0 and now > v[2] then
-      -- The caller stopped waiting before Redis got to this check (a slow command, a
-      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
-      return {3, now}
-    end
-  end
   local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
-  local c = cost
-  if c < 1 then
-    c = 1
+  -- The state's struct format, or '' when it is too wide for one struct call (it is then
+  -- read and written in chunks).
+  local shape = ''
+  if width <= 1000 then
+    shape = '<' .. string.rep('d', width)
   end
-
-  local status = 0
-  local got = redis.call('MGET', KEYS[1], KEYS[2])
-
-  -- Blocks first: a blocked key consults no rule.
-  local block = got[1]
-  if block then
-    if block == 'inf' then
-      return {1, -1}
-    end
-    local untl = tonumber(block)
-    if untl and untl > now then
-      return {1, untl - now}
-    end
-    if not untl then
-      status = 2
-    end
-    redis.call('DEL', KEYS[1])
+  local now, raw, status, c = begin(KEYS, injected, v[2], cost)
+  if not now then
+    return raw
   end
 
   local st = nil
-  local raw = got[2]
   if raw and width > 0 then
-    st = decode(raw, width, ARGV[3])
+    st = decode(raw, width, shape)
     if not st then
       -- Read as fresh; the commit replaces it.
       status = 2
@@ -506,7 +693,7 @@ local function check(KEYS, ARGV)
     end
   end
 
-  -- Evaluate every rule on the state as it stands; out doubles as the reply.
+  -- Evaluate every rule on the state as it stands; out holds the reply.
   -- Sized for one rule and a two-value state, the common case, so that neither grows.
   local out = {status, 0, 0, 0, 0, 0}
   -- The next state at new[1 .. width], each rule's expiry at new[width + i].
@@ -556,15 +743,7 @@ local function check(KEYS, ARGV)
     if wait > delay then
       delay = wait
     end
-    if remaining < 0 then
-      remaining = 0
-    end
-    if reset < 0 then
-      reset = 0
-    end
-    if retry < 0 then
-      retry = 0
-    end
+    remaining, reset, retry = at_least_zero(remaining, reset, retry)
     new[width + i] = exp
     out[4 * i - 1] = allowed and 1 or 0
     out[4 * i] = remaining
@@ -574,7 +753,7 @@ local function check(KEYS, ARGV)
   out[2] = delay
 
   if not all_ok or cost == 0 then
-    return out
+    return as_reply(out)
   end
 
   -- Commit: every rule is charged `cost`; remaining and reset become the next state's.
@@ -598,7 +777,7 @@ local function check(KEYS, ARGV)
 
   if width > 0 then
     local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
-    redis.call('SET', KEYS[2], encode(new, width, ARGV[3]), unit, at)
+    redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
   end
 
   if log_limit > 0 then
@@ -628,5 +807,5 @@ local function check(KEYS, ARGV)
     end
   end
 
-  return out
+  return as_reply(out)
 end

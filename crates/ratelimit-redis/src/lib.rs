@@ -104,7 +104,8 @@
 //!   clock.
 //! - **Foreign values.** The store owns the keys under its prefix. A value it did not
 //!   write at a state or log key (another type, or bytes it cannot read) is read as an
-//!   empty state and replaced by the next check, with a warning in the log; a block
+//!   empty state and replaced by the next check, with a warning in the log (at most one
+//!   per 10 s per store, counting the values replaced since the last); a block
 //!   marker that is not a time is dropped. Nothing stays broken, but the client got a
 //!   fresh state: give the store a prefix nothing else uses.
 //!

@@ -249,12 +249,13 @@ enum Code {
 /// The argument layout of `lua/check.lua` and the shape of its reply: the one place both
 /// are written down on the Rust side.
 ///
-/// `ARGV[1]` is the struct format of `ARGV[2]`, which packs [`HEADER`](Self::HEADER)
-/// values (injected, now, cost, TTL floor, rules, state width, log limit, log period) and
+/// The one argument, `ARGV[1]`, packs [`HEADER`](Self::HEADER) values (injected, now,
+/// cost, TTL floor, rules, state width, log limit, log period) and
 /// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b`) as
 /// little-endian doubles, so that the script reads every argument in one C call instead
-/// of parsing text; `ARGV[3]` is the struct format of the state. The reply is
-/// `{1, block left}` or `{status, delay, 4 values per rule}`.
+/// of parsing text (the script derives the struct formats from the lengths). The reply is one string
+/// of little-endian doubles, every one an integer (cheaper for Redis to send than an
+/// array): `{1, block left}`, `{3, Redis time}` or `{status, delay, 4 values per rule}`.
 #[derive(Debug)]
 pub(crate) struct CheckArgs;
 
@@ -314,9 +315,6 @@ impl RedisClock {
 
 /// Values above this are not exact in Lua's doubles.
 const MAX_EXACT: u64 = (1 << 53) - 1;
-
-/// The widest state read or written with one struct call; wider ones go in chunks.
-const MAX_SHAPE: u64 = 1000;
 
 impl CheckArgs {
     /// Values before the first rule.
@@ -390,23 +388,12 @@ impl CheckArgs {
     /// Appends the arguments of a check to `cmd`.
     fn write(cmd: &mut Cmd, time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
         let count = Self::HEADER + Self::PER_RULE * rules.len();
-        let mut format = String::with_capacity(1 + count);
-        format.push('<');
         let mut packed = Vec::with_capacity(8 * count);
         for value in Self::values(time, cost, ttl_floor_ms, rules) {
-            format.push('d');
             // Exact: rules, costs and times stay below 2^53 (see the tests).
             packed.extend_from_slice(&(value as f64).to_le_bytes());
         }
-        cmd.arg(&format).arg(packed);
-        let width = Self::state_width(rules);
-        if width <= MAX_SHAPE {
-            format.truncate(1);
-            format.extend(std::iter::repeat_n('d', width as usize));
-            cmd.arg(format);
-        } else {
-            cmd.arg("");
-        }
+        cmd.arg(packed);
     }
 
     /// The arguments of a check, for tools that send the script by hand.
@@ -434,20 +421,25 @@ impl CheckArgs {
         rules: &RuleSet,
         reply: &Value,
     ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
-        let Value::Array(items) = reply else {
-            return Err(unexpected("the check script should return an array", reply));
+        let Value::BulkString(bytes) = reply else {
+            return Err(unexpected("the check script should return a string", reply));
         };
         let mut ints = [0i64; 2 + 4 * ratelimit_core::MAX_RULES];
-        if items.len() > ints.len() {
+        if bytes.len() % 8 != 0 {
+            return Err(unexpected("the reply should be whole doubles", reply));
+        }
+        if bytes.len() / 8 > ints.len() {
             return Err(unexpected("too many values", reply));
         }
-        for (slot, item) in ints.iter_mut().zip(items) {
-            let Value::Int(n) = item else {
+        for (slot, chunk) in ints.iter_mut().zip(bytes.chunks_exact(8)) {
+            let x = f64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+            // Exact integers only: the script's values stay below 2^53.
+            if !(x.fract() == 0.0 && x.abs() <= MAX_EXACT as f64) {
                 return Err(unexpected("the check script should return integers", reply));
-            };
-            *slot = *n;
+            }
+            *slot = x as i64;
         }
-        let ints = &ints[..items.len()];
+        let ints = &ints[..bytes.len() / 8];
         let us = |n: i64| u64::try_from(n).map(Duration::from_micros).ok();
         match ints {
             [1, -1] => Ok(Ok((Decision::blocked(None), false))),
@@ -542,7 +534,7 @@ impl Shared {
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 2 + usize::from(has_log);
-        let mut call = CHECK.call(&self.functions, keys, keys + 3);
+        let mut call = CHECK.call(&self.functions, keys, keys + 1);
         let mut names = KeyNames::new(&self.prefix, key);
         call.cmd.arg(names.block());
         call.cmd.arg(names.state(rules));
@@ -598,8 +590,9 @@ mod tests {
         text.parse().unwrap()
     }
 
+    /// A reply as the script packs it.
     fn ints(v: &[i64]) -> Value {
-        Value::Array(v.iter().map(|n| Value::Int(*n)).collect())
+        Value::BulkString(v.iter().flat_map(|&n| (n as f64).to_le_bytes()).collect())
     }
 
     #[test]
@@ -648,6 +641,28 @@ mod tests {
             ints(&[1, -2]),
             ints(&[2, 0]),
             ints(&[0; 80]),
+            ints(&[0, 0, 1, 1 << 54, 1, 1]),
+            Value::BulkString(vec![0; 12]),
+            Value::BulkString(
+                [0.0, 0.0, 1.0, 1.5, 1.0, 1.0]
+                    .iter()
+                    .flat_map(|x: &f64| x.to_le_bytes())
+                    .collect(),
+            ),
+            Value::BulkString(
+                [0.0, 0.0, 1.0, f64::NAN, 1.0, 1.0]
+                    .iter()
+                    .flat_map(|x: &f64| x.to_le_bytes())
+                    .collect(),
+            ),
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(0),
+                Value::Int(1),
+                Value::Int(1),
+                Value::Int(1),
+                Value::Int(1),
+            ]),
         ] {
             let err = CheckArgs::decision(&r, &bad).unwrap_err();
             assert!(
@@ -682,16 +697,14 @@ mod tests {
         assert_eq!(CheckArgs::state_width(&r), 16);
         let args = CheckArgs::to_args(Time::Injected(7), 2, 60_000, &r);
         let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
-        assert_eq!(args[0], format!("<{}", "d".repeat(count)).into_bytes());
-        let values: Vec<f64> = args[1]
+        assert_eq!(args.len(), 1);
+        assert_eq!(args[0].len(), 8 * count);
+        let values: Vec<f64> = args[0]
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(values[..8], [1.0, 7.0, 2.0, 60_000.0, 7.0, 16.0, 7.0, 1e6]);
         assert_eq!(values[8..13], [1.0, 5.0, 1e6, 0.0, 0.0]);
-        assert_eq!(args[2], format!("<{}", "d".repeat(16)).into_bytes());
-        let wide: RuleSet = "1000/s sliding-window precision=1000".parse().unwrap();
-        assert!(CheckArgs::to_args(Time::Redis { deadline: None }, 1, 0, &wide)[2].is_empty());
     }
 
     /// Builds whatever rule the core accepts from arbitrary numbers.
@@ -724,12 +737,16 @@ mod tests {
                     3 => Rule::token_bucket(limit, period, a),
                     4 => Rule::gcra(limit, period, a),
                     5 => Rule::leaky_meter(limit, period, a),
-                    // Rule::leaky_shaper overflows in the core (`Rule::capacity`, burst + 1)
-                    // at burst = u64::MAX; that bound is the core's to fix.
-                    _ => Rule::leaky_shaper(limit, period, a.min(u64::MAX - 1), b),
+                    _ => Rule::leaky_shaper(limit, period, a, b),
                 }
                 .ok()
             })
+    }
+
+    #[test]
+    fn a_shaper_burst_at_the_top_of_u64_is_refused_by_name() {
+        let err = Rule::leaky_shaper(1, Duration::from_secs(1), u64::MAX, 0).unwrap_err();
+        assert!(err.to_string().contains("burst"), "{err}");
     }
 
     proptest! {
@@ -747,7 +764,7 @@ mod tests {
                     }
                 }
                 let args = CheckArgs::to_args(Time::Injected(now), cost, u64::MAX, &set);
-                prop_assert_eq!(args[1].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
+                prop_assert_eq!(args[0].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
             }
         }
 

@@ -1,6 +1,6 @@
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bb8::Pool;
 use bb8_redis::RedisConnectionManager;
@@ -64,6 +64,51 @@ struct Inner {
     shared: Shared,
     /// `maxmemory-policy` as read at connect, when the server allowed it.
     maxmemory_policy: Option<String>,
+    /// Foreign values replaced, reported at a bounded rate.
+    heal_log: BoundedLog,
+}
+
+/// An event logged at most once per 10 s with the number since the last report, so that
+/// a steady cause (another program writing under the prefix) cannot flood the log.
+#[derive(Debug)]
+struct BoundedLog {
+    base: Instant,
+    /// µs after `base` of the last report; `u64::MAX` before the first.
+    last_us: AtomicU64,
+    pending: AtomicU64,
+}
+
+impl BoundedLog {
+    const INTERVAL_US: u64 = 10_000_000;
+
+    fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            last_us: AtomicU64::new(u64::MAX),
+            pending: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one event now; the events to report when a report is due.
+    fn hit(&self) -> Option<u64> {
+        let now_us = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX - 1);
+        self.hit_at(now_us)
+    }
+
+    fn hit_at(&self, now_us: u64) -> Option<u64> {
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        let last = self.last_us.load(Ordering::Relaxed);
+        let due = last == u64::MAX || now_us.saturating_sub(last) >= Self::INTERVAL_US;
+        if due
+            && self
+                .last_us
+                .compare_exchange(last, now_us, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.pending.swap(0, Ordering::Relaxed));
+        }
+        None
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -431,6 +476,7 @@ impl RedisStore {
                 transport,
                 shared,
                 maxmemory_policy,
+                heal_log: BoundedLog::new(),
             }),
         }
     }
@@ -491,12 +537,16 @@ impl Store for RedisStore {
             }
         };
         if healed {
-            tracing::warn!(
-                prefix = %self.prefix(),
-                "a rate-limit key held a value this store did not write; it was read as \
-                 empty and replaced. Something else writes under the store's prefix: give \
-                 the store a prefix of its own"
-            );
+            if let Some(count) = self.inner.heal_log.hit() {
+                tracing::warn!(
+                    prefix = %self.prefix(),
+                    replaced = count,
+                    "a rate-limit key held a value this store did not write; it was read as \
+                     empty and replaced. Something else writes under the store's prefix: give \
+                     the store a prefix of its own (reported at most every 10 s, with the \
+                     values replaced since the last report)"
+                );
+            }
         }
         Ok(decision)
     }
@@ -529,6 +579,17 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_heal_log_reports_at_most_every_10_s_with_a_count() {
+        let log = BoundedLog::new();
+        assert_eq!(log.hit_at(0), Some(1), "the first is reported at once");
+        assert_eq!(log.hit_at(1), None);
+        assert_eq!(log.hit_at(9_999_999), None);
+        assert_eq!(log.hit_at(10_000_000), Some(3), "then the count since");
+        assert_eq!(log.hit_at(10_000_001), None);
+        assert_eq!(log.hit_at(25_000_000), Some(2));
+    }
 
     #[test]
     fn eviction_policies() {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
-use ratelimit_core::{ManualClock, MemoryStore, Rule, RuleSet, Store};
+use ratelimit_core::{Clock, ManualClock, MemoryStore, Rule, RuleSet, Store};
 use ratelimit_redis::testing::{RedisCluster, RedisServer};
 use ratelimit_redis::RedisStore;
 use tokio::runtime::Runtime;
@@ -77,6 +77,21 @@ fn traces_agree<St, F>(
     St: Store,
     F: FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = St>>>,
 {
+    let segments = traces.prop_map(|(sets, steps)| (sets, vec![(steps, 0)]));
+    segmented_traces_agree(rt, cases, segments, make);
+}
+
+/// As [`traces_agree`], for traces in segments: after each segment both clocks are set
+/// back by its number of µs (an injected clock can go back; never before `T0_US`).
+fn segmented_traces_agree<St, F>(
+    rt: &Runtime,
+    cases: u32,
+    traces: impl Strategy<Value = (Vec<RuleSet>, Vec<(Vec<Step>, u64)>)>,
+    make: F,
+) where
+    St: Store,
+    F: FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = St>>>,
+{
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|c| c.parse().ok())
@@ -88,15 +103,21 @@ fn traces_agree<St, F>(
     ));
     // proptest wants a `Fn` test; each case builds its store through the cell.
     let make = std::cell::RefCell::new(make);
-    let result = runner.run(&traces, |(sets, steps)| {
+    let result = runner.run(&traces, |(sets, segments)| {
         let (want, got) = rt.block_on(async {
             let mem_clock = ManualClock::new(T0_US);
             let memory = MemoryStore::builder().clock(mem_clock.clone()).build();
-            let want = run_trace(&memory, &mem_clock, b"k", &sets, &steps).await;
             let clock = ManualClock::new(T0_US);
             let pending = (make.borrow_mut())(clock.clone());
             let store = pending.await;
-            let got = run_trace(&store, &clock, b"k", &sets, &steps).await;
+            let (mut want, mut got) = (Vec::new(), Vec::new());
+            for (steps, back) in &segments {
+                want.extend(run_trace(&memory, &mem_clock, b"k", &sets, steps).await);
+                got.extend(run_trace(&store, &clock, b"k", &sets, steps).await);
+                for c in [&mem_clock, &clock] {
+                    c.set(c.now_us().saturating_sub(*back).max(T0_US));
+                }
+            }
             (want, got)
         });
         prop_assert_eq!(
@@ -158,6 +179,29 @@ fn fine_sliding_windows() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
             vec![RuleSet::new(std::iter::once(fine).chain(other)).expect("valid")]
         })
         .prop_flat_map(|sets| (Just(sets), strategy::steps(1, 80)))
+}
+
+/// Single rules of the algorithms the script decides without its general loop (GCRA,
+/// leaky bucket meter, sliding window counter of precision 1), with a shaper (general
+/// loop) beside them, on traces whose clock also steps back.
+fn one_rule_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<(Vec<Step>, u64)>)> {
+    let period = prop_oneof![Just(1_000u64), Just(7_000), Just(1_000_000)];
+    let rule = (1u64..=12, period, 0u8..4, 1u64..=6).prop_map(|(limit, period_us, algo, p)| {
+        let period = Duration::from_micros(period_us);
+        let rule = match algo {
+            0 => Rule::gcra(limit, period, p),
+            1 => Rule::leaky_meter(limit, period, p),
+            2 => Rule::sliding_window(limit, period, 1),
+            _ => Rule::leaky_shaper(limit, period, p, p - 1),
+        };
+        RuleSet::new(vec![rule.expect("valid")]).expect("valid")
+    });
+    proptest::collection::vec(rule, 1..=2).prop_flat_map(|sets| {
+        let n = sets.len();
+        let back = prop_oneof![Just(0u64), 1u64..2_000, 0u64..2_000_000];
+        let segments = proptest::collection::vec((strategy::steps(n, 30), back), 1..4);
+        (Just(sets), segments)
+    })
 }
 
 // Each conformance case its own test, against its own redis-server.
@@ -283,6 +327,17 @@ fn peeks_on_exact_edges_agree_with_memory_store() {
 }
 
 #[test]
+fn one_rule_checks_agree_with_memory_store() {
+    let server = RedisServer::start();
+    segmented_traces_agree(
+        &runtime(),
+        192,
+        one_rule_traces(),
+        single(server.url(), "one"),
+    );
+}
+
+#[test]
 fn fine_sliding_windows_agree_with_memory_store() {
     let server = RedisServer::start();
     traces_agree(
@@ -300,4 +355,5 @@ fn cluster_store_passes_the_conformance_suite_and_random_traces() {
     rt.block_on(testing::conformance(clustered(cluster.urls(), "conf")));
     // Fewer traces: the cluster adds routing, not arithmetic.
     traces_agree(&rt, 32, traces(), clustered(cluster.urls(), "trace"));
+    segmented_traces_agree(&rt, 32, one_rule_traces(), clustered(cluster.urls(), "one"));
 }

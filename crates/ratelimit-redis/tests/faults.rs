@@ -404,3 +404,38 @@ async fn checks_that_timed_out_in_a_stalled_redis_charge_nothing() {
         assert_eq!(d.is_allowed(), i < 5, "check {i}: {d:?}");
     }
 }
+
+/// A store and a script of different versions (another argument layout) answer with an
+/// `RLARGS` error that names the skew, never a decision made on misread arguments.
+#[test]
+fn a_script_of_another_version_is_refused_by_name() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let script = ratelimit_redis::testing::check_script();
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(script.body)
+        .query(&mut con)
+        .unwrap();
+    let rules: RuleSet = "10/s gcra".parse().unwrap();
+    let args = ratelimit_redis::testing::check_script_args(&rules, 1);
+    let run = |con: &mut redis::Connection, extra: &[&[u8]], cut: usize| {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.sha).arg(2).arg("v:b").arg("v:s");
+        for arg in &args {
+            cmd.arg(&arg[..arg.len() - cut]);
+        }
+        for arg in extra {
+            cmd.arg(*arg);
+        }
+        cmd.query::<redis::Value>(con)
+    };
+    assert!(run(&mut con, &[], 0).is_ok());
+    for (extra, cut) in [(&[&b"<dd"[..]][..], 0), (&[][..], 8), (&[][..], 3)] {
+        let err = run(&mut con, extra, cut).unwrap_err().to_string();
+        assert!(
+            err.contains("RLARGS") && err.contains("different versions"),
+            "{err}"
+        );
+    }
+}
