@@ -6,7 +6,7 @@ use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::algo::{decide, RuleState};
+use crate::algo::{decide, decide_one_then, RuleState};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
@@ -389,6 +389,18 @@ impl<C: Clock> MemoryStore<C> {
             .table
             .find_mut(table_hash, |e| e.holds(held, is_digest, fp, rules.len()));
         if let Some(entry) = found {
+            if let ([rule], [state]) = (rules.rules(), &mut entry.states[..]) {
+                let meta = &mut entry.meta;
+                let decision =
+                    decide_one_then(rule, state, rules.log_limit(), now, cost, |c, exp, o| {
+                        if c {
+                            *meta = meta.with(exp, rule_tier(rule.capacity(), o.remaining));
+                        } else if !o.allowed {
+                            *meta = meta.with_tier(Meta::AT_LIMIT);
+                        }
+                    });
+                return Ok(decision);
+            }
             let t = decide(rules, &mut entry.states, now, cost);
             if t.committed {
                 entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));

@@ -30,7 +30,7 @@ pub(super) fn evaluate(rule: &Rule, state: &RuleState, now: u64, cost: u64) -> E
 }
 
 /// Writes the window's new count.
-#[inline]
+#[inline(always)]
 pub(super) fn commit(state: &mut RuleState, index: u64, count: u64) {
     // Overwriting the fields of a state of the same kind skips dropping the old one.
     if let RuleState::Window { index: i, count: c } = state {

@@ -58,7 +58,7 @@ pub(super) fn arrival(
 }
 
 /// Writes the new TAT.
-#[inline]
+#[inline(always)]
 pub(super) fn commit(state: &mut RuleState, us: u64, frac: u64) {
     if let RuleState::Tat { us: u, frac: f } = state {
         (*u, *f) = (us, frac);

@@ -214,6 +214,30 @@ fn decide_one(
     now: u64,
     cost: u64,
 ) -> Transition {
+    let (mut committed, mut expires_at_us) = (false, 0);
+    let decision = decide_one_then(rule, state, log_limit, now, cost, |c, expires, _| {
+        (committed, expires_at_us) = (c, if c { expires } else { 0 });
+    });
+    Transition {
+        decision,
+        committed,
+        expires_at_us,
+    }
+}
+
+/// The one-rule decision, handing `then` whether it committed, when the state expires
+/// and the rule's outcome before the decision is built. A store updates its entry in
+/// `then`, so the decision is built last, straight into the store's return value,
+/// rather than built, inspected and copied out.
+#[inline(always)]
+pub(crate) fn decide_one_then(
+    rule: &Rule,
+    state: &mut RuleState,
+    log_limit: u64,
+    now: u64,
+    cost: u64,
+    then: impl FnOnce(bool, u64, &RuleOutcome),
+) -> Decision {
     let e = evaluate(rule, state, own_log(state), now, cost.max(1));
     let committed = cost > 0 && e.allowed;
     if committed {
@@ -231,11 +255,8 @@ fn decide_one(
         reset_after: us(expires.saturating_sub(now)),
         retry_after: (!e.allowed).then(|| us(e.retry_us)),
     };
-    Transition {
-        decision: Decision::single(outcome, us(e.delay_us)),
-        committed,
-        expires_at_us: if committed { expires } else { 0 },
-    }
+    then(committed, expires, &outcome);
+    Decision::single(outcome, us(e.delay_us))
 }
 
 fn own_log(state: &RuleState) -> Option<&VecDeque<u64>> {

@@ -48,7 +48,7 @@ pub(super) fn evaluate(rule: &Rule, capacity: u64, state: &RuleState, now: u64, 
 }
 
 /// Writes the level left after the request.
-#[inline]
+#[inline(always)]
 pub(super) fn commit(state: &mut RuleState, level: u64, last: u64) {
     if let RuleState::Tokens { level: l, last: t } = state {
         (*l, *t) = (level, last);
