@@ -240,10 +240,11 @@ pub(crate) fn decide_one_then(
 ) -> Decision {
     let e = evaluate(rule, state, own_log(state), now, cost.max(1));
     let committed = cost > 0 && e.allowed;
-    if committed {
-        commit(rule, state, &e.next, log_limit, now, cost);
-    }
-    let expires = expires_at(rule, state, own_log(state));
+    let expires = if committed {
+        commit_expiring(rule, state, &e.next, log_limit, now, cost)
+    } else {
+        expires_at(rule, state, own_log(state))
+    };
     let outcome = RuleOutcome {
         allowed: e.allowed,
         limit: rule.limit(),
@@ -310,6 +311,34 @@ fn commit(rule: &Rule, state: &mut RuleState, next: &Next, log_limit: u64, now: 
         Next::Log => sliding_log::commit(state, log_limit, now, cost),
         Next::Tokens { level, last } => token_bucket::commit(state, level, last),
         Next::Tat { us, frac } => gcra::commit(state, us, frac),
+    }
+}
+
+/// [`commit`] for one rule, returning [`expires_at`] of the new state: the algorithm
+/// is known from `next`, so the expiry takes no second dispatch on the rule.
+#[inline(always)]
+fn commit_expiring(
+    rule: &Rule,
+    state: &mut RuleState,
+    next: &Next,
+    log_limit: u64,
+    now: u64,
+    cost: u64,
+) -> u64 {
+    match *next {
+        // GCRA and both leaky bucket modes.
+        Next::Tat { us, frac } => {
+            gcra::commit(state, us, frac);
+            gcra::expires_at(state)
+        }
+        Next::Window { index, count } => {
+            fixed_window::commit(state, index, count);
+            fixed_window::expires_at(rule, state)
+        }
+        _ => {
+            commit(rule, state, next, log_limit, now, cost);
+            expires_at(rule, state, own_log(state))
+        }
     }
 }
 
