@@ -126,7 +126,6 @@ fn us(d: u64) -> Duration {
 /// verdict is the one a request of cost 1 would get, and `remaining` counts what is left.
 ///
 /// The caller must have checked `cost` with [`RuleSet::check_cost`].
-#[inline(always)]
 pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {
     debug_assert_eq!(states.len(), rules.len());
     // Inlined into the caller (a store's check), the one-rule case builds its decision in
@@ -206,7 +205,7 @@ fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -
 
 /// [`decide`] for the most common case, one rule: no per-rule buffers, and the decision
 /// built directly from the one verdict.
-#[inline(always)]
+#[inline]
 fn decide_one(
     rule: &Rule,
     state: &mut RuleState,
