@@ -96,27 +96,32 @@ impl Decision {
     }
 
     /// The verdict.
+    #[inline]
     pub fn outcome(&self) -> Outcome {
         self.outcome
     }
 
     /// True when the request may proceed (after [`Decision::delay`]).
+    #[inline]
     pub fn is_allowed(&self) -> bool {
         self.outcome == Outcome::Allowed
     }
 
     /// How long a shaping rule asks the admitted request to wait; zero otherwise.
+    #[inline]
     pub fn delay(&self) -> Duration {
         self.delay
     }
 
     /// For a denial: when the same request would be admitted (the largest over the denying
     /// rules, or the time left on a block). `None` when allowed or blocked without end.
+    #[inline]
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
     }
 
     /// Each rule's outcome, in rule-set order (empty when blocked).
+    #[inline]
     pub fn rules(&self) -> &[RuleOutcome] {
         &self.rules
     }

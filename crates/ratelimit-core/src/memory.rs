@@ -6,11 +6,11 @@ use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::algo::{decide, RuleState};
+use crate::algo::{decide, decide_one_then, RuleState};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
-use crate::key::{StoredKey, DIGEST_LEN};
+use crate::key::{digest, StoredKey, DIGEST_LEN, MAX_INLINE_KEY_LEN};
 use crate::rule::RuleSet;
 use crate::store::Store;
 
@@ -142,22 +142,29 @@ impl Meta {
 /// admitted check.
 #[inline]
 fn tier(rules: &RuleSet, decision: &Decision) -> u8 {
+    if let ([rule], [outcome]) = (rules.rules(), decision.rules()) {
+        return rule_tier(rule.capacity(), outcome.remaining);
+    }
     let mut tier = 0;
     for (rule, outcome) in rules.rules().iter().zip(decision.rules()) {
-        // Both at most 2^51: the products cannot overflow.
-        let (cap, left) = (rule.capacity(), outcome.remaining);
-        let t = if left == 0 {
-            Meta::AT_LIMIT
-        } else if left + 1 >= cap || left * 8 >= cap * 7 {
-            0
-        } else if left * 2 >= cap {
-            1
-        } else {
-            2
-        };
-        tier = tier.max(t);
+        tier = tier.max(rule_tier(rule.capacity(), outcome.remaining));
     }
     tier
+}
+
+/// One rule's tier, from its capacity and the units its last check left.
+#[inline]
+fn rule_tier(cap: u64, left: u64) -> u8 {
+    // Both at most 2^51: the products cannot overflow.
+    if left == 0 {
+        Meta::AT_LIMIT
+    } else if left + 1 >= cap || left * 8 >= cap * 7 {
+        0
+    } else if left * 2 >= cap {
+        1
+    } else {
+        2
+    }
 }
 
 #[derive(Default)]
@@ -172,6 +179,19 @@ struct Shard {
 const MIN_SWEEP: usize = 1024;
 
 impl Shard {
+    /// The decision for a blocked key, dropping a block that has ended.
+    #[cold]
+    #[inline(never)]
+    fn blocked(&mut self, key: StoredKey<'_>, now: u64) -> Option<Decision> {
+        let &until = self.blocks.get(&key)?;
+        if until > now {
+            let left = (until != u64::MAX).then(|| Duration::from_micros(until - now));
+            return Some(Decision::blocked(left));
+        }
+        self.blocks.remove(&key);
+        None
+    }
+
     fn sweep(&mut self, now: u64) {
         self.table.retain(|e| e.meta.expires_at() > now);
         self.blocks.retain(|_, until| *until > now);
@@ -306,16 +326,17 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     #[inline]
-    fn locate(&self, key: StoredKey<'_>) -> (u64, &Mutex<Shard>) {
+    fn locate(&self, held: &[u8]) -> (u64, &Mutex<Shard>) {
         // The held bytes alone: a digest and a short key with the same bytes may share a
         // hash, never an entry (the key's kind is compared too).
-        let hash = self.hasher.hash_one(key.as_bytes());
+        let hash = self.hasher.hash_one(held);
         // The table hashes with the low bits, the shard is picked with the high ones.
         let shard = (hash >> 32) as usize & (self.shards.len() - 1);
         (hash, &self.shards[shard].0)
     }
 
     /// The synchronous form of [`Store::check`]; never blocks on I/O.
+    #[inline]
     pub fn check_now(
         &self,
         key: &[u8],
@@ -323,25 +344,63 @@ impl<C: Clock> MemoryStore<C> {
         cost: u64,
     ) -> Result<Decision, CapacityError> {
         rules.check_cost(cost)?;
+        if key.len() <= MAX_INLINE_KEY_LEN {
+            self.check_held(key, false, rules, cost)
+        } else {
+            self.check_long(key, rules, cost)
+        }
+    }
+
+    /// [`Self::check_now`] for a key held as its digest: out of line, so the common
+    /// short-key path stays small.
+    #[inline(never)]
+    fn check_long(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Decision, CapacityError> {
+        self.check_held(&digest(key), true, rules, cost)
+    }
+
+    /// A check of the held bytes of a key (the key itself, or its digest when
+    /// `is_digest`), passed as a slice and a flag rather than a [`StoredKey`] so the hot
+    /// path keeps both in registers. Returns the caller's own type, so the decision is
+    /// written once, in place, instead of being copied into an `Ok`.
+    #[inline(always)]
+    fn check_held(
+        &self,
+        held: &[u8],
+        is_digest: bool,
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Decision, CapacityError> {
         let now = self.clock.now_us();
-        let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held);
         let fp = rules.fingerprint();
         let table_hash = hash ^ fp;
         let mut shard = shard.lock();
         if !shard.blocks.is_empty() {
-            if let Some(&until) = shard.blocks.get(&held) {
-                if until > now {
-                    let left = (until != u64::MAX).then(|| Duration::from_micros(until - now));
-                    return Ok(Decision::blocked(left));
-                }
-                shard.blocks.remove(&held);
+            if let Some(decision) = shard.blocked(stored(held, is_digest), now) {
+                return Ok(decision);
             }
         }
         let found = shard
             .table
-            .find_mut(table_hash, |e| e.holds(held, fp, rules.len()));
+            .find_mut(table_hash, |e| e.holds(held, is_digest, fp, rules.len()));
         if let Some(entry) = found {
+            if let ([rule], [state]) = (rules.rules(), &mut entry.states[..]) {
+                let meta = &mut entry.meta;
+                let decision =
+                    decide_one_then(rule, state, rules.log_limit(), now, cost, |c, exp, o| {
+                        if c {
+                            *meta = meta.with(exp, rule_tier(rule.capacity(), o.remaining));
+                        } else if !o.allowed {
+                            *meta = meta.with_tier(Meta::AT_LIMIT);
+                        }
+                    });
+                return Ok(decision);
+            }
             let t = decide(rules, &mut entry.states, now, cost);
             if t.committed {
                 entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));
@@ -350,25 +409,41 @@ impl<C: Clock> MemoryStore<C> {
             }
             return Ok(t.decision);
         }
+        Ok(self.insert(&mut shard, held, is_digest, table_hash, rules, now, cost))
+    }
+
+    /// The check of a key without an entry: decided from fresh states, and the entry
+    /// created if the check commits.
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn insert(
+        &self,
+        shard: &mut Shard,
+        held: &[u8],
+        is_digest: bool,
+        table_hash: u64,
+        rules: &RuleSet,
+        now: u64,
+        cost: u64,
+    ) -> Decision {
         let mut states: SmallVec<[RuleState; 1]> =
             (0..rules.len()).map(|_| RuleState::Fresh).collect();
         let t = decide(rules, &mut states, now, cost);
         if t.committed {
-            let cap = self.shard_cap;
-            shard.make_room(cap, now);
+            shard.make_room(self.shard_cap, now);
             let hasher = &self.hasher;
             shard.table.insert_unique(
                 table_hash,
                 Box::new(Entry {
-                    key: held.as_bytes().into(),
-                    fingerprint: fp,
-                    meta: Meta::new(t.expires_at_us, tier(rules, &t.decision), held.is_digest()),
+                    key: held.into(),
+                    fingerprint: rules.fingerprint(),
+                    meta: Meta::new(t.expires_at_us, tier(rules, &t.decision), is_digest),
                     states,
                 }),
                 |e| hasher.hash_one(&*e.key) ^ e.fingerprint,
             );
         }
-        Ok(t.decision)
+        t.decision
     }
 
     /// The synchronous form of [`Store::block`].
@@ -381,27 +456,26 @@ impl<C: Clock> MemoryStore<C> {
             None => u64::MAX,
         };
         let held = StoredKey::new(key);
-        let (_, shard) = self.locate(held);
+        let (_, shard) = self.locate(held.as_bytes());
         shard.lock().blocks.insert(HeldKey::from(held), until);
     }
 
     /// The synchronous form of [`Store::unblock`].
     pub fn unblock_now(&self, key: &[u8]) {
         let held = StoredKey::new(key);
-        let (_, shard) = self.locate(held);
+        let (_, shard) = self.locate(held.as_bytes());
         shard.lock().blocks.remove(&held);
     }
 
     /// The synchronous form of [`Store::reset`].
     pub fn reset_now(&self, key: &[u8], rules: &RuleSet) {
         let held = StoredKey::new(key);
-        let (hash, shard) = self.locate(held);
+        let (hash, shard) = self.locate(held.as_bytes());
         let fp = rules.fingerprint();
         let mut shard = shard.lock();
-        if let Ok(entry) = shard
-            .table
-            .find_entry(hash ^ fp, |e| e.holds(held, fp, rules.len()))
-        {
+        if let Ok(entry) = shard.table.find_entry(hash ^ fp, |e| {
+            e.holds(held.as_bytes(), held.is_digest(), fp, rules.len())
+        }) {
             entry.remove();
         }
     }
@@ -411,11 +485,39 @@ impl Entry {
     /// Whether this is the entry of `key` under the rule set of fingerprint `fp`: the
     /// key's kind is compared too, so a short key equal to some digest is another key.
     #[inline]
-    fn holds(&self, key: StoredKey<'_>, fp: u64, rules: usize) -> bool {
+    fn holds(&self, held: &[u8], is_digest: bool, fp: u64, rules: usize) -> bool {
         self.fingerprint == fp
             && self.states.len() == rules
-            && self.meta.is_digest() == key.is_digest()
-            && *self.key == *key.as_bytes()
+            && self.meta.is_digest() == is_digest
+            && same_bytes(&self.key, held)
+    }
+}
+
+/// Whether `a == b`, comparing keys of up to 32 bytes (addresses, most API keys) with two
+/// overlapping word loads each instead of a call to `memcmp`.
+#[inline(always)]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    fn word<const W: usize>(s: &[u8], at: usize) -> [u8; W] {
+        s[at..at + W].try_into().unwrap()
+    }
+    // Comparing the first and the last W bytes covers every byte when W <= n <= 2W.
+    match n {
+        16..=32 => {
+            word::<16>(a, 0) == word::<16>(b, 0) && word::<16>(a, n - 16) == word::<16>(b, n - 16)
+        }
+        8..=15 => {
+            u64::from_ne_bytes(word(a, 0)) == u64::from_ne_bytes(word(b, 0))
+                && u64::from_ne_bytes(word(a, n - 8)) == u64::from_ne_bytes(word(b, n - 8))
+        }
+        4..=7 => {
+            u32::from_ne_bytes(word(a, 0)) == u32::from_ne_bytes(word(b, 0))
+                && u32::from_ne_bytes(word(a, n - 4)) == u32::from_ne_bytes(word(b, n - 4))
+        }
+        _ => a == b,
     }
 }
 
@@ -432,6 +534,15 @@ impl From<StoredKey<'_>> for HeldKey {
             StoredKey::Inline(bytes) => HeldKey::Inline(bytes.into()),
             StoredKey::Digest(digest) => HeldKey::Digest(digest),
         }
+    }
+}
+
+/// The [`StoredKey`] of held bytes.
+fn stored(held: &[u8], is_digest: bool) -> StoredKey<'_> {
+    if is_digest {
+        StoredKey::Digest(held.try_into().expect("a digest is DIGEST_LEN bytes"))
+    } else {
+        StoredKey::Inline(held)
     }
 }
 
@@ -504,4 +615,26 @@ impl<C: Clock> Store for MemoryStore<C> {
     fn now_us(&self) -> u64 {
         self.clock.now_us()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_bytes;
+
+    #[test]
+    fn same_bytes_sees_every_byte_at_every_length() {
+        for len in 0..=MAX {
+            let a: Vec<u8> = (0..len as u8).map(|i| i.wrapping_mul(37)).collect();
+            assert!(same_bytes(&a, &a.clone()), "equal keys of {len} bytes");
+            for at in 0..len {
+                let mut b = a.clone();
+                b[at] ^= 0x80;
+                assert!(!same_bytes(&a, &b), "{len} bytes differing at {at}");
+            }
+            let longer = [a.as_slice(), &[0]].concat();
+            assert!(!same_bytes(&a, &longer), "{len} against {} bytes", len + 1);
+        }
+    }
+
+    const MAX: usize = crate::key::MAX_INLINE_KEY_LEN + 2;
 }

@@ -30,9 +30,14 @@ pub(super) fn evaluate(rule: &Rule, state: &RuleState, now: u64, cost: u64) -> E
 }
 
 /// Writes the window's new count.
-#[inline]
+#[inline(always)]
 pub(super) fn commit(state: &mut RuleState, index: u64, count: u64) {
-    *state = RuleState::Window { index, count };
+    // Overwriting the fields of a state of the same kind skips dropping the old one.
+    if let RuleState::Window { index: i, count: c } = state {
+        (*i, *c) = (index, count);
+    } else {
+        *state = RuleState::Window { index, count };
+    }
 }
 
 /// The end of the counted window.

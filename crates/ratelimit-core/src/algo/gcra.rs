@@ -58,9 +58,13 @@ pub(super) fn arrival(
 }
 
 /// Writes the new TAT.
-#[inline]
+#[inline(always)]
 pub(super) fn commit(state: &mut RuleState, us: u64, frac: u64) {
-    *state = RuleState::Tat { us, frac };
+    if let RuleState::Tat { us: u, frac: f } = state {
+        (*u, *f) = (us, frac);
+    } else {
+        *state = RuleState::Tat { us, frac };
+    }
 }
 
 /// The TAT, rounded up to a whole microsecond: from then on the key is idle.

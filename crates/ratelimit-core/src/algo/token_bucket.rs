@@ -48,9 +48,13 @@ pub(super) fn evaluate(rule: &Rule, capacity: u64, state: &RuleState, now: u64, 
 }
 
 /// Writes the level left after the request.
-#[inline]
+#[inline(always)]
 pub(super) fn commit(state: &mut RuleState, level: u64, last: u64) {
-    *state = RuleState::Tokens { level, last };
+    if let RuleState::Tokens { level: l, last: t } = state {
+        (*l, *t) = (level, last);
+    } else {
+        *state = RuleState::Tokens { level, last };
+    }
 }
 
 /// When the bucket is full again.
