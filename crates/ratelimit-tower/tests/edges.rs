@@ -3,7 +3,9 @@
 //! request, and the fleet share of the fallback.
 #![cfg(feature = "axum")]
 
-use std::future::{ready, Future};
+mod common;
+use common::Down;
+
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use axum::routing::get;
 use axum::{Extension, Router};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use ratelimit_core::{Decision, ManualClock, MemoryStore, RuleSet, Store};
+use ratelimit_core::{Decision, ManualClock, MemoryStore};
 use ratelimit_tower::{
     FailurePolicy, GlobalKey, HeaderKey, MissingKey, PeerIp, ProblemJson, RateLimitLayer,
 };
@@ -298,45 +300,20 @@ async fn handlers_see_the_decision() {
     assert_eq!(body(res).await, "remaining=2 reset=60s");
 }
 
-/// A store whose backend is unreachable.
-struct Down;
-
-impl Store for Down {
-    type Error = std::io::Error;
-    fn check(
-        &self,
-        _: &[u8],
-        _: &RuleSet,
-        _: u64,
-    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
-        ready(Err(std::io::Error::other("connection refused")))
-    }
-    fn block(
-        &self,
-        _: &[u8],
-        _: Option<Duration>,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        ready(Ok(()))
-    }
-    fn unblock(&self, _: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        ready(Ok(()))
-    }
-    fn reset(&self, _: &[u8], _: &RuleSet) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        ready(Ok(()))
-    }
-    fn now_us(&self) -> u64 {
-        T0
-    }
-}
-
 /// Two instances, the store down, each one's traffic from the same client: what the
 /// fleet admits in one window.
 async fn fleet_admits(share: bool) -> usize {
     let instance = || {
-        let builder = RateLimitLayer::builder(Down, GlobalKey)
-            .rules("10/min sliding-window")
-            .unwrap()
-            .namespace("api");
+        let builder = RateLimitLayer::builder(
+            Down {
+                clock: Some(ManualClock::new(T0)),
+                ..Down::default()
+            },
+            GlobalKey,
+        )
+        .rules("10/min sliding-window")
+        .unwrap()
+        .namespace("api");
         let builder = if share {
             builder.fallback_share(NonZeroU32::new(2).unwrap())
         } else {

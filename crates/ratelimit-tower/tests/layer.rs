@@ -3,7 +3,10 @@
 // The peer address comes from axum's `ConnectInfo`, read with the `axum` feature.
 #![cfg(feature = "axum")]
 
-use std::future::{ready, Future};
+mod common;
+use common::Down;
+
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -104,42 +107,6 @@ impl<S: Store> Store for Counting<S> {
     }
     fn now_us(&self) -> u64 {
         self.inner.now_us()
-    }
-}
-
-/// A store whose backend is gone: every call fails at once, or never answers.
-struct Down {
-    hang: bool,
-}
-
-impl Store for Down {
-    type Error = std::io::Error;
-    fn check(
-        &self,
-        _: &[u8],
-        _: &RuleSet,
-        _: u64,
-    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
-        let hang = self.hang;
-        async move {
-            if hang {
-                std::future::pending::<()>().await;
-            }
-            Err(std::io::Error::other("connection refused"))
-        }
-    }
-    fn block(
-        &self,
-        _: &[u8],
-        _: Option<Duration>,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        ready(Ok(()))
-    }
-    fn unblock(&self, _: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        ready(Ok(()))
-    }
-    fn reset(&self, _: &[u8], _: &RuleSet) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        ready(Ok(()))
     }
 }
 
@@ -402,7 +369,7 @@ async fn custom_rejection_body_keeps_the_standard_fields() {
 #[tokio::test]
 async fn failure_policies() {
     let build = |policy| {
-        app(RateLimitLayer::builder(Down { hang: false }, GlobalKey)
+        app(RateLimitLayer::builder(Down::default(), GlobalKey)
             .rules("1/min")
             .unwrap()
             .failure_policy(policy)
@@ -432,13 +399,19 @@ async fn failure_policies() {
 
 #[tokio::test(start_paused = true)]
 async fn store_timeout_applies_the_policy() {
-    let app = app(RateLimitLayer::builder(Down { hang: true }, GlobalKey)
-        .rules("1/min")
-        .unwrap()
-        .failure_policy(FailurePolicy::FailClosed)
-        .store_timeout(Duration::from_millis(250))
-        .build()
-        .unwrap());
+    let app = app(RateLimitLayer::builder(
+        Down {
+            hang: true,
+            ..Down::default()
+        },
+        GlobalKey,
+    )
+    .rules("1/min")
+    .unwrap()
+    .failure_policy(FailurePolicy::FailClosed)
+    .store_timeout(Duration::from_millis(250))
+    .build()
+    .unwrap());
     let start = tokio::time::Instant::now();
     let res = app
         .oneshot(Request::get("/").body(Body::empty()).unwrap())

@@ -1,6 +1,9 @@
 //! What operators see: `tracing` events for every failure policy, and (feature `metrics`)
 //! counters labelled by rule.
 
+mod common;
+use common::Down;
+
 use std::future::Future;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -10,37 +13,8 @@ use axum::body::Body;
 use axum::routing::get;
 use axum::Router;
 use http::{Request, StatusCode};
-use ratelimit_core::{Decision, RuleSet, Store};
 use ratelimit_tower::{FailurePolicy, GlobalKey, RateLimitLayer};
 use tower::ServiceExt;
-
-/// A store that always fails.
-struct Down;
-
-impl Store for Down {
-    type Error = std::io::Error;
-    fn check(
-        &self,
-        _: &[u8],
-        _: &RuleSet,
-        _: u64,
-    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
-        std::future::ready(Err(std::io::Error::other("connection refused")))
-    }
-    fn block(
-        &self,
-        _: &[u8],
-        _: Option<Duration>,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        std::future::ready(Ok(()))
-    }
-    fn unblock(&self, _: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        std::future::ready(Ok(()))
-    }
-    fn reset(&self, _: &[u8], _: &RuleSet) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        std::future::ready(Ok(()))
-    }
-}
 
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -82,7 +56,7 @@ fn each_failure_policy_is_visible_in_tracing() {
             .with_max_level(tracing::Level::WARN)
             .finish();
         let got = tracing::subscriber::with_default(subscriber, || {
-            let layer = RateLimitLayer::builder(Down, GlobalKey)
+            let layer = RateLimitLayer::builder(Down::default(), GlobalKey)
                 .rules("5/min")
                 .unwrap()
                 .failure_policy(policy)
@@ -149,42 +123,6 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
     assert!(lines[1].contains("requests=100"), "{log}");
 }
 
-/// A store that always fails, on a clock the test moves.
-struct DownOn(ratelimit_core::ManualClock);
-
-impl Store for DownOn {
-    type Error = std::io::Error;
-    fn check(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-        cost: u64,
-    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
-        Down.check(key, rules, cost)
-    }
-    fn block(
-        &self,
-        key: &[u8],
-        duration: Option<Duration>,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        Down.block(key, duration)
-    }
-    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        Down.unblock(key)
-    }
-    fn reset(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        Down.reset(key, rules)
-    }
-    fn now_us(&self) -> u64 {
-        use ratelimit_core::Clock;
-        self.0.now_us()
-    }
-}
-
 #[test]
 fn store_failures_are_logged_at_a_bounded_rate_with_a_count() {
     use ratelimit_core::ManualClock;
@@ -198,12 +136,18 @@ fn store_failures_are_logged_at_a_bounded_rate_with_a_count() {
         .finish();
     let clock = ManualClock::new(1_700_000_000_000_000);
     tracing::subscriber::with_default(subscriber, || {
-        let layer = RateLimitLayer::builder(DownOn(clock.clone()), GlobalKey)
-            .rules("5/min")
-            .unwrap()
-            .failure_policy(FailurePolicy::FailOpen)
-            .build()
-            .unwrap();
+        let layer = RateLimitLayer::builder(
+            Down {
+                clock: Some(clock.clone()),
+                ..Down::default()
+            },
+            GlobalKey,
+        )
+        .rules("5/min")
+        .unwrap()
+        .failure_policy(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
         let app = Router::new()
             .route("/", get(|| async { "ok" }))
             .layer(layer);
@@ -290,7 +234,7 @@ mod counters {
             .unwrap()
             .build()
             .unwrap();
-            let down = RateLimitLayer::builder(Down, GlobalKey)
+            let down = RateLimitLayer::builder(Down::default(), GlobalKey)
                 .rules("2/min name=other")
                 .unwrap()
                 .build()
