@@ -29,6 +29,21 @@ impl Write for Captured {
     }
 }
 
+/// Runs `f` with a subscriber that keeps the events up to `level`; returns `f`'s result
+/// and what the subscriber wrote.
+fn with_log<R>(level: tracing::Level, f: impl FnOnce() -> R) -> (R, String) {
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(level)
+        .finish();
+    let result = tracing::subscriber::with_default(subscriber, f);
+    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    (result, log)
+}
+
 fn run<F: Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -48,14 +63,7 @@ fn each_failure_policy_is_visible_in_tracing() {
         ),
         (FailurePolicy::Fallback, "fallback", StatusCode::OK),
     ] {
-        let out = Captured::default();
-        let writer = out.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .finish();
-        let got = tracing::subscriber::with_default(subscriber, || {
+        let (got, log) = with_log(tracing::Level::WARN, || {
             let layer = RateLimitLayer::builder(Down::default(), GlobalKey)
                 .rules("5/min")
                 .unwrap()
@@ -70,7 +78,6 @@ fn each_failure_policy_is_visible_in_tracing() {
                 .status()
         });
         assert_eq!(got, status, "{label}");
-        let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
         assert!(log.contains("WARN"), "{label}: {log}");
         assert!(log.contains(label), "{label}: {log}");
         assert!(log.contains("connection refused"), "{label}: {log}");
@@ -82,16 +89,9 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
     use ratelimit_core::{ManualClock, MemoryStore};
     use ratelimit_tower::HeaderKey;
 
-    let out = Captured::default();
-    let writer = out.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::ERROR)
-        .finish();
     let clock = ManualClock::new(1_700_000_000_000_000);
     let store = MemoryStore::builder().clock(clock.clone()).build();
-    tracing::subscriber::with_default(subscriber, || {
+    let ((), log) = with_log(tracing::Level::ERROR, || {
         let app = Router::new()
             .route("/", get(|| async { "ok" }))
             .layer(RateLimitLayer::new(
@@ -112,7 +112,6 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
         clock.advance(Duration::from_secs(1));
         send(1);
     });
-    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = log.lines().collect();
     assert_eq!(lines.len(), 2, "{log}");
     assert!(
@@ -127,15 +126,8 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
 fn store_failures_are_logged_at_a_bounded_rate_with_a_count() {
     use ratelimit_core::ManualClock;
 
-    let out = Captured::default();
-    let writer = out.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
     let clock = ManualClock::new(1_700_000_000_000_000);
-    tracing::subscriber::with_default(subscriber, || {
+    let ((), log) = with_log(tracing::Level::WARN, || {
         let layer = RateLimitLayer::builder(
             Down {
                 clock: Some(clock.clone()),
@@ -166,7 +158,6 @@ fn store_failures_are_logged_at_a_bounded_rate_with_a_count() {
         clock.advance(Duration::from_secs(1));
         send(1);
     });
-    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = log.lines().collect();
     // An outage fails every request: one line per 10 s, not one per request.
     assert_eq!(lines.len(), 2, "{log}");
