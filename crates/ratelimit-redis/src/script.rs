@@ -494,6 +494,8 @@ pub(crate) struct Shared {
     pub(crate) functions: AtomicBool,
     /// The Redis clock as seen from here, for deadlines.
     pub(crate) redis_clock: RedisClock,
+    /// `maxmemory-policy` as last read, when the server allowed it.
+    pub(crate) maxmemory_policy: std::sync::RwLock<Option<String>>,
 }
 
 impl std::fmt::Debug for Shared {
