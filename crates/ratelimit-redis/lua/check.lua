@@ -1,4 +1,5 @@
--- check.lua: one rate-limit decision for one client key, all rules at once.
+-- check.lua: one rate-limit decision for one client key, all rules at once (`check`), or
+-- many such decisions in one call (`check_many`, at the end of the file).
 --
 -- An integer translation of the core's algorithms: one local function per algorithm,
 -- named and ordered as the core's files (algo/fixed_window.rs, sliding_window.rs,
@@ -445,14 +446,18 @@ end
 -- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
 -- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
 -- or nil and the reply when the key is blocked or the check came past the caller's
--- deadline. Blocks come first: a blocked key consults no rule.
-local function begin(KEYS, injected, now_or_deadline, cost)
+-- deadline. Blocks come first: a blocked key consults no rule. `redis_now` is the Redis
+-- time when the caller read it already (a batch reads TIME once), else nil.
+local function begin(KEYS, injected, now_or_deadline, cost, redis_now)
   local now
   if injected then
     now = now_or_deadline
   else
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    now = redis_now
+    if not now then
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    end
     if now_or_deadline > 0 and now > now_or_deadline then
       -- The caller stopped waiting before Redis got to this check (a slow command, a
       -- fork, DEBUG SLEEP): decide nothing and charge nothing.
@@ -525,8 +530,9 @@ local function one_reply(status, cost, allowed, remaining, reset, retry, exp, no
 end
 
 -- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst).
-local function gcra_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, period, cap)
-  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
+local function gcra_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, period, cap,
+    redis_now)
+  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost, redis_now)
   if not now then
     return raw
   end
@@ -555,8 +561,9 @@ end
 -- One sliding window counter of precision 1: state (index, c0, c1). The common cases (no
 -- state, or a state of this sub-window or the one before, and an admitted check) are
 -- worked out here; a denial or a clock that went back goes through sliding_window.
-local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, sub)
-  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
+local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, sub,
+    redis_now)
+  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost, redis_now)
   if not now then
     return raw
   end
@@ -618,28 +625,23 @@ local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, lim
   return out
 end
 
--- One decision. The file defines `check` and nothing else runs at load: the store loads
--- it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so the functions
--- above are created once per server, not once per call) or, on Redis 6.2, runs it with
--- EVALSHA followed by `return check(KEYS, ARGV)`.
-local function check(KEYS, ARGV)
+local VERSION_SKEW = ' values; the store and the script are from different versions'
+
+-- One decision on the keys of one check, its packed values and the Redis time when read
+-- already (nil: read TIME if needed).
+local function decide(KEYS, packed, redis_now)
   local tonumber, fmt, redis = tonumber, string.format, redis
 
   -- One C call reads every argument (no text to parse); the last value is unpack's next
   -- position.
-  local VERSION_SKEW = ' values; the store and the script are from different versions'
-  if #ARGV ~= 1 then
-    return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
-  end
-  local packed = ARGV[1]
   if #packed == 8 * (HEADER + PER_RULE) then
     local inj, t, cost, ttl_floor, n, width, log_limit, _, code, limit, period, a, b =
       struct.unpack(ONE_RULE, packed)
     if n == 1 and log_limit == 0 then
       if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
-        return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a)
+        return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a, redis_now)
       elseif code == SLIDING_WINDOW and a == 1 and width == 3 then
-        return sliding_one(KEYS, inj == 1, t, cost, ttl_floor, limit, b)
+        return sliding_one(KEYS, inj == 1, t, cost, ttl_floor, limit, b, redis_now)
       end
     end
   end
@@ -663,7 +665,7 @@ local function check(KEYS, ARGV)
   if width <= 1000 then
     shape = '<' .. string.rep('d', width)
   end
-  local now, raw, status, c = begin(KEYS, injected, v[2], cost)
+  local now, raw, status, c = begin(KEYS, injected, v[2], cost, redis_now)
   if not now then
     return raw
   end
@@ -808,4 +810,59 @@ local function check(KEYS, ARGV)
   end
 
   return as_reply(out)
+end
+
+-- One decision. The file defines `check` and `check_many` and nothing else runs at load:
+-- the store loads it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so
+-- the functions above are created once per server, not once per call) or, on Redis 6.2,
+-- runs it with EVALSHA followed by `return check(KEYS, ARGV)` (or check_many).
+local function check(KEYS, ARGV)
+  if #ARGV ~= 1 then
+    return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
+  end
+  return decide(KEYS, ARGV[1], nil)
+end
+
+-- Many decisions in one call, in order, each decided as `check` decides it alone but for
+-- one TIME read for all. The store sends what queued while its previous call was in
+-- flight.
+--
+-- KEYS     the keys of each check in turn, as for `check` (2, or 3 with a sliding log)
+-- ARGV[1]  one character per check: its number of keys, '2' or '3'
+-- ARGV[1 + i]  check i's packed values, as ARGV[1] of `check`
+--
+-- Returns one string: each check's reply in turn, as `check` returns it; a check that
+-- failed (an error reply or an error raised) as the doubles {-1, length} and that many
+-- bytes of message. One check's failure never touches another's decision.
+local function check_many(KEYS, ARGV)
+  local counts = ARGV[1]
+  local n = #counts
+  if #ARGV ~= n + 1 then
+    return redis.error_reply('RLARGS check_many expects 1 + ' .. n .. ' arguments, got '
+      .. #ARGV .. VERSION_SKEW)
+  end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local out, k, byte, pcall, type, pack = {}, 0, string.byte, pcall, type, struct.pack
+  for i = 1, n do
+    local m = byte(counts, i) - 48
+    local keys = {KEYS[k + 1], KEYS[k + 2]}
+    if m == 3 then
+      keys[3] = KEYS[k + 3]
+    end
+    k = k + m
+    local ok, r = pcall(decide, keys, ARGV[i + 1], now)
+    if ok and type(r) == 'string' then
+      out[i] = r
+    else
+      local msg
+      if type(r) == 'table' and r.err then
+        msg = r.err
+      else
+        msg = tostring(r)
+      end
+      out[i] = pack('<dd', -1, #msg) .. msg
+    end
+  end
+  return table.concat(out)
 end

@@ -150,6 +150,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod batch;
 mod bounded_log;
 mod error;
 mod keys;
