@@ -237,13 +237,16 @@
 struct ReadmeDoctests;
 
 mod cost;
-mod decide;
 mod deny_cache;
+mod error;
+mod fallback;
 mod future;
 pub mod headers;
 pub mod key;
 mod layer;
+mod limiter;
 mod metrics;
+mod namespace;
 mod policy;
 mod rejection;
 mod service;
@@ -251,12 +254,13 @@ mod tier;
 
 pub use cost::{RequestCost, UnitCost};
 pub use deny_cache::DenyCacheConfig;
+pub use error::BuildError;
 pub use future::ResponseFuture;
 pub use key::{
     ClientIp, Extraction, ForwardedHeader, GlobalKey, HeaderKey, Key, KeyConfigError, KeyExtractor,
     KeyExtractorExt, PeerIp,
 };
-pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
 pub use policy::{FailurePolicy, MissingKey};
 pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectReason, Rejection};
 pub use service::RateLimit;
