@@ -71,7 +71,7 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    #[cfg(test)]
+    /// A rejection with nothing known but its reason and status.
     pub(crate) fn new(reason: RejectReason, status: StatusCode) -> Self {
         Self {
             reason,
