@@ -12,7 +12,8 @@
 //! | blocked key | 429 or 403 ([`BlockedStatus`]) | `Retry-After` (unless endless), `RateLimit-Policy` |
 //! | cost above a rule's capacity | 413 (waiting would not help) | `RateLimit-Policy` |
 //! | store failed | per [`FailurePolicy`]: pass, 503, or a local fallback store | |
-//! | no key found (misconfiguration) | 500 by default ([`MissingKey`]) | |
+//! | the client left out its key (a header) | 400 by default ([`omitted_key_status`](RateLimitLayerBuilder::omitted_key_status)) | |
+//! | no key found (server misconfiguration) | 500 by default ([`MissingKey`]) | |
 //!
 //! A refusal has a short `text/plain` body (`rate limit exceeded, retry in 3 s`) by
 //! default; [`ProblemJson`] gives RFC 9457 `application/problem+json`, and
@@ -76,13 +77,26 @@
 //!
 //! The key extractor ([`KeyExtractor`]) answers a key, a deliberate exemption
 //! ([`PeerIp::exempt`] / [`ClientIp::exempt`] for networks,
-//! [`exempt_if`](key::KeyExtractorExt::exempt_if) for anything else), or "no key found":
-//! a request without a peer address (the server was started without
-//! `into_make_service_with_connect_info`), without the header, or without the extension an
-//! authentication layer should have set. No key found is a misconfiguration: by default
-//! the request is answered 500 with a body that says what is missing
-//! ([`MissingKey`]), and the layer logs at `ERROR` at most every 10 seconds with the
-//! number of such requests. A closure extractor answering `None` is "no key found" too.
+//! [`exempt_if`](key::KeyExtractorExt::exempt_if) for anything else), or no key, for one
+//! of two reasons:
+//!
+//! * **The client left it out** ([`Extraction::Omitted`]): a request without the header a
+//!   [`HeaderKey`] reads. The client's mistake: answered 400 (or the status given to
+//!   [`omitted_key_status`](RateLimitLayerBuilder::omitted_key_status)) with a body that
+//!   says what is missing, logged at `DEBUG`. To key such requests another way, give the
+//!   extractor a fallback: `HeaderKey::new("x-api-key").or(PeerIp::new())` keys by the
+//!   API key when there is one, else by the peer address
+//!   ([`or`](key::KeyExtractorExt::or)).
+//! * **The server did not provide it** ([`Extraction::Missing`]): a request without a peer
+//!   address (the server was started without `into_make_service_with_connect_info`) or
+//!   without the extension an authentication layer should have set. A misconfiguration:
+//!   by default answered 500 with a body that says what is missing ([`MissingKey`]), and
+//!   logged at `ERROR` at most every 10 seconds with the number of such requests. A
+//!   closure extractor answering `None` is a missing key too.
+//!
+//! Logs above `TRACE` show a client key only as its digest
+//! ([`log_digest`](key::log_digest)): `key=#3fa2c91b`; `TRACE` events add the key itself
+//! (`client=`).
 //!
 //! # Budgets and namespaces
 //!

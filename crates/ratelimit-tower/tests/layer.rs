@@ -293,7 +293,7 @@ async fn cost_above_capacity_is_413_without_a_store_call() {
 }
 
 #[tokio::test]
-async fn no_key_is_refused_with_what_is_missing() {
+async fn a_request_without_the_key_header_is_a_client_error_that_says_what_is_missing() {
     let clock = clock();
     let layer = RateLimitLayer::builder(mem(&clock), HeaderKey::new("x-api-key"))
         .rules("1/min")
@@ -307,12 +307,12 @@ async fn no_key_is_refused_with_what_is_missing() {
             .oneshot(Request::get("/").body(Body::empty()).unwrap())
             .await
             .unwrap();
-        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST);
         assert!(res.headers().get("ratelimit").is_none());
         let body = res.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(
             body,
-            "rate limiting is misconfigured: the request has no `x-api-key` header to key the rate limit by\n"
+            "the request cannot be rate limited: the request has no `x-api-key` header\n"
         );
     }
     let keyed = || {
@@ -329,6 +329,70 @@ async fn no_key_is_refused_with_what_is_missing() {
         app.oneshot(keyed()).await.unwrap().status(),
         StatusCode::TOO_MANY_REQUESTS
     );
+}
+
+#[tokio::test]
+async fn the_status_for_an_omitted_key_is_configurable_and_a_client_error() {
+    let clock = clock();
+    let build = |status| {
+        RateLimitLayer::builder(mem(&clock), HeaderKey::new("x-api-key"))
+            .rules("1/min")
+            .unwrap()
+            .omitted_key_status(status)
+            .build()
+    };
+    let app = app(build(StatusCode::UNAUTHORIZED).unwrap());
+    let res = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    let err = build(StatusCode::INTERNAL_SERVER_ERROR).unwrap_err();
+    assert!(err.to_string().contains("client error (4xx)"), "{err}");
+}
+
+#[tokio::test]
+async fn a_key_header_falls_back_to_the_peer_address() {
+    let clock = clock();
+    let layer = RateLimitLayer::new(
+        mem(&clock),
+        HeaderKey::new("x-api-key").or(PeerIp::new()),
+        "2/min".parse().unwrap(),
+    );
+    let app = app(layer);
+    let with_key = |key: &str| {
+        let mut req = get_from("/", "192.0.2.1");
+        req.headers_mut().insert("x-api-key", key.parse().unwrap());
+        req
+    };
+    let status = |req: Request<Body>| {
+        let app = app.clone();
+        async move { app.oneshot(req).await.unwrap().status() }
+    };
+    // Anonymous requests from one address share its budget.
+    assert_eq!(status(get_from("/", "192.0.2.1")).await, StatusCode::OK);
+    assert_eq!(status(get_from("/", "192.0.2.1")).await, StatusCode::OK);
+    assert_eq!(
+        status(get_from("/", "192.0.2.1")).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // A key has a budget of its own, from the same address too, even a key that spells
+    // the address.
+    for key in ["k1", "192.0.2.1"] {
+        assert_eq!(status(with_key(key)).await, StatusCode::OK, "{key}");
+        assert_eq!(status(with_key(key)).await, StatusCode::OK, "{key}");
+        assert_eq!(
+            status(with_key(key)).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{key}"
+        );
+    }
+    // Neither a key nor a peer address: the server's configuration, still a 500.
+    let res = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
 }
 
 #[tokio::test]

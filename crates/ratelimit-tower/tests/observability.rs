@@ -87,8 +87,11 @@ fn each_failure_policy_is_visible_in_tracing() {
 #[test]
 fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
     use ratelimit_core::{ManualClock, MemoryStore};
-    use ratelimit_tower::HeaderKey;
 
+    #[derive(Clone)]
+    struct User(String);
+    // Set by an authentication layer that, misplaced, runs after the limiter.
+    let by_user = |req: &Request<Body>| req.extensions().get::<User>().map(|u| u.0.clone());
     let clock = ManualClock::new(1_700_000_000_000_000);
     let store = MemoryStore::builder().clock(clock.clone()).build();
     let ((), log) = with_log(tracing::Level::ERROR, || {
@@ -96,7 +99,7 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
             .route("/", get(|| async { "ok" }))
             .layer(RateLimitLayer::new(
                 store,
-                HeaderKey::new("x-api-key"),
+                by_user,
                 "5/min".parse().unwrap(),
             ));
         let send = |n: usize| {
@@ -118,8 +121,70 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
         lines[0].contains("ERROR") && lines[0].contains("requests=1"),
         "{log}"
     );
-    assert!(lines[0].contains("x-api-key"), "{log}");
+    assert!(lines[0].contains("closure answered `None`"), "{log}");
     assert!(lines[1].contains("requests=100"), "{log}");
+}
+
+#[test]
+fn client_keys_appear_in_logs_above_trace_only_as_a_digest() {
+    use ratelimit_core::{ManualClock, MemoryStore};
+    use ratelimit_tower::key::log_digest;
+    use ratelimit_tower::HeaderKey;
+
+    const SECRET: &str = "k-secret-4711";
+    let send = |app: &Router, n: usize| {
+        for _ in 0..n {
+            let req = Request::get("/")
+                .header("x-api-key", SECRET)
+                .body(Body::empty())
+                .unwrap();
+            run(app.clone().oneshot(req)).unwrap();
+        }
+    };
+    let app = |store| {
+        Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::builder(store, HeaderKey::new("x-api-key"))
+                .rules("1/min")
+                .unwrap()
+                .without_deny_cache()
+                .build()
+                .unwrap(),
+        )
+    };
+    let digest = log_digest(SECRET.as_bytes()).to_string();
+    // Refused (DEBUG) and, through a store that fails, reported (WARN).
+    let ((), log) = with_log(tracing::Level::DEBUG, || {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(1_700_000_000_000_000))
+            .build();
+        send(&app(store), 3);
+    });
+    assert!(log.contains("refusing request"), "{log}");
+    assert!(log.contains(&digest), "{log}");
+    assert!(!log.contains(SECRET), "{log}");
+    let ((), log) = with_log(tracing::Level::DEBUG, || {
+        let layer = RateLimitLayer::builder(Down::default(), HeaderKey::new("x-api-key"))
+            .rules("1/min")
+            .unwrap()
+            .build()
+            .unwrap();
+        send(
+            &Router::new()
+                .route("/", get(|| async { "ok" }))
+                .layer(layer),
+            1,
+        );
+    });
+    assert!(log.contains("WARN") && log.contains(&digest), "{log}");
+    assert!(!log.contains(SECRET), "{log}");
+    // TRACE shows the key itself, for debugging a single client.
+    let ((), log) = with_log(tracing::Level::TRACE, || {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(1_700_000_000_000_000))
+            .build();
+        send(&app(store), 1);
+    });
+    assert!(log.contains(SECRET), "{log}");
 }
 
 #[test]
