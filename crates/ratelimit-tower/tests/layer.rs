@@ -116,6 +116,7 @@ async fn admitted_and_limited_fields_are_exact() {
     let layer = RateLimitLayer::builder(mem(&clock), PeerIp::new())
         .rules("2/10s fixed-window name=short; 100/h fixed-window")
         .unwrap()
+        .namespace("site")
         .build()
         .unwrap();
     let app = app(layer);
@@ -130,11 +131,11 @@ async fn admitted_and_limited_fields_are_exact() {
     assert_eq!(first.status(), StatusCode::OK);
     assert_eq!(
         header(&first, "ratelimit-policy"),
-        Some(r#""short";q=2;w=10, "100-per-1h";q=100;w=3600"#)
+        Some(r#""short";q=2;w=10, "100-per-1h@site";q=100;w=3600"#)
     );
     assert_eq!(
         header(&first, "ratelimit"),
-        Some(r#""short";r=1;t=7, "100-per-1h";r=99;t=3597"#)
+        Some(r#""short";r=1;t=7, "100-per-1h@site";r=99;t=3597"#)
     );
     assert_eq!(header(&first, "retry-after"), None);
     assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "ok");
@@ -153,7 +154,7 @@ async fn admitted_and_limited_fields_are_exact() {
     assert_eq!(header(&denied, "retry-after"), Some("7"));
     assert_eq!(
         header(&denied, "ratelimit"),
-        Some(r#""short";r=0;t=7, "100-per-1h";r=98;t=3597"#)
+        Some(r#""short";r=0;t=7, "100-per-1h@site";r=98;t=3597"#)
     );
     assert_eq!(
         header(&denied, "content-type"),
@@ -264,6 +265,7 @@ async fn cost_above_capacity_is_413_without_a_store_call() {
     let layer = RateLimitLayer::builder(store.clone(), GlobalKey)
         .rules("10/min fixed-window")
         .unwrap()
+        .namespace("units")
         .cost(|req: &Request<Body>| {
             req.headers()
                 .get("x-units")
@@ -286,7 +288,10 @@ async fn cost_above_capacity_is_413_without_a_store_call() {
     assert_eq!(store.calls(), 0);
     let res = app.clone().oneshot(req("10")).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
-    assert_eq!(header(&res, "ratelimit"), Some(r#""10-per-1min";r=0;t=60"#));
+    assert_eq!(
+        header(&res, "ratelimit"),
+        Some(r#""10-per-1min@units";r=0;t=60"#)
+    );
     let res = app.oneshot(req("1")).await.unwrap();
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(store.calls(), 2);
@@ -631,6 +636,7 @@ async fn deny_cache_expires_with_the_retry_time() {
     let layer = RateLimitLayer::builder(store.clone(), GlobalKey)
         .rules("1/2s fixed-window")
         .unwrap()
+        .namespace("cache")
         .deny_cache(DenyCacheConfig::default().max_keys(100))
         .build()
         .unwrap();
@@ -647,7 +653,10 @@ async fn deny_cache_expires_with_the_retry_time() {
     assert_eq!(cached.status(), StatusCode::TOO_MANY_REQUESTS);
     // The cached answer counts down like the store's would.
     assert_eq!(header(&cached, "retry-after"), Some("1"));
-    assert_eq!(header(&cached, "ratelimit"), Some(r#""1-per-2s";r=0;t=1"#));
+    assert_eq!(
+        header(&cached, "ratelimit"),
+        Some(r#""1-per-2s@cache";r=0;t=1"#)
+    );
     assert_eq!(store.calls(), 2);
     clock.advance(Duration::from_millis(500));
     assert_eq!(app.oneshot(req()).await.unwrap().status(), StatusCode::OK);
@@ -661,6 +670,7 @@ async fn layers_stack_per_route() {
     let global = RateLimitLayer::builder(store.clone(), PeerIp::new())
         .rules("3/min fixed-window")
         .unwrap()
+        .namespace("global")
         .build()
         .unwrap();
     let login = RateLimitLayer::builder(store, PeerIp::new())
@@ -681,7 +691,7 @@ async fn layers_stack_per_route() {
     let policies: Vec<_> = ok.headers().get_all("ratelimit-policy").iter().collect();
     assert_eq!(
         policies,
-        [r#""login";q=1;w=60"#, r#""3-per-1min";q=3;w=60"#]
+        [r#""login";q=1;w=60"#, r#""3-per-1min@global";q=3;w=60"#]
     );
     let denied = app
         .clone()
@@ -696,7 +706,7 @@ async fn layers_stack_per_route() {
             .get_all("ratelimit")
             .iter()
             .collect::<Vec<_>>(),
-        [r#""login";r=0;t=60"#, r#""3-per-1min";r=1;t=60"#]
+        [r#""login";r=0;t=60"#, r#""3-per-1min@global";r=1;t=60"#]
     );
     assert_eq!(
         app.clone()

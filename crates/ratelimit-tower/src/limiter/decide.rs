@@ -10,7 +10,7 @@ use ratelimit_core::{Decision, Outcome, Store};
 use super::state::Limiter;
 use super::verdict::{Begin, Pass, Verdict};
 use crate::cost::RequestCost;
-use crate::headers::{ratelimit_value, ratelimit_value_of, Fields};
+use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
@@ -152,7 +152,7 @@ where
         tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: denied from the local deny cache");
         #[cfg(feature = "metrics")]
         tier.metrics.decision(&hit.decision);
-        let ratelimit = ratelimit_value_of(hit.decision.rules(), &tier.names, hit.elapsed);
+        let ratelimit = tier.policy.ratelimit_of(hit.decision.rules(), hit.elapsed);
         Some(self.denial(tier, key, hit.decision, hit.retry_after, ratelimit))
     }
 
@@ -211,7 +211,7 @@ where
         if let Some(cache) = &self.deny_cache {
             cache.insert(key, cost, &decision, self.store.now_us());
         }
-        let ratelimit = ratelimit_value(&decision, &tier.names);
+        let ratelimit = tier.policy.ratelimit(&decision);
         let retry_after = decision.retry_after();
         self.denial(tier, key, decision, retry_after, ratelimit)
     }
@@ -238,8 +238,8 @@ where
             tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: admitted");
         }
         let fields = self.admitted_headers.then(|| Fields {
-            policy: Some(tier.policy_header.clone()),
-            ratelimit: ratelimit_value(&decision, &tier.names),
+            policy: Some(tier.policy.header.clone()),
+            ratelimit: tier.policy.ratelimit(&decision),
             shadow: None,
         });
         let decision = match extensions {

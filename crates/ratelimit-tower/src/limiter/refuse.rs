@@ -9,7 +9,6 @@ use ratelimit_core::{CapacityError, Decision, Outcome, Store};
 
 use super::state::Limiter;
 use super::verdict::Verdict;
-use crate::headers::ratelimit_value;
 use crate::key::KeyDigest;
 use crate::rejection::{Refusal, RejectReason, Rejection};
 use crate::tier::Tier;
@@ -53,7 +52,7 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
             max_delay_ms = self.max_delay.as_millis() as u64,
             "rate limit: shaping delay above the maximum; refusing"
         );
-        let ratelimit = ratelimit_value(&decision, &tier.names);
+        let ratelimit = tier.policy.ratelimit(&decision);
         let rejection = Rejection {
             retry_after: Some(delay),
             decision: Some(decision),
@@ -117,7 +116,7 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
         fields: Option<(&Tier, Option<HeaderValue>)>,
     ) -> Verdict {
         let (policy, ratelimit) = match fields {
-            Some((tier, ratelimit)) => (Some(tier.policy_header.clone()), ratelimit),
+            Some((tier, ratelimit)) => (Some(tier.policy.header.clone()), ratelimit),
             None => (None, None),
         };
         Verdict::Refuse(Box::new(Refusal {
