@@ -4,12 +4,12 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
+use crate::body::ResponseBody;
 use crate::decide::{CheckFuture, Verdict};
 use crate::headers::Fields;
 
@@ -45,7 +45,7 @@ pin_project! {
             future: Fut,
         },
         Replied {
-            response: Option<Response<ResBody>>,
+            response: Option<Response<ResponseBody<ResBody>>>,
         },
     }
 }
@@ -76,7 +76,7 @@ where
         }
     }
 
-    pub(crate) fn reply(response: Response<ResBody>) -> Self {
+    pub(crate) fn reply(response: Response<ResponseBody<ResBody>>) -> Self {
         Self {
             state: State::Replied {
                 response: Some(response),
@@ -99,9 +99,8 @@ where
 impl<Svc, ReqBody, ResBody> Future for ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<Bytes>,
 {
-    type Output = Result<Response<ResBody>, Svc::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, Svc::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -130,7 +129,10 @@ where
                             });
                         }
                     }
-                    Verdict::Refuse(refusal) => return Poll::Ready(Ok(refusal.into_response())),
+                    Verdict::Refuse(refusal) => {
+                        let pending = call.as_ref().expect("polled after completion");
+                        return Poll::Ready(Ok(refusal.into_response(pending.1.headers())));
+                    }
                 },
                 StateProj::Delaying { sleep, call } => {
                     ready!(sleep.as_mut().poll(cx));
@@ -144,7 +146,7 @@ where
                     if let Some(fields) = this.fields.take() {
                         fields.apply(response.headers_mut());
                     }
-                    return Poll::Ready(Ok(response));
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Replied { response } => {
                     return Poll::Ready(Ok(response.take().expect("polled after completion")))

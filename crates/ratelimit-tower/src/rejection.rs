@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_TYPE};
+use http::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use http::{Response, StatusCode};
 use ratelimit_core::Decision;
 
+use crate::body::ResponseBody;
 use crate::headers::{ceil_secs, write_refusal};
 
 /// Why a request was refused.
@@ -235,16 +236,24 @@ pub(crate) struct Refusal {
 }
 
 impl Refusal {
-    pub(crate) fn into_response<B: From<Bytes>>(self) -> Response<B> {
-        let mut response = self.hook.rejection(&self.rejection).map(B::from);
-        *response.status_mut() = self.rejection.status;
+    /// The response to the request whose headers are `request`: trailers-only for a gRPC
+    /// call (the hook is not asked: such a response has no body), else the hook's with
+    /// the refusal's status.
+    pub(crate) fn into_response<B>(self, request: &HeaderMap) -> Response<ResponseBody<B>> {
+        let mut response = if crate::grpc::is_grpc(request) {
+            crate::grpc::trailers_only(&self.rejection)
+        } else {
+            let mut response = self.hook.rejection(&self.rejection);
+            *response.status_mut() = self.rejection.status;
+            response
+        };
         write_refusal(
             response.headers_mut(),
             self.rejection.retry_after,
             self.policy,
             self.ratelimit,
         );
-        response
+        response.map(ResponseBody::own)
     }
 }
 

@@ -2,11 +2,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use ratelimit_core::Store;
 use tower_service::Service;
 
+use crate::body::ResponseBody;
 use crate::cost::RequestCost;
 use crate::decide::{Begin, Verdict};
 use crate::future::ResponseFuture;
@@ -69,9 +69,8 @@ where
     K: KeyExtractor<ReqBody>,
     C: RequestCost<ReqBody>,
     T: SelectTier<ReqBody>,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = Svc::Error;
     type Future = ResponseFuture<Svc, ReqBody, ResBody>;
 
@@ -98,7 +97,9 @@ where
                     ResponseFuture::delayed(self.take_ready(), req, delay, fields)
                 }
             }
-            Begin::Now(Verdict::Refuse(refusal)) => ResponseFuture::reply(refusal.into_response()),
+            Begin::Now(Verdict::Refuse(refusal)) => {
+                ResponseFuture::reply(refusal.into_response(req.headers()))
+            }
             Begin::Later(check) => ResponseFuture::checking(check, self.take_ready(), req),
         }
     }
