@@ -16,10 +16,8 @@ use base64::engine::general_purpose::STANDARD_NO_PAD;
 use base64::Engine as _;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
-use http::{Response, StatusCode};
+use http::Response;
 use percent_encoding::{utf8_percent_encode, AsciiSet, CONTROLS};
-
-use crate::rejection::{RejectReason, Rejection};
 
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
@@ -56,49 +54,26 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     })
 }
 
-/// The status a gRPC client gets for `rejection`.
-pub(crate) fn code(rejection: &Rejection) -> Code {
-    match rejection.reason {
-        RejectReason::Blocked if rejection.status == StatusCode::FORBIDDEN => {
-            Code::PermissionDenied
-        }
-        // gRPC itself answers RESOURCE_EXHAUSTED to a message above the receiver's size
-        // limit: the nearest thing to a cost above capacity (HTTP 413).
-        RejectReason::Limited
-        | RejectReason::Blocked
-        | RejectReason::DelayTooLong
-        | RejectReason::CostExceedsCapacity { .. } => Code::ResourceExhausted,
-        RejectReason::StoreUnavailable => Code::Unavailable,
-        // The layer's policy says whose fault a missing key is by its status: a client
-        // error when the client left something out, else the server's configuration.
-        RejectReason::MissingKey | RejectReason::UnknownTier => {
-            if rejection.status.is_client_error() {
-                Code::InvalidArgument
-            } else {
-                Code::Internal
-            }
-        }
-    }
-}
-
-/// The trailers-only response for `rejection`: HTTP 200, `content-type:
+/// The trailers-only response for a refusal: HTTP 200, `content-type:
 /// application/grpc`, `grpc-status`, `grpc-message` and, when the call can be retried
 /// later, `grpc-status-details-bin` with a `google.rpc.RetryInfo`. The caller adds the
 /// rate-limit fields and `retry-after` as metadata.
-pub(crate) fn trailers_only(rejection: &Rejection) -> Response<Bytes> {
-    let code = code(rejection);
-    let message = rejection.message();
+pub(crate) fn trailers_only(
+    code: Code,
+    message: &str,
+    retry_after: Option<Duration>,
+) -> Response<Bytes> {
     let mut response = Response::new(Bytes::new());
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     headers.insert(&GRPC_STATUS, HeaderValue::from(code as u16));
-    let encoded = utf8_percent_encode(&message, GRPC_MESSAGE_SET).to_string();
+    let encoded = utf8_percent_encode(message, GRPC_MESSAGE_SET).to_string();
     headers.insert(
         &GRPC_MESSAGE,
         HeaderValue::try_from(encoded).expect("percent-encoded text is a valid header value"),
     );
-    if let Some(delay) = rejection.retry_after {
-        let details = STANDARD_NO_PAD.encode(status_with_retry_info(code, &message, delay));
+    if let Some(delay) = retry_after {
+        let details = STANDARD_NO_PAD.encode(status_with_retry_info(code, message, delay));
         headers.insert(
             &GRPC_STATUS_DETAILS,
             HeaderValue::try_from(details).expect("base64 is a valid header value"),
@@ -180,56 +155,6 @@ mod tests {
             assert!(!is_grpc(&headers(ct)), "{ct}");
         }
         assert!(!is_grpc(&HeaderMap::new()));
-    }
-
-    #[test]
-    fn codes_by_reason_and_status() {
-        let code_of = |reason, status| code(&Rejection::new(reason, status));
-        let cases = [
-            (
-                RejectReason::Limited,
-                StatusCode::TOO_MANY_REQUESTS,
-                Code::ResourceExhausted,
-            ),
-            (
-                RejectReason::DelayTooLong,
-                StatusCode::TOO_MANY_REQUESTS,
-                Code::ResourceExhausted,
-            ),
-            (
-                RejectReason::Blocked,
-                StatusCode::TOO_MANY_REQUESTS,
-                Code::ResourceExhausted,
-            ),
-            (
-                RejectReason::Blocked,
-                StatusCode::FORBIDDEN,
-                Code::PermissionDenied,
-            ),
-            (
-                RejectReason::StoreUnavailable,
-                StatusCode::SERVICE_UNAVAILABLE,
-                Code::Unavailable,
-            ),
-            (
-                RejectReason::MissingKey,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                Code::Internal,
-            ),
-            (
-                RejectReason::MissingKey,
-                StatusCode::BAD_REQUEST,
-                Code::InvalidArgument,
-            ),
-            (
-                RejectReason::UnknownTier,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                Code::Internal,
-            ),
-        ];
-        for (reason, status, want) in cases {
-            assert_eq!(code_of(reason, status), want, "{reason:?} {status}");
-        }
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use ratelimit_core::util::period_parts;
 use ratelimit_core::{Decision, RuleOutcome, RuleSet};
 use smallvec::SmallVec;
 
@@ -77,7 +78,10 @@ pub(crate) fn policy_names(rules: &RuleSet) -> Vec<String> {
     for (i, rule) in rules.rules().iter().enumerate() {
         let mut name = match rule.name() {
             Some(n) => n.to_owned(),
-            None => format!("{}-per-{}", rule.limit(), period_text(rule.period())),
+            None => {
+                let (count, unit) = period_parts(rule.period());
+                format!("{}-per-{count}{unit}", rule.limit())
+            }
         };
         if names.contains(&name) {
             let _ = write!(name, "-{i}");
@@ -85,22 +89,6 @@ pub(crate) fn policy_names(rules: &RuleSet) -> Vec<String> {
         names.push(name);
     }
     names
-}
-
-fn period_text(p: Duration) -> String {
-    let us = p.as_micros();
-    for (size, unit) in [
-        (86_400_000_000, "d"),
-        (3_600_000_000, "h"),
-        (60_000_000, "min"),
-        (1_000_000, "s"),
-        (1_000, "ms"),
-    ] {
-        if us % size == 0 {
-            return format!("{}{unit}", us / size);
-        }
-    }
-    format!("{us}us")
 }
 
 /// Names are limited to `[A-Za-z0-9_.-]` by the core, so they need no escaping inside an

@@ -216,23 +216,31 @@
 //! Everything the layer keeps in time (its deny cache, the fallback store) runs on the
 //! store's clock, so a [`MemoryStore`](ratelimit_core::MemoryStore) on a
 //! [`ManualClock`](ratelimit_core::ManualClock) tests the app with the default settings:
-//! no paused tokio time, nothing turned off.
+//! no paused tokio time, nothing turned off. Build the app in a function generic over the
+//! store: `main` passes the store it runs with (`Arc<MemoryStore>`, a `RedisStore`), a
+//! test passes `MemoryStore<ManualClock>` (a different type from `MemoryStore`, whose
+//! clock is the system's).
 //!
 //! ```
 //! use axum::{body::Body, extract::ConnectInfo, routing::get, Router};
 //! use http::{Request, StatusCode};
-//! use ratelimit_core::{ManualClock, MemoryStore};
+//! use ratelimit_core::{ManualClock, MemoryStore, Store};
 //! use ratelimit_tower::{PeerIp, RateLimitLayer};
-//! use std::{net::SocketAddr, sync::Arc, time::Duration};
+//! use std::{net::SocketAddr, time::Duration};
 //! use tower::ServiceExt;
+//!
+//! /// The app, on any store.
+//! fn app<S: Store>(store: S) -> Router {
+//!     Router::new()
+//!         .route("/", get(|| async { "hello" }))
+//!         .layer(RateLimitLayer::new(store, PeerIp::new(), "10/min".parse().unwrap()))
+//! }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let clock = ManualClock::new(1_700_000_000_000_000);
-//! let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
-//! let app = Router::new()
-//!     .route("/", get(|| async { "hello" }))
-//!     .layer(RateLimitLayer::new(store, PeerIp::new(), "10/min".parse()?));
+//! let store: MemoryStore<ManualClock> = MemoryStore::builder().clock(clock.clone()).build();
+//! let app = app(store);
 //!
 //! let get = || {
 //!     let mut req = Request::get("/").body(Body::empty()).unwrap();
@@ -306,14 +314,17 @@ struct ReadmeDoctests;
 
 mod body;
 mod cost;
-mod decide;
 mod deny_cache;
+mod error;
+mod fallback;
 mod future;
 mod grpc;
 pub mod headers;
 pub mod key;
 mod layer;
+mod limiter;
 mod metrics;
+mod namespace;
 mod policy;
 mod rejection;
 mod service;
@@ -322,12 +333,13 @@ mod tier;
 pub use body::ResponseBody;
 pub use cost::{RequestCost, UnitCost};
 pub use deny_cache::DenyCacheConfig;
+pub use error::BuildError;
 pub use future::ResponseFuture;
 pub use key::{
     ClientIp, Extraction, ForwardedHeader, GlobalKey, HeaderKey, Key, KeyConfigError, KeyExtractor,
     KeyExtractorExt, PeerIp,
 };
-pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
 pub use policy::{FailurePolicy, MissingKey};
 pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectReason, Rejection};
 pub use service::RateLimit;

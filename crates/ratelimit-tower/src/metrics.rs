@@ -1,12 +1,7 @@
 //! Counters (feature `metrics`), registered once per layer so that counting a request is
 //! an atomic add, not a lookup.
 //!
-//! | counter | labels |
-//! |---|---|
-//! | `ratelimit_admitted_total` | `rule` (each rule of the layer) |
-//! | `ratelimit_limited_total` | `rule` (each rule that denied) |
-//! | `ratelimit_blocked_total` | `rules` (the layer's rule names, comma-separated) |
-//! | `ratelimit_store_errors_total` | `rules`, `policy` (`fail_open`, `fail_closed`, `fallback`) |
+//! The counters and their labels are listed in the [crate docs](crate#metrics).
 //!
 //! Install the recorder before building the layer: handles are taken at build time.
 

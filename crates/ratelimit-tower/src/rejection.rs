@@ -11,6 +11,7 @@ use http::{Response, StatusCode};
 use ratelimit_core::Decision;
 
 use crate::body::ResponseBody;
+use crate::grpc::{self, Code};
 use crate::headers::{ceil_secs, write_refusal};
 
 /// Why a request was refused.
@@ -72,7 +73,7 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    #[cfg(test)]
+    /// A rejection with nothing known but its reason and status.
     pub(crate) fn new(reason: RejectReason, status: StatusCode) -> Self {
         Self {
             reason,
@@ -103,6 +104,29 @@ impl Rejection {
     /// The store's decision, when there was one.
     pub fn decision(&self) -> Option<&Decision> {
         self.decision.as_ref()
+    }
+
+    /// The status a gRPC client gets.
+    pub(crate) fn grpc_code(&self) -> Code {
+        match self.reason {
+            RejectReason::Blocked if self.status == StatusCode::FORBIDDEN => Code::PermissionDenied,
+            // gRPC itself answers RESOURCE_EXHAUSTED to a message above the receiver's
+            // size limit: the nearest thing to a cost above capacity (HTTP 413).
+            RejectReason::Limited
+            | RejectReason::Blocked
+            | RejectReason::DelayTooLong
+            | RejectReason::CostExceedsCapacity { .. } => Code::ResourceExhausted,
+            RejectReason::StoreUnavailable => Code::Unavailable,
+            // The layer's policy says whose fault a missing key is by its status: a client
+            // error when the client left something out, else the server's configuration.
+            RejectReason::MissingKey | RejectReason::UnknownTier => {
+                if self.status.is_client_error() {
+                    Code::InvalidArgument
+                } else {
+                    Code::Internal
+                }
+            }
+        }
     }
 
     /// A one-line explanation for people: "rate limit exceeded, retry in 3 s", or for a
@@ -240,8 +264,13 @@ impl Refusal {
     /// call (the hook is not asked: such a response has no body), else the hook's with
     /// the refusal's status.
     pub(crate) fn into_response<B>(self, request: &HeaderMap) -> Response<ResponseBody<B>> {
-        let mut response = if crate::grpc::is_grpc(request) {
-            crate::grpc::trailers_only(&self.rejection)
+        let mut response = if grpc::is_grpc(request) {
+            let rejection = &self.rejection;
+            grpc::trailers_only(
+                rejection.grpc_code(),
+                &rejection.message(),
+                rejection.retry_after,
+            )
         } else {
             let mut response = self.hook.rejection(&self.rejection);
             *response.status_mut() = self.rejection.status;
@@ -281,5 +310,55 @@ mod tests {
             json.body(),
             r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"rate limiting is misconfigured: no \"peer\" address"}"#
         );
+    }
+
+    #[test]
+    fn grpc_codes_by_reason_and_status() {
+        let code_of = |reason, status| Rejection::new(reason, status).grpc_code();
+        let cases = [
+            (
+                RejectReason::Limited,
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+            ),
+            (
+                RejectReason::DelayTooLong,
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+            ),
+            (
+                RejectReason::Blocked,
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+            ),
+            (
+                RejectReason::Blocked,
+                StatusCode::FORBIDDEN,
+                Code::PermissionDenied,
+            ),
+            (
+                RejectReason::StoreUnavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+            ),
+            (
+                RejectReason::MissingKey,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Code::Internal,
+            ),
+            (
+                RejectReason::MissingKey,
+                StatusCode::BAD_REQUEST,
+                Code::InvalidArgument,
+            ),
+            (
+                RejectReason::UnknownTier,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Code::Internal,
+            ),
+        ];
+        for (reason, status, want) in cases {
+            assert_eq!(code_of(reason, status), want, "{reason:?} {status}");
+        }
     }
 }

@@ -1,11 +1,12 @@
 //! Rules chosen per request: tiers (plans) and the selector that picks one.
 
 use http::{HeaderValue, Request};
-use ratelimit_core::{MemoryStore, RuleSet};
+use ratelimit_core::RuleSet;
 
 use crate::headers::{policy_names, policy_value};
 #[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
+use crate::namespace::key_prefix;
 use crate::policy::FailurePolicy;
 
 /// Picks the tier (plan) a request is decided under, by name; `None` is the layer's
@@ -112,41 +113,3 @@ impl Tier {
 
 /// A store key, inline up to the length of any IP key under a namespace of 32 bytes.
 pub(crate) type StoreKey = smallvec::SmallVec<[u8; 96]>;
-
-/// Length-prefixed, so that no two (namespace, tier, client key) triples give the same
-/// bytes: the namespace and tier names are at most 255 bytes (checked when the layer is
-/// built).
-fn key_prefix(namespace: &str, tier: &str) -> Box<[u8]> {
-    let mut prefix = Vec::with_capacity(2 + namespace.len() + tier.len());
-    prefix.push(u8::try_from(namespace.len()).expect("checked at build"));
-    prefix.extend_from_slice(namespace.as_bytes());
-    prefix.push(u8::try_from(tier.len()).expect("checked at build"));
-    prefix.extend_from_slice(tier.as_bytes());
-    prefix.into()
-}
-
-/// A local store for the fallback policy, on the main store's clock.
-pub(crate) type FallbackStore = MemoryStore<StoreClock>;
-
-/// The clock of a store, for what runs beside it.
-pub(crate) struct StoreClock(pub(crate) std::sync::Arc<dyn Fn() -> u64 + Send + Sync>);
-
-impl ratelimit_core::Clock for StoreClock {
-    fn now_us(&self) -> u64 {
-        (self.0)()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefixes_keep_namespaces_tiers_and_keys_apart() {
-        // Without lengths, ("ab", "", "c") and ("a", "b", "c") would both read "abc".
-        let a = key_prefix("ab", "");
-        let b = key_prefix("a", "b");
-        assert_ne!([&a[..], b"c"].concat(), [&b[..], b"c"].concat());
-        assert_eq!(&*key_prefix("ns", "pro"), b"\x02ns\x03pro");
-    }
-}
