@@ -201,3 +201,39 @@ async fn peer_ip_reads_tonic_connect_info() {
         Extraction::Missing(_)
     ));
 }
+
+/// A shaping rule delays a gRPC call as it delays any request, and a call beyond the
+/// queue is refused as RESOURCE_EXHAUSTED with the delay to wait.
+#[tokio::test(start_paused = true)]
+async fn shaping_delays_grpc_calls() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().clock(clock).build());
+    let svc = RateLimitLayer::new(
+        store,
+        ratelimit_tower::GlobalKey,
+        "2/s leaky-bucket mode=shaper burst=1".parse().unwrap(),
+    )
+    .layer(ok_service());
+    let start = tokio::time::Instant::now();
+    let timed = |svc| async move {
+        let res = send(&svc, call("application/grpc", None)).await;
+        (res, start.elapsed())
+    };
+    let (a, b, c) = tokio::join!(timed(svc.clone()), timed(svc.clone()), timed(svc));
+    assert_eq!(
+        (a.0.headers()["grpc-status"].to_str().unwrap(), a.1),
+        ("0", Duration::ZERO)
+    );
+    assert_eq!(
+        (b.0.headers()["grpc-status"].to_str().unwrap(), b.1),
+        ("0", Duration::from_millis(500))
+    );
+    // The queue is full: refused at once, not delayed.
+    let (refused, waited) = c;
+    assert_eq!(waited, Duration::ZERO);
+    assert_eq!(refused.status(), StatusCode::OK);
+    let status = tonic::Status::from_header_map(refused.headers()).unwrap();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    let retry = status.get_details_retry_info().expect("a RetryInfo detail");
+    assert_eq!(retry.retry_delay, Some(Duration::from_millis(500)));
+}
