@@ -151,7 +151,6 @@
 struct ReadmeDoctests;
 
 mod batch;
-mod bounded_log;
 mod error;
 mod keys;
 mod options;

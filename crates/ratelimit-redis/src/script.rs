@@ -592,6 +592,16 @@ pub(crate) struct Shared {
     pub(crate) maxmemory_policy: std::sync::RwLock<Option<String>>,
 }
 
+impl Shared {
+    /// The time on the store's clock: the injected one, else the system's.
+    pub(crate) fn now_us(&self) -> u64 {
+        match &self.clock {
+            Some(clock) => clock.now_us(),
+            None => ratelimit_core::SystemClock.now_us(),
+        }
+    }
+}
+
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")

@@ -3,14 +3,14 @@ use std::time::Duration;
 
 use bb8::Pool;
 use bb8_redis::RedisConnectionManager;
-use ratelimit_core::{Clock, Decision, RuleSet, Store, SystemClock};
+use ratelimit_core::util::BoundedLog;
+use ratelimit_core::{Clock, Decision, RuleSet, Store};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::Value;
 
 use crate::batch::{self, Batcher};
-use crate::bounded_log::BoundedLog;
 use crate::error::RedisStoreError;
 use crate::options::Options;
 use crate::script::{CheckArgs, Request, Shared};
@@ -452,7 +452,7 @@ impl Store for RedisStore {
             }
         };
         if healed {
-            if let Some(count) = self.inner.heal_log.hit() {
+            if let Some(count) = self.inner.heal_log.hit(self.now_us()) {
                 tracing::warn!(
                     prefix = %self.prefix(),
                     replaced = count,
@@ -484,9 +484,6 @@ impl Store for RedisStore {
     /// The injected clock's time when one is set; otherwise this host's clock, the best
     /// local reading of the Redis server's `TIME`.
     fn now_us(&self) -> u64 {
-        match &self.inner.shared.clock {
-            Some(clock) => clock.now_us(),
-            None => SystemClock.now_us(),
-        }
+        self.inner.shared.now_us()
     }
 }

@@ -14,7 +14,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::SentinelClient;
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
-use crate::bounded_log::BoundedLog;
+use ratelimit_core::util::BoundedLog;
+
 use crate::error::{classify, is_connection_error, RedisStoreError};
 use crate::script::{self, Request, Shared};
 
@@ -373,7 +374,7 @@ impl Link {
             health.down_since.get_or_insert_with(Instant::now);
             health.last_error = Some(error.clone());
         }
-        if let Some(count) = self.failure_log.hit() {
+        if let Some(count) = self.failure_log.hit(self.shared.now_us()) {
             tracing::warn!(
                 topology = self.source.name(),
                 %error,
