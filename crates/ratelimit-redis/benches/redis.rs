@@ -26,7 +26,7 @@
 //! CPU figures are the best of 3 runs (the machine may be shared).
 //!
 //! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
-//! `BENCH_ONLY=seed`, `throughput`, `cpu`, `keys` or `batch` runs one part; `BENCH_POOL` (default 4)
+//! `BENCH_ONLY=seed`, `throughput`, `cpu`, `keys` or `batch` runs one part; `BENCH_POOL` (default 4, the store's default until batching)
 //! sets the store's pool size.
 
 use std::process::Command;
@@ -881,17 +881,22 @@ async fn batching(url: &str, con: &MultiplexedConnection) {
             one_rule.clone(),
         ),
         (
-            format!("`{THROUGHPUT_RULES}`, one call per check (max_batch 1), 4 connections"),
+            format!("`{THROUGHPUT_RULES}`, one call per check, 4 connections (before batching)"),
             Some(build(1, 4, None).await),
             one_rule.clone(),
         ),
         (
-            format!("`{THROUGHPUT_RULES}`, batched (default: up to 64, 4 connections)"),
+            format!("`{THROUGHPUT_RULES}`, one call per check, 1 connection"),
+            Some(build(1, 1, None).await),
+            one_rule.clone(),
+        ),
+        (
+            format!("`{THROUGHPUT_RULES}`, batched, 4 connections"),
             Some(build(64, 4, None).await),
             one_rule.clone(),
         ),
         (
-            format!("`{THROUGHPUT_RULES}`, batched, 1 connection"),
+            format!("`{THROUGHPUT_RULES}`, batched (default: up to 64, 1 connection)"),
             Some(build(64, 1, None).await),
             one_rule.clone(),
         ),
@@ -901,13 +906,13 @@ async fn batching(url: &str, con: &MultiplexedConnection) {
             one_rule.clone(),
         ),
         (
-            "4 rules (gcra, sliding p=1, fixed, token), one call per check".into(),
+            "4 rules (gcra, sliding p=1, fixed, token), one call per check, 4 connections".into(),
             Some(build(1, 4, None).await),
             four.clone(),
         ),
         (
-            "4 rules (gcra, sliding p=1, fixed, token), batched".into(),
-            Some(build(64, 4, None).await),
+            "4 rules (gcra, sliding p=1, fixed, token), batched (default)".into(),
+            Some(build(64, 1, None).await),
             four.clone(),
         ),
     ];

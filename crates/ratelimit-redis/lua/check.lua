@@ -446,9 +446,10 @@ end
 -- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
 -- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
 -- or nil and the reply when the key is blocked or the check came past the caller's
--- deadline. Blocks come first: a blocked key consults no rule. `redis_now` is the Redis
--- time when the caller read it already (a batch reads TIME once), else nil.
-local function begin(KEYS, injected, now_or_deadline, cost, redis_now)
+-- deadline. Blocks come first: a blocked key consults no rule. In a batch, `redis_now`
+-- is the Redis time read once for all, and when `at` is set, got[at] and got[at + 1] are
+-- the block marker and state as read for all (nil, nil alone: read here).
+local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   local now
   if injected then
     now = now_or_deadline
@@ -464,9 +465,11 @@ local function begin(KEYS, injected, now_or_deadline, cost, redis_now)
       return nil, struct.pack('<dd', 3, now)
     end
   end
-  local got = redis.call('MGET', KEYS[1], KEYS[2])
+  if not at then
+    got, at = redis.call('MGET', KEYS[1], KEYS[2]), 1
+  end
   local status = 0
-  local block = got[1]
+  local block = got[at]
   if block then
     if block == 'inf' then
       return nil, struct.pack('<dd', 1, -1)
@@ -484,7 +487,7 @@ local function begin(KEYS, injected, now_or_deadline, cost, redis_now)
   if c < 1 then
     c = 1
   end
-  return now, got[2], status, c
+  return now, got[at + 1], status, c
 end
 
 -- One-rule checks of the common algorithms skip the general loop: no argument or state
@@ -531,8 +534,9 @@ end
 
 -- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst).
 local function gcra_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, period, cap,
-    redis_now)
-  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost, redis_now)
+    redis_now, got, at)
+  local now, raw, status, c =
+    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -562,8 +566,9 @@ end
 -- state, or a state of this sub-window or the one before, and an admitted check) are
 -- worked out here; a denial or a clock that went back goes through sliding_window.
 local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, sub,
-    redis_now)
-  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost, redis_now)
+    redis_now, got, at)
+  local now, raw, status, c =
+    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -629,7 +634,7 @@ local VERSION_SKEW = ' values; the store and the script are from different versi
 
 -- One decision on the keys of one check, its packed values and the Redis time when read
 -- already (nil: read TIME if needed).
-local function decide(KEYS, packed, redis_now)
+local function decide(KEYS, packed, redis_now, got, at)
   local tonumber, fmt, redis = tonumber, string.format, redis
 
   -- One C call reads every argument (no text to parse); the last value is unpack's next
@@ -639,9 +644,10 @@ local function decide(KEYS, packed, redis_now)
       struct.unpack(ONE_RULE, packed)
     if n == 1 and log_limit == 0 then
       if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
-        return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a, redis_now)
+        return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a, redis_now, got,
+          at)
       elseif code == SLIDING_WINDOW and a == 1 and width == 3 then
-        return sliding_one(KEYS, inj == 1, t, cost, ttl_floor, limit, b, redis_now)
+        return sliding_one(KEYS, inj == 1, t, cost, ttl_floor, limit, b, redis_now, got, at)
       end
     end
   end
@@ -665,7 +671,7 @@ local function decide(KEYS, packed, redis_now)
   if width <= 1000 then
     shape = '<' .. string.rep('d', width)
   end
-  local now, raw, status, c = begin(KEYS, injected, v[2], cost, redis_now)
+  local now, raw, status, c = begin(KEYS, injected, v[2], cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -820,12 +826,13 @@ local function check(KEYS, ARGV)
   if #ARGV ~= 1 then
     return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
   end
-  return decide(KEYS, ARGV[1], nil)
+  return decide(KEYS, ARGV[1], nil, nil, nil)
 end
 
 -- Many decisions in one call, in order, each decided as `check` decides it alone but for
--- one TIME read for all. The store sends what queued while its previous call was in
--- flight.
+-- one TIME read and one MGET of block markers and states for all (a check whose keys an
+-- earlier check of the batch touched reads them again itself). The store sends what
+-- queued while its previous call was in flight.
 --
 -- KEYS     the keys of each check in turn, as for `check` (2, or 3 with a sliding log)
 -- ARGV[1]  one character per check: its number of keys, '2' or '3'
@@ -843,15 +850,29 @@ local function check_many(KEYS, ARGV)
   end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local out, k, byte, pcall, type, pack = {}, 0, string.byte, pcall, type, struct.pack
+  local byte, pcall, type, pack = string.byte, pcall, type, struct.pack
+  local names, k = {}, 0
+  for i = 1, n do
+    names[2 * i - 1], names[2 * i] = KEYS[k + 1], KEYS[k + 2]
+    k = k + byte(counts, i) - 48
+  end
+  local got = redis.call('MGET', unpack(names))
+  local out, touched = {}, {}
+  k = 0
   for i = 1, n do
     local m = byte(counts, i) - 48
-    local keys = {KEYS[k + 1], KEYS[k + 2]}
+    local b, s = KEYS[k + 1], KEYS[k + 2]
+    local keys = {b, s}
     if m == 3 then
       keys[3] = KEYS[k + 3]
     end
     k = k + m
-    local ok, r = pcall(decide, keys, ARGV[i + 1], now)
+    local at = nil
+    if not (touched[b] or touched[s]) then
+      at = 2 * i - 1
+    end
+    touched[b], touched[s] = true, true
+    local ok, r = pcall(decide, keys, ARGV[i + 1], now, got, at)
     if ok and type(r) == 'string' then
       out[i] = r
     else

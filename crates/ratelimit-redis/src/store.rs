@@ -18,16 +18,20 @@ use crate::transport::{failure, Link, Pooled, Source, Transport};
 
 /// Connections to one server when none is configured. Each is multiplexed (many
 /// requests in flight on one socket), so a few are plenty.
-pub(crate) const DEFAULT_POOL_SIZE: u32 = 4;
+pub(crate) const DEFAULT_POOL_SIZE: u32 = 1;
 /// The most checks in one call when none is configured.
 pub(crate) const DEFAULT_MAX_BATCH: usize = 64;
+/// The most checks one call may carry: the batch function unpacks two key names per check
+/// onto Lua's stack at once.
+const MAX_BATCH: usize = 1024;
 
 /// The rate-limit [`Store`] over Redis: one server, a Redis Cluster, or the primary of a
 /// Sentinel-managed service.
 ///
 /// Every check is one `FCALL` of the decision function (one `EVALSHA` of the decision
-/// script before Redis 7), whatever the number of rules; a
-/// clone shares the connections. See the [crate docs](crate) for the key layout, time
+/// script before Redis 7), whatever the number of rules, and checks that queue while a
+/// call is in flight share one call (see the crate docs); a clone shares the connections
+/// and the queue. See the [crate docs](crate) for the key layout, time
 /// source, TTLs and how to run Redis for a limiter.
 ///
 /// ```no_run
@@ -137,14 +141,14 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The most checks one Redis call decides (default 64; 1 sends every check as a call
-    /// of its own). Checks that queue while the store's calls are in flight (one per
+    /// The most checks one Redis call decides (default 64, at most 1024; 1 sends every
+    /// check as a call of its own). Checks that queue while the store's calls are in flight (one per
     /// connection) leave together as one call that decides them in order, each as
     /// atomically as alone, with one read of Redis `TIME` for all; a lone check leaves at
     /// once. Batching applies to one server and to the primary Sentinel names; a
     /// Cluster's checks go one call each.
     pub fn max_batch(mut self, checks: usize) -> Self {
-        self.max_batch = checks.max(1);
+        self.max_batch = checks.clamp(1, MAX_BATCH);
         self
     }
 
@@ -157,9 +161,11 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connections a single-server store keeps open (default 4, at least 1).
-    /// Connections are multiplexed, so more only help when one socket's throughput is
-    /// the limit. Cluster and Sentinel stores keep one multiplexed connection per server.
+    /// Connections a single-server store keeps open (default 1, at least 1), and so the
+    /// batched calls it has in flight at once. Connections are multiplexed, so more only
+    /// help when one socket's throughput is the limit: with one, more checks share each
+    /// call, which costs both Redis and the app less per decision (see BENCHMARKS.md).
+    /// Cluster and Sentinel stores keep one multiplexed connection per server.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -339,7 +345,7 @@ impl RedisStoreBuilder {
 
 impl RedisStore {
     /// A store for the Redis server at `url` with the defaults: prefix `"ratelimit"`,
-    /// Redis `TIME`, a 50 ms per-call timeout and 4 multiplexed connections. As
+    /// Redis `TIME`, a 50 ms per-call timeout and one multiplexed connection. As
     /// [`RedisStoreBuilder::build`], fails only on configuration errors, never because
     /// Redis is unreachable.
     pub async fn connect(url: &str) -> Result<Self, RedisStoreError> {

@@ -31,9 +31,22 @@ fn calls(con: &mut redis::Connection) -> u64 {
     common::commandstats(con).get("fcall").map_or(0, |s| s.0)
 }
 
+/// What a decision says, to compare two stores'.
+fn said(d: &ratelimit_core::Decision) -> (bool, Option<Duration>, Vec<u64>) {
+    (
+        d.is_allowed(),
+        d.retry_after(),
+        d.rules().iter().map(|r| r.remaining).collect(),
+    )
+}
+
 #[tokio::test(flavor = "current_thread")]
-async fn many_concurrent_checks_on_one_key_admit_what_the_memory_store_admits() {
+async fn concurrent_checks_decide_as_the_memory_store_decides_them_one_by_one() {
     const CHECKS: usize = 300;
+    // Most checks on one hot key, the others on a few more, mixed in every batch.
+    fn key(i: usize) -> &'static [u8] {
+        [&b"hot"[..], b"hot", b"hot", b"warm", b"hot", b"cool"][i % 6]
+    }
     let server = RedisServer::start();
     let mut con = common::conn(&server.url());
     for rules in [
@@ -52,15 +65,13 @@ async fn many_concurrent_checks_on_one_key_admit_what_the_memory_store_admits() 
                 .map(|i| {
                     let (redis, rules) = (redis.clone(), rules.clone());
                     tokio::spawn(
-                        async move { redis.check(b"hot", &rules, 1 + (i % 3) as u64).await },
+                        async move { redis.check(key(i), &rules, 1 + (i % 3) as u64).await },
                     )
                 })
                 .collect();
-            let mut admitted = 0;
+            let mut decided = Vec::new();
             for task in tasks {
-                if task.await.unwrap().expect("check").is_allowed() {
-                    admitted += 1;
-                }
+                decided.push(said(&task.await.unwrap().expect("check")));
             }
             let fcalls = calls(&mut con);
             assert!(
@@ -68,18 +79,18 @@ async fn many_concurrent_checks_on_one_key_admit_what_the_memory_store_admits() 
                 "{rules}: {fcalls} calls for {CHECKS} checks: they were not batched"
             );
             // The same checks, in the order the batch decided them, one at a time.
-            let mut expected = 0;
+            let mut expected = Vec::new();
             for i in 0..CHECKS {
-                if memory
-                    .check(b"hot", &rules, 1 + (i % 3) as u64)
-                    .await
-                    .unwrap()
-                    .is_allowed()
-                {
-                    expected += 1;
-                }
+                let d = memory.check(key(i), &rules, 1 + (i % 3) as u64).await;
+                expected.push(said(&d.unwrap()));
             }
-            assert_eq!(admitted, expected, "{rules}, round {round}");
+            let admitted = |all: &[(bool, _, _)]| all.iter().filter(|d| d.0).count();
+            assert_eq!(
+                admitted(&decided),
+                admitted(&expected),
+                "{rules}, round {round}: never more than alone"
+            );
+            assert_eq!(decided, expected, "{rules}, round {round}");
             clock.advance(Duration::from_millis(700));
         }
     }
