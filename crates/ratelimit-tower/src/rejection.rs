@@ -121,6 +121,8 @@ impl Rejection {
             | RejectReason::DelayTooLong
             | RejectReason::CostExceedsCapacity { .. } => Code::ResourceExhausted,
             RejectReason::StoreUnavailable => Code::Unavailable,
+            // The client left out what its key is made of: its own mistake.
+            RejectReason::KeyOmitted => Code::InvalidArgument,
             // The layer's policy says whose fault a missing key is by its status: a client
             // error when the client left something out, else the server's configuration.
             RejectReason::MissingKey | RejectReason::UnknownTier => {
