@@ -283,7 +283,8 @@ impl RedisStoreBuilder {
     /// # Panics
     ///
     /// If the configured prefix contains `{` or `}` or the timeout is zero (the errors
-    /// [`build`](Self::build) returns).
+    /// [`build`](Self::build) returns), or outside a Tokio runtime (the store starts the
+    /// task that sends batched checks).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
         self.store(Transport::Pool(Pooled::new(pool)), shared)
