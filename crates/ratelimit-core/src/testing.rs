@@ -1253,6 +1253,106 @@ pub mod strategy {
             .prop_map(|rules| RuleSet::new(rules).expect("valid"))
     }
 
+    /// `versions` rule sets (at least one) that one service could go through: the first
+    /// of one to four rules, some named; each later one the same rules with new limits,
+    /// capacities or bursts (a leaky bucket may switch mode), some rules dropped, some
+    /// moved to a new algorithm or period, some reordered, and a rule added. Traces over
+    /// them change rules under the keys' state, with identities that match.
+    pub fn rule_set_versions(versions: usize) -> impl Strategy<Value = Vec<RuleSet>> {
+        let edit = (0u8..10, 1u64..=12, 0u64..=4);
+        let version = (
+            proptest::collection::vec(edit, 4),
+            proptest::option::of(rule()),
+            any::<bool>(),
+        );
+        (
+            proptest::collection::vec((rule(), any::<bool>()), 1..=4),
+            proptest::collection::vec(version, versions.saturating_sub(1)),
+        )
+            .prop_map(|(base, edits)| {
+                let base: Vec<Rule> = base
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (rule, named))| {
+                        if named {
+                            rule.named(&format!("r{i}")).expect("a valid name")
+                        } else {
+                            rule
+                        }
+                    })
+                    .collect();
+                let mut sets = vec![RuleSet::new(base.clone()).expect("valid")];
+                for (per_rule, added, reverse) in edits {
+                    let mut rules: Vec<Rule> = base
+                        .iter()
+                        .zip(per_rule)
+                        .filter_map(|(rule, (op, limit, extra))| match op {
+                            0 => None,
+                            1..=4 => Some(relimited(rule, limit, extra, op == 4)),
+                            5 => Some(moved(rule, limit)),
+                            _ => Some(rule.clone()),
+                        })
+                        .collect();
+                    if reverse {
+                        rules.reverse();
+                    }
+                    rules.extend(added);
+                    if rules.is_empty() {
+                        rules.push(base[0].clone());
+                    }
+                    sets.push(RuleSet::new(rules).expect("valid"));
+                }
+                sets
+            })
+    }
+
+    /// `rule` with the same identity and new limits (a leaky bucket switches mode when
+    /// `flip`).
+    fn relimited(rule: &Rule, limit: u64, extra: u64, flip: bool) -> Rule {
+        use crate::{Algorithm, LeakyMode};
+        let period = rule.period();
+        let p = extra + 1;
+        let new = match rule.algorithm() {
+            Algorithm::FixedWindow => Rule::fixed_window(limit, period),
+            Algorithm::SlidingWindow { precision } => {
+                Rule::sliding_window(limit, period, precision)
+            }
+            Algorithm::SlidingLog => Rule::sliding_log(limit, period),
+            Algorithm::TokenBucket { .. } => Rule::token_bucket(limit, period, limit + extra),
+            Algorithm::LeakyBucket(mode) => match (mode, flip) {
+                (LeakyMode::Meter { .. }, false) | (LeakyMode::Shaper { .. }, true) => {
+                    Rule::leaky_meter(limit, period, p)
+                }
+                _ => Rule::leaky_shaper(limit, period, extra, extra.min(limit)),
+            },
+            Algorithm::Gcra { .. } => Rule::gcra(limit, period, p),
+        }
+        .expect("generated rules are valid");
+        named_as(new, rule)
+    }
+
+    /// `rule` under another algorithm or period, with its name.
+    fn moved(rule: &Rule, limit: u64) -> Rule {
+        use crate::Algorithm;
+        let period = rule.period();
+        let new = match rule.algorithm() {
+            Algorithm::FixedWindow => Rule::gcra(limit, period, 2),
+            Algorithm::Gcra { .. } => Rule::token_bucket(limit, period, limit),
+            Algorithm::TokenBucket { .. } => Rule::leaky_meter(limit, period, 3),
+            Algorithm::SlidingWindow { .. } => Rule::fixed_window(limit, period * 2),
+            _ => Rule::sliding_window(limit, period, 1),
+        }
+        .expect("generated rules are valid");
+        named_as(new, rule)
+    }
+
+    fn named_as(new: Rule, old: &Rule) -> Rule {
+        match old.name() {
+            Some(name) => new.named(name).expect("a valid name"),
+            None => new,
+        }
+    }
+
     /// A trace over `rulesets` rule sets and three keys: mostly checks (cost 0 to 3, so
     /// some exceed small capacities), clock steps from 0 to ~2 periods, and blocks.
     pub fn steps(rulesets: usize, len: usize) -> impl Strategy<Value = Vec<Step>> {
