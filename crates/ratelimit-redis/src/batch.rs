@@ -3,8 +3,9 @@
 //! as alone.
 //!
 //! No timer by default: a batch is whatever queued, so a lone check leaves at once (as
-//! one plain `check` call, exactly what an unbatched store sends) and latency at low
-//! concurrency does not grow. Under load, the calls in flight are bounded (one per
+//! one plain `check` call, exactly what an unbatched store sends, straight from the
+//! caller's task when no call is in flight) and latency at low concurrency does not
+//! grow. Under load, the calls in flight are bounded (one per
 //! connection) and checks arriving meanwhile wait in the queue for the next call, up to
 //! the batch size; `batch_wait` optionally holds a batch open a little longer to fill it.
 
@@ -39,6 +40,12 @@ struct Job {
 #[derive(Debug)]
 pub(crate) struct Batcher {
     queue: mpsc::UnboundedSender<Job>,
+    /// One permit per call that may be in flight.
+    slots: Arc<Semaphore>,
+    transport: Arc<Transport>,
+    shared: Arc<Shared>,
+    /// Every check waits in the queue (a batch wait is set), none goes alone at once.
+    always_queue: bool,
 }
 
 impl Batcher {
@@ -49,8 +56,21 @@ impl Batcher {
         settings: Settings,
     ) -> Self {
         let (queue, jobs) = mpsc::unbounded_channel();
-        tokio::spawn(dispatch(transport, shared, jobs, settings));
-        Self { queue }
+        let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+        tokio::spawn(dispatch(
+            transport.clone(),
+            shared.clone(),
+            jobs,
+            slots.clone(),
+            settings,
+        ));
+        Self {
+            queue,
+            slots,
+            transport,
+            shared,
+            always_queue: settings.wait.is_some(),
+        }
     }
 
     /// Queues `check` and waits for its reply (the bytes `check` would have answered
@@ -60,6 +80,18 @@ impl Batcher {
         check: CheckJob,
         timeout: Duration,
     ) -> Result<Vec<u8>, RedisStoreError> {
+        // A free slot means no call is in flight and no batch waits for one: the check
+        // goes at once from here, as a call of its own, without a hop through the
+        // sending task. (Semaphore permits go to waiters first, so this never overtakes
+        // a batch that waits.) With a batch wait, checks wait for company instead.
+        let free = (!self.always_queue)
+            .then(|| self.slots.clone().try_acquire_owned().ok())
+            .flatten();
+        if let Some(slot) = free {
+            let reply = single(&self.transport, &self.shared, &check).await;
+            drop(slot);
+            return reply;
+        }
         let (reply, answer) = oneshot::channel();
         if self.queue.send(Job { check, reply }).is_err() {
             return Err(RedisStoreError::UnexpectedReply(
@@ -80,18 +112,25 @@ async fn dispatch(
     transport: Arc<Transport>,
     shared: Arc<Shared>,
     mut queue: mpsc::UnboundedReceiver<Job>,
+    slots: Arc<Semaphore>,
     settings: Settings,
 ) {
-    let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
     let max = settings.max.max(1);
     let mut jobs = Vec::with_capacity(max);
     loop {
-        // Wait for a free slot first: what queues meanwhile leaves together.
+        let Some(first) = queue.recv().await else {
+            return;
+        };
+        // Then wait for a free slot: what queues meanwhile leaves together.
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        if queue.recv_many(&mut jobs, max).await == 0 {
-            return;
+        jobs.push(first);
+        while jobs.len() < max {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
         }
         if let Some(wait) = settings.wait {
             let until = tokio::time::Instant::now() + wait;
@@ -117,15 +156,7 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     batch.retain(|job| !job.reply.is_closed());
     let timeout = shared.timeout;
     if let [job] = &batch[..] {
-        let reply = transport
-            .call(&Request::Call(shared.single_call(&job.check)), timeout)
-            .await
-            .and_then(|value| match value {
-                Value::BulkString(bytes) => Ok(bytes),
-                other => Err(RedisStoreError::UnexpectedReply(format!(
-                    "the check script should return a string, got {other:?}"
-                ))),
-            });
+        let reply = single(transport, shared, &job.check).await;
         if let Some(job) = batch.pop() {
             let _ = job.reply.send(reply);
         }
@@ -160,6 +191,23 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
             Err(range) => Err(check_error(&bytes[range], timeout)),
         };
         let _ = job.reply.send(reply);
+    }
+}
+
+/// Sends one check as a call of its own.
+async fn single(
+    transport: &Transport,
+    shared: &Shared,
+    check: &CheckJob,
+) -> Result<Vec<u8>, RedisStoreError> {
+    let reply = transport
+        .call(&Request::Call(shared.single_call(check)), shared.timeout)
+        .await?;
+    match reply {
+        Value::BulkString(bytes) => Ok(bytes),
+        other => Err(RedisStoreError::UnexpectedReply(format!(
+            "the check script should return a string, got {other:?}"
+        ))),
     }
 }
 

@@ -822,6 +822,35 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_reply_divides_into_one_reply_per_check() {
+        let bytes = |v: &[f64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        // A decision of 2 rules, a block, a check too late, then an error entry.
+        let decided = bytes(&[0.0, 0.0, 1.0, 9.0, 1.0, 0.0, 1.0, 3.0, 1.0, 0.0]);
+        assert_eq!(CheckArgs::reply_len(2, &decided), Some(Ok(80)));
+        assert_eq!(
+            CheckArgs::reply_len(3, &decided),
+            None,
+            "too short for 3 rules"
+        );
+        assert_eq!(CheckArgs::reply_len(5, &bytes(&[1.0, -1.0])), Some(Ok(16)));
+        assert_eq!(CheckArgs::reply_len(5, &bytes(&[3.0, 1e15])), Some(Ok(16)));
+        let mut failed = bytes(&[-1.0, 7.0]);
+        failed.extend_from_slice(b"RLSTATE and more");
+        assert_eq!(CheckArgs::reply_len(1, &failed), Some(Err(16..23)));
+        for bad in [
+            bytes(&[-1.0, 99.0]),
+            bytes(&[-1.0, 0.5]),
+            bytes(&[-1.0, -3.0]),
+            bytes(&[4.0, 0.0]),
+            bytes(&[f64::NAN, 0.0]),
+            bytes(&[1.0]),
+            vec![0; 7],
+        ] {
+            assert_eq!(CheckArgs::reply_len(1, &bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn malformed_replies_are_errors() {
         let r = rules("10/s");
         for bad in [
