@@ -15,6 +15,8 @@
 //! | the client left out its key (a header) | 400 by default ([`omitted_key_status`](RateLimitLayerBuilder::omitted_key_status)) | |
 //! | no key found (server misconfiguration) | 500 by default ([`MissingKey`]) | |
 //!
+//! A gRPC call is refused with HTTP 200 and a `grpc-status` instead: see [gRPC](#grpc).
+//!
 //! A refusal has a short `text/plain` body (`rate limit exceeded, retry in 3 s`) by
 //! default; [`ProblemJson`] gives RFC 9457 `application/problem+json`, and
 //! [`on_rejection`](RateLimitLayerBuilder::on_rejection) takes any hook.
@@ -174,6 +176,72 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! # gRPC
+//!
+//! The layer goes on a tonic server as it goes on an axum router:
+//!
+//! ```no_run
+//! use ratelimit_core::MemoryStore;
+//! use ratelimit_tower::{PeerIp, RateLimitLayer};
+//! use std::sync::Arc;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = Arc::new(MemoryStore::new());
+//! let (_reporter, health) = tonic_health::server::health_reporter();
+//! tonic::transport::Server::builder()
+//!     .layer(RateLimitLayer::new(store, PeerIp::new(), "100/min".parse()?))
+//!     .add_service(health)
+//!     .serve("0.0.0.0:50051".parse()?)
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! * **Any body.** The service's response body is a [`ResponseBody`]: the inner
+//!   service's body, or the layer's own bytes for a refusal. So the inner service may
+//!   answer with any body type (tonic's does not convert from bytes), and axum's
+//!   `Router::layer` / `route_layer` take the service as before.
+//! * **The peer.** With the `tonic` feature, [`PeerIp`] (and [`ClientIp`], for the peer
+//!   it starts from) read tonic's `TcpConnectInfo`. Without it a tonic server gives no
+//!   peer address and every call is refused as misconfigured. (Behind TLS, tonic wraps it
+//!   in `TlsConnectInfo`: insert the peer's `SocketAddr` into the extensions in a layer of
+//!   your own.)
+//! * **Refusals a gRPC client understands.** A request with content type
+//!   `application/grpc` (or `application/grpc+proto`, `+json`, ...) is refused with a
+//!   trailers-only response: HTTP 200, `content-type: application/grpc`, no body, and the
+//!   status in the headers. An HTTP 429 would reach the client as UNAVAILABLE (grpcio,
+//!   which commonly retries it at once) or INTERNAL (tonic). The
+//!   [`on_rejection`](RateLimitLayerBuilder::on_rejection) hook is not asked: there is
+//!   no body to build.
+//!
+//! | refusal | `grpc-status` |
+//! |---|---|
+//! | limited, shaping delay above the maximum, cost above capacity | 8 `RESOURCE_EXHAUSTED` |
+//! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
+//! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
+//! | no key found, no tier (the server's misconfiguration) | 13 `INTERNAL` |
+//! | no key found where the policy blames the client (a 4xx status) | 3 `INVALID_ARGUMENT` |
+//!
+//! Besides `grpc-status`, a refusal carries `grpc-message` (the same sentence as the HTTP
+//! body, percent-encoded as the gRPC spec requires), `RateLimit-Policy` and `RateLimit`
+//! as metadata, and, when the call can succeed later, the delay twice:
+//!
+//! * `retry-after` metadata in whole seconds, as in HTTP: any client reads it with
+//!   nothing but its metadata API (tonic's `Status::metadata`, grpcio's trailing
+//!   metadata);
+//! * a `google.rpc.RetryInfo` in `grpc-status-details-bin` (a base64 `google.rpc.Status`),
+//!   exact to the nanosecond: the standard of Google's error model (AIP-193), which
+//!   `tonic-types` (`StatusExt::get_details_retry_info`), `grpcio-status` and the Google
+//!   client libraries decode and retry on.
+//!
+//! `grpc-retry-pushback-ms` is not sent: only gRPC's built-in retries read it, and only
+//! for the codes a client's retry policy lists.
+//!
+//! An admitted call gets the rate-limit fields as initial metadata, and a shaping rule
+//! delays a call as it delays any request (mind the client's deadline: a call delayed
+//! past it ends `DEADLINE_EXCEEDED` at the client).
+//!
 //! # Handlers see the decision
 //!
 //! An admitted request carries the store's [`Decision`](ratelimit_core::Decision) in its
@@ -284,11 +352,13 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod body;
 mod cost;
 mod deny_cache;
 mod error;
 mod fallback;
 mod future;
+mod grpc;
 pub mod headers;
 pub mod key;
 mod layer;
@@ -300,6 +370,7 @@ mod rejection;
 mod service;
 mod tier;
 
+pub use body::ResponseBody;
 pub use cost::{RequestCost, UnitCost};
 pub use deny_cache::DenyCacheConfig;
 pub use error::BuildError;
