@@ -302,7 +302,9 @@
 //! (or an `Arc` of one) the check runs synchronously inside `call` without a future;
 //! other stores' checks are boxed futures (one allocation per request, small next to a
 //! network round trip). An admitted request costs two allocations of the layer's own:
-//! the `RateLimit` field and the decision placed in the request's extensions.
+//! the `RateLimit` field and the decision placed in the request's extensions. Under
+//! axum's `Router::layer` / `route_layer`, axum boxes the [`ResponseBody`] into its own
+//! `Body`: one allocation more, the price of serving any inner body type.
 
 // docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.
 #![cfg_attr(docsrs, feature(doc_cfg))]
