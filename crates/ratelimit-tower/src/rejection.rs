@@ -34,6 +34,10 @@ pub enum RejectReason {
     DelayTooLong,
     /// The store failed and the failure policy is fail closed (503).
     StoreUnavailable,
+    /// The client left out what the key is made of, such as the header an API key is read
+    /// from (400 unless configured, see
+    /// [`omitted_key_status`](crate::RateLimitLayerBuilder::omitted_key_status)).
+    KeyOmitted,
     /// No key was found in the request and the [`MissingKey`](crate::MissingKey) policy
     /// refuses (500): the layer or the server is misconfigured.
     MissingKey,
@@ -117,6 +121,8 @@ impl Rejection {
             | RejectReason::DelayTooLong
             | RejectReason::CostExceedsCapacity { .. } => Code::ResourceExhausted,
             RejectReason::StoreUnavailable => Code::Unavailable,
+            // The client left out what its key is made of: its own mistake.
+            RejectReason::KeyOmitted => Code::InvalidArgument,
             // The layer's policy says whose fault a missing key is by its status: a client
             // error when the client left something out, else the server's configuration.
             RejectReason::MissingKey | RejectReason::UnknownTier => {
@@ -147,6 +153,10 @@ impl Rejection {
                  it can never be admitted"
             ),
             (RejectReason::StoreUnavailable, _) => "rate limiter unavailable, retry later".into(),
+            (RejectReason::KeyOmitted, _) => format!(
+                "the request cannot be rate limited: {}",
+                self.detail.as_deref().unwrap_or("no key")
+            ),
             (RejectReason::MissingKey | RejectReason::UnknownTier, _) => format!(
                 "rate limiting is misconfigured: {}",
                 self.detail.as_deref().unwrap_or("no key")
