@@ -221,7 +221,7 @@
 //! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
 //! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
 //! | no key found, no tier (the server's misconfiguration) | 13 `INTERNAL` |
-//! | no key found where the policy blames the client (a 4xx status) | 3 `INVALID_ARGUMENT` |
+//! | the client left out its key (a header) | 3 `INVALID_ARGUMENT` |
 //!
 //! Besides `grpc-status`, a refusal carries `grpc-message` (the same sentence as the HTTP
 //! body, percent-encoded as the gRPC spec requires), `RateLimit-Policy` and `RateLimit`
