@@ -424,8 +424,10 @@ impl Store for RedisStore {
         self.run(Request::Cmd(cmd)).await.map(drop)
     }
 
+    /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
     async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
-        let cmd = self.inner.shared.reset_cmd(key, rules);
+        let _ = rules;
+        let cmd = self.inner.shared.reset_cmd(key);
         self.run(Request::Cmd(cmd)).await.map(drop)
     }
 

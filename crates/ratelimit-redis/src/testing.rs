@@ -387,10 +387,9 @@ impl RedisCluster {
 
 /// The decision script in the forms the store sends it, for sending checks by hand (a
 /// benchmark): with `SCRIPT LOAD` and `EVALSHA` (Redis 6.2), or with `FUNCTION LOAD` and
-/// `FCALL` (Redis 7). The keys are `<prefix>:{<tag>}:b`,
-/// `<prefix>:{<tag>}:s:<fingerprint>` and, when a rule is a sliding log,
-/// `<prefix>:{<tag>}:l:<fingerprint>`, with the fingerprint as 16 hex digits; the
-/// arguments come from [`check_script_args`].
+/// `FCALL` (Redis 7). The keys are `<prefix>:{<tag>}:b`, `<prefix>:{<tag>}:s` and, when
+/// a rule is a sliding log, `<prefix>:{<tag>}:l`; the arguments come from
+/// [`check_script_args`].
 #[derive(Debug, Clone, Copy)]
 pub struct CheckScript {
     /// The script, for `SCRIPT LOAD` or `EVAL`.

@@ -283,12 +283,11 @@ async fn foreign_values_at_limiter_keys_heal() {
         .unwrap();
     let mut con = common::conn(&server.url());
     let rules = rules();
-    let fp = format!("{:016x}", rules.fingerprint());
     // The documented layout: "wt:{k<hex of b"k">}:...".
     let (block, state, log) = (
         "wt:{k6b}:b".to_owned(),
-        format!("wt:{{k6b}}:s:{fp}"),
-        format!("wt:{{k6b}}:l:{fp}"),
+        "wt:{k6b}:s".to_owned(),
+        "wt:{k6b}:l".to_owned(),
     );
     assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     let exists: (bool, bool) = redis::pipe()
@@ -334,11 +333,12 @@ async fn foreign_values_at_limiter_keys_heal() {
     })
     .await;
     expect_healed(&|c| redis::cmd("SET").arg(&state).arg("12 x").exec(c).unwrap()).await;
-    // Sixteen bytes of the right length that are not two non-negative integers.
+    // Bytes of the right length (the layout, the GCRA's entry of 6 values, the log
+    // marker's 3) that are not non-negative integers.
     expect_healed(&|c| {
         redis::cmd("SET")
             .arg(&state)
-            .arg(&[0xff_u8; 16][..])
+            .arg(&[0xff_u8; 80][..])
             .exec(c)
             .unwrap()
     })
@@ -372,20 +372,14 @@ async fn foreign_values_at_limiter_keys_heal() {
 
     // An entry deep in the log that is not a timestamp: reported once, with the log
     // dropped, so the check after it starts clean.
-    redis::cmd("RPUSH")
-        .arg(&log)
-        .arg("yesterday")
-        .exec(&mut con)
-        .unwrap();
     let deep = "10/s sliding-log; 10000/h sliding-log"
         .parse::<RuleSet>()
         .unwrap();
-    let deep_log = format!("wt:{{k6b}}:l:{:016x}", deep.fingerprint());
     for _ in 0..3 {
         assert!(store.check(b"k", &deep, 1).await.unwrap().is_allowed());
     }
     redis::cmd("RPUSH")
-        .arg(&deep_log)
+        .arg(&log)
         .arg("yesterday")
         .exec(&mut con)
         .unwrap();
