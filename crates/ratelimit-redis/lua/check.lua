@@ -1064,3 +1064,63 @@ local function check_many(KEYS, ARGV)
   end
   return table.concat(out)
 end
+
+-- Many decisions in one call on one node of a Redis Cluster, whose keys may lie in many
+-- slots (the function is registered with the flag `allow-cross-slot-keys`). The keys go
+-- in ARGV, not KEYS: Redis refuses declared keys of several slots outright, while keys
+-- a script reaches itself are checked one command at a time against the slots the node
+-- serves. Each check first reads its own keys; a check whose slot the node does not
+-- serve (it moved, or is being migrated) is decided not at all, charged nothing, and
+-- answered with an error starting `RLMOVED`, for the store to send it again by itself.
+-- Nothing else differs from `check_many` (a check reads its keys just before it is
+-- decided, so an earlier check of the same key is always seen).
+--
+-- KEYS     none
+-- ARGV[1]  one character per check: its number of keys, '2' or '3'
+-- ARGV[1 + i]  check i's packed values, as ARGV[1] of `check`
+-- then     the keys of each check in turn, as KEYS of `check`
+--
+-- Returns what `check_many` returns.
+local function check_local(_, ARGV)
+  local counts = ARGV[1]
+  local n = #counts
+  local byte, pcall, type, pack = string.byte, pcall, type, struct.pack
+  local keys_total = 0
+  for i = 1, n do
+    keys_total = keys_total + byte(counts, i) - 48
+  end
+  if #ARGV ~= 1 + n + keys_total then
+    return redis.error_reply('RLARGS check_local expects ' .. (1 + n + keys_total)
+      .. ' arguments, got ' .. #ARGV .. VERSION_SKEW)
+  end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local out = {}
+  local k = n + 1
+  for i = 1, n do
+    local m = byte(counts, i) - 48
+    local keys = {ARGV[k + 1], ARGV[k + 2]}
+    if m == 3 then
+      keys[3] = ARGV[k + 3]
+    end
+    k = k + m
+    local got = redis.pcall('MGET', unpack(keys))
+    local msg
+    if type(got) == 'table' and got.err then
+      msg = 'RLMOVED ' .. got.err
+    else
+      local ok, r = pcall(check_one, keys, ARGV[i + 1], now, got, 1)
+      if ok and type(r) == 'string' then
+        out[i] = r
+      elseif type(r) == 'table' and r.err then
+        msg = r.err
+      else
+        msg = tostring(r)
+      end
+    end
+    if msg then
+      out[i] = pack('<dd', -1, #msg) .. msg
+    end
+  end
+  return table.concat(out)
+end

@@ -9,15 +9,18 @@
 //! connection) and checks arriving meanwhile wait in the queue for the next call, up to
 //! the batch size; `batch_wait` optionally holds a batch open a little longer to fill it.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+
+use futures::future::join_all;
 
 use redis::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{classify, RedisStoreError};
 use crate::script::{CheckArgs, CheckJob, Request, Shared};
-use crate::transport::Transport;
+use crate::transport::{Nodes, Transport};
 
 /// How a store batches.
 #[derive(Debug, Clone, Copy)]
@@ -154,7 +157,11 @@ async fn dispatch(
 async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     // A caller that stopped waiting is not charged.
     batch.retain(|job| !job.reply.is_closed());
-    let timeout = shared.timeout;
+    if batch.len() > 1 {
+        if let Some(nodes) = transport.nodes().await {
+            return per_node(transport, shared, &nodes, batch).await;
+        }
+    }
     if let [job] = &batch[..] {
         let reply = single(transport, shared, &job.check).await;
         if let Some(job) = batch.pop() {
@@ -166,16 +173,78 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
         return;
     }
     let call = shared.batch_call(batch.iter().map(|job| &job.check));
-    let reply = transport.call(&Request::Call(call), timeout).await;
+    let reply = transport.call(&Request::Call(call), shared.timeout).await;
+    answer(batch, reply, shared.timeout);
+}
+
+/// Sends a Cluster's batch as one call per node, the checks of each node in their order.
+/// Without functions (before Redis 7), each check goes as a call of its own.
+async fn per_node(transport: &Transport, shared: &Shared, nodes: &Nodes, batch: Vec<Job>) {
+    let mut groups: Vec<(u16, u16, Vec<Job>)> = Vec::new();
+    for job in batch {
+        let slot = job.check.slot();
+        let node = if shared.functions.load(Ordering::Relaxed) {
+            nodes.of(slot)
+        } else {
+            // Every check a group of its own.
+            u16::try_from(groups.len()).unwrap_or(u16::MAX)
+        };
+        match groups.iter_mut().find(|group| group.0 == node) {
+            Some(group) => group.2.push(job),
+            None => groups.push((node, slot, vec![job])),
+        }
+    }
+    join_all(
+        groups
+            .into_iter()
+            .map(|(_, slot, jobs)| on_node(transport, shared, slot, jobs)),
+    )
+    .await;
+}
+
+/// Sends `jobs` to the node serving `slot`, then each check the node turned away (its
+/// slot is elsewhere now; nothing was charged for it) as a call of its own, in order.
+async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Vec<Job>) {
+    if jobs.len() == 1 {
+        if let Some(job) = jobs.pop() {
+            let _ = job.reply.send(single(transport, shared, &job.check).await);
+        }
+        return;
+    }
+    let call = shared.node_batch_call(jobs.iter().map(|job| &job.check));
+    let reply = transport.call_on(slot, &call, shared.timeout).await;
+    if reply.is_err() && !shared.functions.load(Ordering::Relaxed) {
+        // The node has no functions (before Redis 7) and ran nothing.
+        for job in jobs {
+            let _ = job.reply.send(single(transport, shared, &job.check).await);
+        }
+        return;
+    }
+    let moved = answer(jobs, reply, shared.timeout);
+    if !moved.is_empty() {
+        transport.nodes_stale();
+    }
+    for job in moved {
+        let _ = job.reply.send(single(transport, shared, &job.check).await);
+    }
+}
+
+/// Hands each check of `batch` its part of `reply`; returns the checks a Cluster node
+/// turned away unanswered.
+fn answer(batch: Vec<Job>, reply: Result<Value, RedisStoreError>, timeout: Duration) -> Vec<Job> {
     let bytes = match reply {
         Ok(Value::BulkString(bytes)) => bytes,
         Ok(other) => {
             let e = RedisStoreError::UnexpectedReply(format!(
                 "the batch script should return a string, got {other:?}"
             ));
-            return fail_all(batch, &e);
+            fail_all(batch, &e);
+            return Vec::new();
         }
-        Err(e) => return fail_all(batch, &e),
+        Err(e) => {
+            fail_all(batch, &e);
+            return Vec::new();
+        }
     };
     let Some(parts) = split(&batch, &bytes) else {
         let e = RedisStoreError::UnexpectedReply(format!(
@@ -183,16 +252,26 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
             bytes.len(),
             batch.len()
         ));
-        return fail_all(batch, &e);
+        fail_all(batch, &e);
+        return Vec::new();
     };
+    let mut moved = Vec::new();
     for (job, part) in batch.into_iter().zip(parts) {
         let reply = match part {
             Ok(range) => Ok(bytes[range].to_vec()),
+            Err(range) if bytes[range.clone()].starts_with(MOVED) => {
+                moved.push(job);
+                continue;
+            }
             Err(range) => Err(check_error(&bytes[range], timeout)),
         };
         let _ = job.reply.send(reply);
     }
+    moved
 }
+
+/// How `check_local` answers a check whose slot the node does not serve.
+const MOVED: &[u8] = b"RLMOVED";
 
 /// Sends one check as a call of its own.
 async fn single(

@@ -77,9 +77,12 @@
 //! batch open to fill it. One check's failure (a value the store did not write, a
 //! deadline passed, an error raised while deciding it) fails that check only; a reply
 //! that cannot be divided into one answer per check fails the checks of that call, none
-//! charged twice. Caller deadlines hold per check. Batching applies to one server and to
-//! the primary Sentinel names; on a Cluster each check is one call (the keys of one
-//! batch would live on several nodes).
+//! charged twice. Caller deadlines hold per check. On a Cluster (Redis 7), a batch goes
+//! as one call per node, routed by the slot map the store reads with `CLUSTER SLOTS`: the
+//! node's function reaches the keys of its slots itself (flag `allow-cross-slot-keys`)
+//! and turns away, uncharged, any check whose slot it no longer serves, which then goes
+//! as a call of its own (following MOVED/ASK) while the map is read again. Before Redis
+//! 7, a Cluster's checks go one call each.
 //!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
 //! O(precision) for the sliding window counter, and a few `LINDEX` for the sliding log

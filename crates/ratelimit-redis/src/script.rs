@@ -43,9 +43,10 @@ impl Script {
         }
     }
 
-    /// check.lua as two scripts, `check` and `check_many`, and one function library
-    /// registering both under names tagged with the SHA1 of the first.
-    fn decision_scripts() -> (Self, Self) {
+    /// check.lua as three scripts, `check`, `check_many` and `check_local`, and one
+    /// function library registering all three under names tagged with the SHA1 of the
+    /// first.
+    fn decision_scripts() -> (Self, Self, Self) {
         let code = include_str!("../lua/check.lua");
         let one = format!("{code}{EVAL_TAIL}");
         let sha = sha1(&one);
@@ -53,8 +54,17 @@ impl Script {
         let library = format!(
             "#!lua name=ratelimit_{tag}\n{code}\n\
              redis.register_function('ratelimit_check_{tag}', check)\n\
-             redis.register_function('ratelimit_batch_{tag}', check_many)\n"
+             redis.register_function('ratelimit_batch_{tag}', check_many)\n\
+             redis.register_function{{function_name='ratelimit_local_{tag}', \
+             callback=check_local, flags={{'allow-cross-slot-keys'}}}}\n"
         );
+        let local = Self {
+            function: Some(Function {
+                library: library.clone(),
+                name: format!("ratelimit_local_{tag}"),
+            }),
+            ..Self::new(format!("{code}{LOCAL_TAIL}"))
+        };
         let many = Self {
             function: Some(Function {
                 library: library.clone(),
@@ -70,7 +80,7 @@ impl Script {
             body: one,
             sha,
         };
-        (one, many)
+        (one, many, local)
     }
 
     /// The `SCRIPT LOAD` command for this script.
@@ -122,13 +132,17 @@ impl Script {
 const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
 /// What the batch script form of check.lua appends to the file.
 const BATCH_TAIL: &str = "\nreturn check_many(KEYS, ARGV)\n";
+/// What the node batch script form of check.lua appends to the file.
+const LOCAL_TAIL: &str = "\nreturn check_local(KEYS, ARGV)\n";
 
-/// The decision script and the batch script; see `lua/check.lua` for their contracts.
-static DECISIONS: LazyLock<(Script, Script)> = LazyLock::new(Script::decision_scripts);
+/// The decision script, the batch script and the node batch script; see `lua/check.lua` for their contracts.
+static DECISIONS: LazyLock<(Script, Script, Script)> = LazyLock::new(Script::decision_scripts);
 /// The decision script: one check.
 pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.0);
 /// The batch script: many checks in one call.
 pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.1);
+/// The node batch function: many checks of any slots one Cluster node serves, in one call.
+pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.2);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/block.lua").to_owned()));
@@ -240,6 +254,37 @@ impl Call<'_> {
                 let mut eval = redis::cmd("EVAL");
                 eval.arg(&self.script.body);
                 self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+}
+
+impl Call<'_> {
+    /// Runs the call on the Cluster node `routing` names. A node that lost the function
+    /// library gets it again (on every primary) and the call is resent there; a node
+    /// without functions fails the call, having run nothing, and turns FCALL off for
+    /// the store.
+    pub(crate) async fn invoke_routed(
+        &self,
+        conn: &mut redis::cluster_async::ClusterConnection,
+        routing: &redis::cluster_routing::RoutingInfo,
+    ) -> RedisResult<Value> {
+        match conn.route_command(self.cmd.clone(), routing.clone()).await {
+            Err(e) if self.fcall && function_missing(&e) => {
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
+                    }
+                }
+                conn.route_command(self.cmd.clone(), routing.clone()).await
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                // Nothing ran; the caller sends each check alone from now on.
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                Err(e)
             }
             other => other,
         }
@@ -584,6 +629,11 @@ pub(crate) struct CheckJob {
 }
 
 impl CheckJob {
+    /// The Redis Cluster slot of the check's keys (all share one hash tag).
+    pub(crate) fn slot(&self) -> u16 {
+        key_slot(&self.names.as_bytes()[..self.ends[0]])
+    }
+
     fn key_names(&self) -> impl Iterator<Item = &str> {
         let mut start = 0;
         self.ends[..self.keys].iter().map(move |&end| {
@@ -592,6 +642,23 @@ impl CheckJob {
             name
         })
     }
+}
+
+/// The Redis Cluster slot of the key `name`: CRC16 (XMODEM) of its hash tag (the text
+/// between the first `{` and the next `}`, when not empty), else of the whole name.
+pub(crate) fn key_slot(name: &[u8]) -> u16 {
+    let tag = name
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &name[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(name);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
 }
 
 /// The configuration of a store.
@@ -705,19 +772,50 @@ impl Shared {
         &'a self,
         jobs: impl Iterator<Item = &'j CheckJob> + Clone,
     ) -> Call<'a> {
+        self.many_call(&BATCH, jobs)
+    }
+
+    /// The call that decides `jobs` in order, in one run of `check_local` on the Cluster
+    /// node it is sent to: the keys travel as arguments, after the packed values.
+    pub(crate) fn node_batch_call<'a, 'j>(
+        &'a self,
+        jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+    ) -> Call<'a> {
+        self.many_call(&LOCAL, jobs)
+    }
+
+    fn many_call<'a, 'j>(
+        &'a self,
+        script: &'static Script,
+        jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+    ) -> Call<'a> {
         let (count, keys) = jobs
             .clone()
             .fold((0, 0), |(n, keys), job| (n + 1, keys + job.keys));
-        let mut call = BATCH.call(&self.functions, keys, keys + 1 + count);
-        for job in jobs.clone() {
-            for name in job.key_names() {
-                call.cmd.arg(name);
+        let declared = std::ptr::eq(script, *BATCH);
+        let mut call = script.call(
+            &self.functions,
+            if declared { keys } else { 0 },
+            keys + 1 + count,
+        );
+        if declared {
+            for job in jobs.clone() {
+                for name in job.key_names() {
+                    call.cmd.arg(name);
+                }
             }
         }
         let counts: Vec<u8> = jobs.clone().map(|job| b'0' + job.keys as u8).collect();
         call.cmd.arg(counts);
-        for job in jobs {
+        for job in jobs.clone() {
             call.cmd.arg(&job.packed[..]);
+        }
+        if !declared {
+            for job in jobs {
+                for name in job.key_names() {
+                    call.cmd.arg(name);
+                }
+            }
         }
         call
     }
@@ -848,6 +946,20 @@ mod tests {
         ] {
             assert_eq!(CheckArgs::reply_len(1, &bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn slots_follow_redis_cluster_keyslot() {
+        // The examples of the CLUSTER KEYSLOT documentation.
+        assert_eq!(key_slot(b"somekey"), 11058);
+        assert_eq!(key_slot(b"foo{hash_tag}"), 2515);
+        assert_eq!(key_slot(b"{hash_tag}bar"), 2515);
+        // An empty tag is no tag: the whole name counts.
+        assert_ne!(key_slot(b"a{}b"), key_slot(b""));
+        assert_eq!(
+            key_slot(b"{}{x}"),
+            crc16::State::<crc16::XMODEM>::calculate(b"{}{x}") % 16384
+        );
     }
 
     #[test]

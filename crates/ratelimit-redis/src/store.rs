@@ -145,8 +145,8 @@ impl RedisStoreBuilder {
     /// check as a call of its own). Checks that queue while the store's calls are in flight (one per
     /// connection) leave together as one call that decides them in order, each as
     /// atomically as alone, with one read of Redis `TIME` for all; a lone check leaves at
-    /// once. Batching applies to one server and to the primary Sentinel names; a
-    /// Cluster's checks go one call each.
+    /// once. On a Cluster, a batch goes as one call per node (Redis 7; before it, one
+    /// call per check).
     pub fn max_batch(mut self, checks: usize) -> Self {
         self.max_batch = checks.clamp(1, MAX_BATCH);
         self
@@ -325,7 +325,7 @@ impl RedisStoreBuilder {
 
     fn store(&self, transport: Transport, shared: Arc<Shared>) -> RedisStore {
         let transport = Arc::new(transport);
-        let batcher = (self.max_batch > 1 && transport.batches()).then(|| {
+        let batcher = (self.max_batch > 1).then(|| {
             let settings = batch::Settings {
                 max: self.max_batch,
                 wait: self.batch_wait,

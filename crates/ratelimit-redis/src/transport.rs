@@ -11,13 +11,14 @@ use bb8_redis::RedisConnectionManager;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::sentinel::SentinelClient;
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
 use ratelimit_core::util::BoundedLog;
 
 use crate::error::{classify, is_connection_error, RedisStoreError};
-use crate::script::{self, Request, Shared};
+use crate::script::{self, Call, Request, Shared};
 
 /// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
@@ -70,12 +71,49 @@ impl Transport {
         }
     }
 
-    /// Whether the store has a batched path: one server (or its Sentinel-named primary).
-    /// A Cluster's checks go one call each.
-    pub(crate) fn batches(&self) -> bool {
+    /// On a Cluster, which node serves each slot, as last read (read now when not yet
+    /// known or since found stale); `None` on one server, or when it cannot be read.
+    pub(crate) async fn nodes(&self) -> Option<Arc<Nodes>> {
         match self {
-            Transport::Link(link) => !matches!(link.source, Source::Cluster(_) | Source::Given),
-            Transport::Pool(_) => true,
+            Transport::Link(link) if link.is_cluster() => link.nodes().await,
+            _ => None,
+        }
+    }
+
+    /// Notes that a slot was not where the node map said: it is read again before the
+    /// next batch.
+    pub(crate) fn nodes_stale(&self) {
+        if let Transport::Link(link) = self {
+            link.nodes.stale.store(true, Ordering::Release);
+        }
+    }
+
+    /// Sends `call` to the Cluster node serving `slot` (as the connection's own map has
+    /// it), within `timeout`.
+    pub(crate) async fn call_on(
+        &self,
+        slot: u16,
+        call: &Call<'_>,
+        timeout: Duration,
+    ) -> Result<Value, RedisStoreError> {
+        let Transport::Link(link) = self else {
+            return Err(RedisStoreError::UnexpectedReply(
+                "a call to a Cluster node over a pool".into(),
+            ));
+        };
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+            slot,
+            SlotAddr::Master,
+        )));
+        let send = async {
+            match link.conn()? {
+                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await,
+                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await,
+            }
+        };
+        match tokio::time::timeout(timeout, send).await {
+            Ok(reply) => reply.map_err(|e| failure(Failure::Redis(e), timeout)),
+            Err(_) => Err(RedisStoreError::Timeout(timeout)),
         }
     }
 
@@ -214,6 +252,64 @@ pub(crate) struct Link {
     /// Counts finished connection attempts, for callers waiting on one.
     attempts: tokio::sync::watch::Sender<u64>,
     failure_log: BoundedLog,
+    /// On a Cluster, the node of each slot.
+    nodes: NodeMap,
+}
+
+/// Which Cluster node serves each slot: a number per node, the same for every slot the
+/// node serves (`u16::MAX` for a slot no node serves).
+#[derive(Debug)]
+pub(crate) struct Nodes {
+    of_slot: Vec<u16>,
+}
+
+impl Nodes {
+    /// The node serving `slot`.
+    pub(crate) fn of(&self, slot: u16) -> u16 {
+        self.of_slot[usize::from(slot)]
+    }
+
+    /// The map in a `CLUSTER SLOTS` reply: `[start, end, [host, port, ..], replicas..]`
+    /// per range.
+    fn parse(reply: &Value) -> Option<Self> {
+        let Value::Array(ranges) = reply else {
+            return None;
+        };
+        let mut of_slot = vec![u16::MAX; 16384];
+        let mut seen: Vec<(Value, Value)> = Vec::new();
+        for range in ranges {
+            let Value::Array(fields) = range else {
+                return None;
+            };
+            let (Value::Int(start), Value::Int(end), Value::Array(primary)) =
+                (fields.first()?, fields.get(1)?, fields.get(2)?)
+            else {
+                return None;
+            };
+            let address = (primary.first()?.clone(), primary.get(1)?.clone());
+            let node = match seen.iter().position(|a| *a == address) {
+                Some(i) => i,
+                None => {
+                    seen.push(address);
+                    seen.len() - 1
+                }
+            };
+            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
+            for slot in of_slot.get_mut(start..=end)? {
+                *slot = u16::try_from(node).ok()?;
+            }
+        }
+        Some(Self { of_slot })
+    }
+}
+
+/// The node map as last read, and whether a batch found it stale since.
+#[derive(Default)]
+struct NodeMap {
+    current: RwLock<Option<Arc<Nodes>>>,
+    stale: std::sync::atomic::AtomicBool,
+    /// One reader at a time.
+    reading: tokio::sync::Mutex<()>,
 }
 
 impl Link {
@@ -228,7 +324,49 @@ impl Link {
             health: Mutex::new(Health::default()),
             attempts: tokio::sync::watch::Sender::new(0),
             failure_log: BoundedLog::new(),
+            nodes: NodeMap::default(),
         })
+    }
+
+    fn is_cluster(&self) -> bool {
+        matches!(self.source, Source::Cluster(_) | Source::Given)
+    }
+
+    /// The node map; read with `CLUSTER SLOTS` when unknown or stale.
+    async fn nodes(&self) -> Option<Arc<Nodes>> {
+        let known = || {
+            let current = self
+                .nodes
+                .current
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            current
+                .clone()
+                .filter(|_| !self.nodes.stale.load(Ordering::Acquire))
+        };
+        if let Some(nodes) = known() {
+            return Some(nodes);
+        }
+        let _one = self.nodes.reading.lock().await;
+        if let Some(nodes) = known() {
+            return Some(nodes);
+        }
+        let Ok((Conn::Cluster(mut conn), _)) = self.conn() else {
+            return None;
+        };
+        self.nodes.stale.store(false, Ordering::Release);
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+        let read = conn.route_command(cmd, routing);
+        let reply = tokio::time::timeout(self.shared.timeout, read).await.ok()?;
+        let nodes = Arc::new(Nodes::parse(&reply.ok()?)?);
+        *self
+            .nodes
+            .current
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some(nodes.clone());
+        Some(nodes)
     }
 
     /// A link over a cluster connection the application made; the scripts load on first

@@ -1,0 +1,160 @@
+//! Checks batched per node on a Redis Cluster: the checks that queue while a call is in
+//! flight go to each node as one call, and a slot that moved since the store read the
+//! slot map still decides every check exactly once.
+//!
+//! The tests run on a current-thread runtime: every spawned check queues before the
+//! store's sending task runs, so the batches they form do not depend on timing.
+
+mod common;
+
+use std::time::Duration;
+
+use ratelimit_core::testing::T0_US;
+use ratelimit_core::{ManualClock, MemoryStore, RuleSet, Store};
+use ratelimit_redis::redis;
+use ratelimit_redis::testing::RedisCluster;
+use ratelimit_redis::RedisStore;
+
+const CHECKS: usize = 300;
+
+fn key(i: usize) -> Vec<u8> {
+    // Keys over many slots of every node, a few of them hot.
+    format!("client-{}", (i * 7) % 40 % (1 + i % 13)).into_bytes()
+}
+
+fn said(d: &ratelimit_core::Decision) -> (bool, Option<Duration>, Vec<u64>) {
+    (
+        d.is_allowed(),
+        d.retry_after(),
+        d.rules().iter().map(|r| r.remaining).collect(),
+    )
+}
+
+fn fcalls(cons: &mut [redis::Connection]) -> u64 {
+    cons.iter_mut()
+        .map(|con| common::commandstats(con).get("fcall").map_or(0, |s| s.0))
+        .sum()
+}
+
+/// Runs a round of concurrent checks on `redis` and the same checks one by one on
+/// `memory`; asserts the decisions agree and returns the FCALLs the round took.
+async fn round(
+    redis: &RedisStore,
+    memory: &MemoryStore<ManualClock>,
+    rules: &RuleSet,
+    cons: &mut [redis::Connection],
+) -> u64 {
+    for con in cons.iter_mut() {
+        common::reset_stats(con);
+    }
+    let tasks: Vec<_> = (0..CHECKS)
+        .map(|i| {
+            let (redis, rules) = (redis.clone(), rules.clone());
+            tokio::spawn(async move { redis.check(&key(i), &rules, 1 + (i % 3) as u64).await })
+        })
+        .collect();
+    let mut decided = Vec::new();
+    for task in tasks {
+        decided.push(said(&task.await.unwrap().expect("check")));
+    }
+    let calls = fcalls(cons);
+    let mut expected = Vec::new();
+    for i in 0..CHECKS {
+        let d = memory.check(&key(i), rules, 1 + (i % 3) as u64).await;
+        expected.push(said(&d.unwrap()));
+    }
+    assert_eq!(decided, expected, "{rules}");
+    calls
+}
+
+async fn stores(
+    cluster: &RedisCluster,
+    clock: &ManualClock,
+) -> (RedisStore, MemoryStore<ManualClock>) {
+    let redis = RedisStore::builder()
+        .prefix("cb")
+        .pool_size(1)
+        .clock(clock.clone())
+        .timeout(Duration::from_secs(5))
+        .build_cluster(cluster.urls())
+        .await
+        .expect("store");
+    (redis, MemoryStore::builder().clock(clock.clone()).build())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn concurrent_checks_go_one_call_per_node_and_decide_as_the_memory_store() {
+    let cluster = RedisCluster::start();
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    for rules in [
+        "20/s gcra burst=40; 100/min fixed-window",
+        "30/min sliding-log; 45/h sliding-log",
+    ] {
+        let rules: RuleSet = rules.parse().unwrap();
+        let clock = ManualClock::new(T0_US);
+        let (redis, memory) = stores(&cluster, &clock).await;
+        for _ in 0..3 {
+            let calls = round(&redis, &memory, &rules, &mut cons).await;
+            assert!(
+                calls < CHECKS as u64 / 10,
+                "{rules}: {calls} calls for {CHECKS} checks: not batched per node"
+            );
+            clock.advance(Duration::from_millis(700));
+        }
+    }
+}
+
+fn cmd<T: redis::FromRedisValue>(con: &mut redis::Connection, args: &[&str]) -> T {
+    let mut cmd = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        cmd.arg(*arg);
+    }
+    cmd.query(con)
+        .unwrap_or_else(|e| panic!("{}: {e}", args.join(" ")))
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_since_the_map_was_read_still_decides_each_check_once() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let mut cons: Vec<_> = urls.iter().map(|u| common::conn(u)).collect();
+    let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
+    let clock = ManualClock::new(T0_US);
+    let (redis, memory) = stores(&cluster, &clock).await;
+    round(&redis, &memory, &rules, &mut cons).await;
+
+    // Move the slot of a client key the first node holds to the second node, behind the
+    // store's back: its slot map (and the connection's) is stale now.
+    let names: Vec<String> = cmd(&mut cons[0], &["KEYS", "cb*"]);
+    let slot: i64 = cmd(&mut cons[0], &["CLUSTER", "KEYSLOT", &names[0]]);
+    let slot = slot.to_string();
+    let source: String = cmd(&mut cons[0], &["CLUSTER", "MYID"]);
+    let target: String = cmd(&mut cons[1], &["CLUSTER", "MYID"]);
+    let _: () = cmd(
+        &mut cons[1],
+        &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &source],
+    );
+    let _: () = cmd(
+        &mut cons[0],
+        &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target],
+    );
+    let moving: Vec<String> = cmd(&mut cons[0], &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    let port = cluster.nodes()[1].port().to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(moving.iter().map(String::as_str));
+    let _: () = cmd(&mut cons[0], &migrate);
+    for con in cons.iter_mut() {
+        let _: () = cmd(con, &["CLUSTER", "SETSLOT", &slot, "NODE", &target]);
+    }
+    assert!(!moving.is_empty());
+
+    for _ in 0..3 {
+        clock.advance(Duration::from_millis(700));
+        let calls = round(&redis, &memory, &rules, &mut cons).await;
+        assert!(calls < CHECKS as u64 / 5, "{calls} calls: not batched");
+    }
+    for name in &moving {
+        let on_target: bool = cmd(&mut cons[1], &["EXISTS", name]);
+        assert!(on_target, "{name} stays on the node it moved to");
+    }
+}
