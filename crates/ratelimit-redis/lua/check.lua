@@ -132,7 +132,9 @@ local function decode(raw, width, shape)
     end
   end
   for j = 1, width do
-    if not whole(t[j]) then
+    local x = t[j]
+    -- whole(x), without the call: the loop runs over every stored value.
+    if not (x >= 0 and x < 9007199254740992 and x % 1 == 0) then
       return nil
     end
   end
