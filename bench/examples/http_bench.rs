@@ -35,6 +35,7 @@ use std::sync::Arc;
 
 use axum::routing::get;
 use axum::Router;
+use ratelimit_bench::{cpu_seconds, env_or};
 use ratelimit_core::MemoryStore;
 use ratelimit_redis::RedisStore;
 use ratelimit_tower::{PeerIp, RateLimitLayer};
@@ -45,13 +46,6 @@ use tower_governor::GovernorLayer;
 const RULES: &str = "100000000/s";
 
 type Error = Box<dyn std::error::Error>;
-
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// One wrk run against one server.
 #[derive(Debug, Clone, Copy)]
@@ -317,35 +311,6 @@ fn wrk(url: &str, threads: u64, connections: u64, secs: u64, pin: bool) -> Resul
         requests_per_sec,
         p99_ms,
         non_2xx,
-    })
-}
-
-/// User plus system CPU time of process `pid` so far, in seconds (0 if unreadable).
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
-    let Some((_, rest)) = stat.rsplit_once(')') else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = [11, 12]
-        .iter()
-        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
-        .sum();
-    ticks as f64 / clock_ticks_per_second()
-}
-
-fn clock_ticks_per_second() -> f64 {
-    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok())
-            .unwrap_or(100.0)
     })
 }
 

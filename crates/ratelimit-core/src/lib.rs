@@ -55,6 +55,7 @@ mod rule;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod util;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use decision::{Decision, Outcome, RuleOutcome};

@@ -510,6 +510,18 @@ pub(crate) struct Shared {
     pub(crate) functions: AtomicBool,
     /// The Redis clock as seen from here, for deadlines.
     pub(crate) redis_clock: RedisClock,
+    /// `maxmemory-policy` as last read, when the server allowed it.
+    pub(crate) maxmemory_policy: std::sync::RwLock<Option<String>>,
+}
+
+impl Shared {
+    /// The time on the store's clock: the injected one, else the system's.
+    pub(crate) fn now_us(&self) -> u64 {
+        match &self.clock {
+            Some(clock) => clock.now_us(),
+            None => ratelimit_core::SystemClock.now_us(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Shared {

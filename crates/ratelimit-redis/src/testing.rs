@@ -377,6 +377,12 @@ impl RedisCluster {
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
     }
+
+    /// The nodes, to stop and restart them. A restarted node keeps its cluster
+    /// configuration (`nodes.conf`) and rejoins; its data is lost.
+    pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
+        &mut self.nodes
+    }
 }
 
 /// The decision script in the forms the store sends it, for sending checks by hand (a
@@ -527,6 +533,12 @@ impl RedisSentinel {
     /// The server that was a replica at start.
     pub fn replica(&self) -> &RedisServer {
         &self.replica
+    }
+
+    /// The server that was primary at start, to stop it (the Sentinel then promotes the
+    /// replica after about a second).
+    pub fn primary_mut(&mut self) -> &mut RedisServer {
+        &mut self.primary
     }
 
     /// The port of the primary the Sentinel names now.

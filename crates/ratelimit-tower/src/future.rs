@@ -2,16 +2,15 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use crate::decide::{CheckFuture, Verdict};
+use crate::body::ResponseBody;
 use crate::headers::Fields;
+use crate::limiter::{CheckFuture, Pass, Verdict};
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): waits for the store (when
@@ -45,38 +44,23 @@ pin_project! {
             future: Fut,
         },
         Replied {
-            response: Option<Response<ResBody>>,
+            response: Option<Response<ResponseBody<ResBody>>>,
         },
     }
 }
 
 impl<Svc, ReqBody, ResBody> ResponseFuture<Svc, ReqBody, ResBody>
 where
-    Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    Svc: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
 {
-    pub(crate) fn called(future: Svc::Future, fields: Option<Fields>) -> Self {
-        Self {
-            state: State::Calling { future },
-            fields,
-        }
+    /// An admitted request: `ready` (polled ready) is called now, or a clone of it after
+    /// the delay.
+    pub(crate) fn pass(pass: Pass, req: Request<ReqBody>, ready: &mut Svc) -> Self {
+        let (state, fields) = State::pass(pass, req, ready);
+        Self { state, fields }
     }
 
-    pub(crate) fn delayed(
-        inner: Svc,
-        req: Request<ReqBody>,
-        delay: Duration,
-        fields: Option<Fields>,
-    ) -> Self {
-        Self {
-            state: State::Delaying {
-                sleep: Box::pin(tokio::time::sleep(delay)),
-                call: Some(Box::new((inner, req))),
-            },
-            fields,
-        }
-    }
-
-    pub(crate) fn reply(response: Response<ResBody>) -> Self {
+    pub(crate) fn reply(response: Response<ResponseBody<ResBody>>) -> Self {
         Self {
             state: State::Replied {
                 response: Some(response),
@@ -96,41 +80,57 @@ where
     }
 }
 
+impl<Svc, ReqBody, ResBody> State<Svc, Svc::Future, ReqBody, ResBody>
+where
+    Svc: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+{
+    /// Where an admitted request goes: the decision into its extensions, then the call
+    /// (at once, without cloning the ready service) or the wait.
+    fn pass(pass: Pass, mut req: Request<ReqBody>, ready: &mut Svc) -> (Self, Option<Fields>) {
+        if let Some(decision) = pass.decision {
+            req.extensions_mut().insert(*decision);
+        }
+        let state = if pass.delay.is_zero() {
+            State::Calling {
+                future: ready.call(req),
+            }
+        } else {
+            State::Delaying {
+                sleep: Box::pin(tokio::time::sleep(pass.delay)),
+                call: Some(Box::new((take_ready(ready), req))),
+            }
+        };
+        (state, pass.fields)
+    }
+}
+
+/// The service that was polled ready, to be called later; a fresh clone takes its place.
+pub(crate) fn take_ready<Svc: Clone>(ready: &mut Svc) -> Svc {
+    let clone = ready.clone();
+    std::mem::replace(ready, clone)
+}
+
 impl<Svc, ReqBody, ResBody> Future for ResponseFuture<Svc, ReqBody, ResBody>
 where
-    Svc: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<Bytes>,
+    Svc: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
 {
-    type Output = Result<Response<ResBody>, Svc::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, Svc::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
                 StateProj::Checking { check, call } => match ready!(check.as_mut().poll(cx)) {
-                    Verdict::Pass {
-                        delay,
-                        fields,
-                        decision,
-                    } => {
+                    Verdict::Pass(pass) => {
+                        let (mut inner, req) = *call.take().expect("polled after completion");
+                        let (state, fields) = State::pass(pass, req, &mut inner);
+                        this.state.set(state);
                         *this.fields = fields;
-                        let mut pending = call.take().expect("polled after completion");
-                        if let Some(decision) = decision {
-                            pending.1.extensions_mut().insert(*decision);
-                        }
-                        if delay.is_zero() {
-                            let (mut inner, req) = *pending;
-                            this.state.set(State::Calling {
-                                future: inner.call(req),
-                            });
-                        } else {
-                            this.state.set(State::Delaying {
-                                sleep: Box::pin(tokio::time::sleep(delay)),
-                                call: Some(pending),
-                            });
-                        }
                     }
-                    Verdict::Refuse(refusal) => return Poll::Ready(Ok(refusal.into_response())),
+                    Verdict::Refuse(refusal) => {
+                        let pending = call.as_ref().expect("polled after completion");
+                        return Poll::Ready(Ok(refusal.into_response(pending.1.headers())));
+                    }
                 },
                 StateProj::Delaying { sleep, call } => {
                     ready!(sleep.as_mut().poll(cx));
@@ -144,7 +144,7 @@ where
                     if let Some(fields) = this.fields.take() {
                         fields.apply(response.headers_mut());
                     }
-                    return Poll::Ready(Ok(response));
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Replied { response } => {
                     return Poll::Ready(Ok(response.take().expect("polled after completion")))

@@ -5,27 +5,33 @@ use std::panic::Location;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ratelimit_core::{ConfigError, MemoryStore, Rule, RuleSet, Store};
+use http::StatusCode;
+use ratelimit_core::util::BoundedLog;
+use ratelimit_core::{ConfigError, Rule, RuleSet, Store};
 use tower_layer::Layer;
 
 use crate::cost::UnitCost;
 use crate::deny_cache::{DenyCache, DenyCacheConfig};
-use crate::policy::{BoundedLog, FailurePolicy, FallbackRules, MissingKey};
+use crate::error::BuildError;
+use crate::fallback::{fallback_store, FallbackRules};
+use crate::limiter::Limiter;
+use crate::namespace;
+use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::{BlockedStatus, OnRejection, PlainText};
 use crate::service::RateLimit;
-use crate::tier::{FallbackStore, OneTier, StoreClock, Tier};
+use crate::tier::{OneTier, Tier};
 
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate).
 ///
 /// Cheap to clone: clones share the store, the rules, the budgets and the deny cache.
 pub struct RateLimitLayer<S, K, C = UnitCost, T = OneTier> {
-    pub(crate) shared: Arc<Shared<S, K, C, T>>,
+    limiter: Arc<Limiter<S, K, C, T>>,
 }
 
 impl<S, K, C, T> Clone for RateLimitLayer<S, K, C, T> {
     fn clone(&self) -> Self {
         Self {
-            shared: Arc::clone(&self.shared),
+            limiter: Arc::clone(&self.limiter),
         }
     }
 }
@@ -33,18 +39,18 @@ impl<S, K, C, T> Clone for RateLimitLayer<S, K, C, T> {
 impl<S, K, C, T> fmt::Debug for RateLimitLayer<S, K, C, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("namespace", &self.shared.namespace)
+            .field("namespace", &self.limiter.namespace)
             .field(
                 "tiers",
                 &self
-                    .shared
+                    .limiter
                     .tiers
                     .iter()
                     .map(|t| (&*t.name, t.rules.id()))
                     .collect::<Vec<_>>(),
             )
-            .field("failure_policy", &self.shared.failure_policy)
-            .field("shadow", &self.shared.shadow)
+            .field("failure_policy", &self.limiter.failure_policy)
+            .field("shadow", &self.limiter.shadow)
             .finish_non_exhaustive()
     }
 }
@@ -93,6 +99,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             on_rejection: Arc::new(PlainText),
             failure_policy: FailurePolicy::default(),
             fallback: FallbackRules::Same,
+            omitted_key_status: StatusCode::BAD_REQUEST,
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
             admitted_headers: true,
@@ -107,18 +114,18 @@ impl<S: Store, K> RateLimitLayer<S, K> {
 impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// The store the layer decides with.
     pub fn store(&self) -> &S {
-        &self.shared.store
+        &self.limiter.store
     }
 
     /// The rules of the default tier (of the first tier when there is no default).
     pub fn rules(&self) -> &RuleSet {
-        &self.shared.tiers[self.shared.default_tier.unwrap_or(0)].rules
+        &self.limiter.tiers[self.limiter.default_tier.unwrap_or(0)].rules
     }
 
     /// The rules of the tier `name` (`""` is the tier of
     /// [`rules`](RateLimitLayerBuilder::rules)).
     pub fn tier_rules(&self, name: &str) -> Option<&RuleSet> {
-        self.shared
+        self.limiter
             .tiers
             .iter()
             .find(|t| &*t.name == name)
@@ -128,13 +135,13 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// The namespace that sets this layer's budgets apart (see
     /// [namespaces](crate#budgets-and-namespaces)).
     pub fn namespace(&self) -> &str {
-        &self.shared.namespace
+        &self.limiter.namespace
     }
 
     /// The key `client` is held under in the store for the tier `tier` (`""` for the
     /// tier of [`rules`](RateLimitLayerBuilder::rules)), to find it with `redis-cli`, say.
     pub fn store_key(&self, tier: &str, client: &[u8]) -> Option<Vec<u8>> {
-        let tier = self.shared.tiers.iter().find(|t| &*t.name == tier)?;
+        let tier = self.limiter.tiers.iter().find(|t| &*t.name == tier)?;
         Some(tier.store_key(client).to_vec())
     }
 
@@ -142,8 +149,8 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// `b"203.0.113.9"`) in every tier of this layer, for `duration` or until
     /// [`unblock`](Self::unblock). Layers with other namespaces are not affected.
     pub async fn block(&self, client: &[u8], duration: Option<Duration>) -> Result<(), S::Error> {
-        for tier in self.shared.tiers.iter() {
-            self.shared
+        for tier in self.limiter.tiers.iter() {
+            self.limiter
                 .store
                 .block(&tier.store_key(client), duration)
                 .await?;
@@ -155,16 +162,16 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// last moments may still be answered from the deny cache until their entry expires
     /// (at most [`DenyCacheConfig::max_ttl`]).
     pub async fn unblock(&self, client: &[u8]) -> Result<(), S::Error> {
-        for tier in self.shared.tiers.iter() {
-            self.shared.store.unblock(&tier.store_key(client)).await?;
+        for tier in self.limiter.tiers.iter() {
+            self.limiter.store.unblock(&tier.store_key(client)).await?;
         }
         Ok(())
     }
 
     /// Forgets what `client` consumed in every tier of this layer.
     pub async fn reset(&self, client: &[u8]) -> Result<(), S::Error> {
-        for tier in self.shared.tiers.iter() {
-            self.shared
+        for tier in self.limiter.tiers.iter() {
+            self.limiter
                 .store
                 .reset(&tier.store_key(client), &tier.rules)
                 .await?;
@@ -177,55 +184,12 @@ impl<Svc, S, K, C, T> Layer<Svc> for RateLimitLayer<S, K, C, T> {
     type Service = RateLimit<Svc, S, K, C, T>;
 
     fn layer(&self, inner: Svc) -> Self::Service {
-        RateLimit::from_shared(inner, Arc::clone(&self.shared))
+        RateLimit::new(inner, Arc::clone(&self.limiter))
     }
 }
 
 /// The longest a shaping rule may delay a request unless configured otherwise.
 pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(10);
-
-/// A layer that cannot be built, with what to change.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum BuildError {
-    /// The rules are not valid (none at all, too many, a bad rule).
-    #[error(transparent)]
-    Rules(#[from] ConfigError),
-    /// A namespace that is empty or longer than 255 bytes.
-    #[error("namespace {0:?} must be 1 to 255 bytes long")]
-    BadNamespace(String),
-    /// A tier name that is empty, longer than 64 bytes, or not `[A-Za-z0-9_.-]`.
-    #[error("tier name {0:?} must be 1 to 64 characters of A-Z, a-z, 0-9, `_`, `-`, `.`")]
-    BadTierName(String),
-    /// The same tier name twice.
-    #[error("tier {0:?} is configured twice")]
-    DuplicateTier(String),
-    /// Tiers without a selector, or a selector without tiers.
-    #[error(
-        "tiers and `select_tier` go together: add tiers with `.tier(name, rules)` and choose \
-         one per request with `.select_tier(|req| ...)`"
-    )]
-    TiersWithoutSelector,
-    /// A default tier that is not configured.
-    #[error("default tier {0:?} is not one of the configured tiers")]
-    UnknownDefaultTier(String),
-    /// A fleet share that leaves a rule nothing.
-    #[error(
-        "rule `{rule}` cannot be shared by {instances} instances: its {field} of {value} \
-         divided by {instances} is 0; give the fallback rules of its own with \
-         `fallback_rules`, or share among fewer instances"
-    )]
-    ShareTooSmall {
-        /// The rule.
-        rule: String,
-        /// `limit`, `capacity` or `burst`.
-        field: &'static str,
-        /// Its value.
-        value: u64,
-        /// The number of instances.
-        instances: u64,
-    },
-}
 
 /// Configures a [`RateLimitLayer`]; made by [`RateLimitLayer::builder`].
 ///
@@ -262,6 +226,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     on_rejection: Arc<dyn OnRejection>,
     failure_policy: FailurePolicy,
     fallback: FallbackRules,
+    omitted_key_status: StatusCode,
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
     admitted_headers: bool,
@@ -302,6 +267,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,
             fallback: self.fallback,
+            omitted_key_status: self.omitted_key_status,
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
@@ -406,8 +372,19 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
-    /// What to do with a request in which no key is found ([`MissingKey::Refuse`] by
-    /// default).
+    /// The status for a request whose client left out what the key is made of
+    /// ([`Extraction::Omitted`](crate::key::Extraction::Omitted), e.g. the header of a
+    /// [`HeaderKey`](crate::HeaderKey)): 400 by default; 401 suits a missing API key.
+    /// Must be a client error (4xx). To key such requests another way instead, give the
+    /// extractor a fallback ([`or`](crate::KeyExtractorExt::or)).
+    pub fn omitted_key_status(mut self, status: StatusCode) -> Self {
+        self.omitted_key_status = status;
+        self
+    }
+
+    /// What to do with a request in which the server provided no key
+    /// ([`Extraction::Missing`](crate::key::Extraction::Missing), [`MissingKey::Refuse`]
+    /// by default).
     pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
         self.missing_key = policy;
         self
@@ -429,7 +406,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// Shadow mode: decide, count and report, but never refuse or delay. A request that
     /// would have been refused or delayed passes with a `RateLimit-Shadow` field
     /// (`limited`, `blocked`, `delayed`, `cost-exceeded`, `store-unavailable`,
-    /// `missing-key`, `unknown-tier`) and an `INFO` event; no other rate-limit field is
+    /// `key-omitted`, `missing-key`, `unknown-tier`) and an `INFO` event; no other rate-limit field is
     /// sent. For trying new limits on real traffic before enforcing them.
     pub fn shadow(mut self, enabled: bool) -> Self {
         self.shadow = enabled;
@@ -469,13 +446,10 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
-        let namespace = match self.namespace {
-            Some(ns) if ns.is_empty() || ns.len() > 255 => {
-                return Err(BuildError::BadNamespace(ns))
-            }
-            Some(ns) => ns,
-            None => implicit_namespace(self.location),
-        };
+        let namespace = namespace::resolve(self.namespace, self.location)?;
+        if !self.omitted_key_status.is_client_error() {
+            return Err(BuildError::OmittedKeyStatus(self.omitted_key_status));
+        }
         let mut tiers: Vec<(String, RuleSet)> = Vec::new();
         if !self.rules.is_empty() || self.tiers.is_empty() {
             tiers.push((String::new(), RuleSet::new(self.rules)?));
@@ -521,13 +495,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
         let store = Arc::new(self.store);
-        let shared = Shared {
-            fallback: fallback.then(|| {
-                let clock_of = Arc::clone(&store);
-                MemoryStore::builder()
-                    .clock(StoreClock(Arc::new(move || clock_of.now_us())))
-                    .build()
-            }),
+        let limiter = Limiter {
+            fallback: fallback.then(|| fallback_store(&store)),
             store,
             key: self.key,
             cost: self.cost,
@@ -537,10 +506,11 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             namespace: namespace.into(),
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,
+            omitted_key_status: self.omitted_key_status,
             missing_key: self.missing_key,
-            missing_log: BoundedLog::default(),
-            tier_log: BoundedLog::default(),
-            store_error_log: BoundedLog::default(),
+            missing_log: BoundedLog::new(),
+            tier_log: BoundedLog::new(),
+            store_error_log: BoundedLog::new(),
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
             shadow: self.shadow,
@@ -549,58 +519,16 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_timeout: self.store_timeout,
         };
         Ok(RateLimitLayer {
-            shared: Arc::new(shared),
+            limiter: Arc::new(limiter),
         })
     }
-}
-
-/// `@` and 16 hex digits of the FNV-1a hash of `file:line:column`: the same in every
-/// process running the same build, different for layers built in different places.
-fn implicit_namespace(location: &Location<'_>) -> String {
-    let site = format!(
-        "{}:{}:{}",
-        location.file(),
-        location.line(),
-        location.column()
-    );
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in site.bytes() {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("@{hash:016x}")
-}
-
-/// Everything a layer's services share.
-pub(crate) struct Shared<S, K, C, T> {
-    pub(crate) store: Arc<S>,
-    pub(crate) key: K,
-    pub(crate) cost: C,
-    pub(crate) select: T,
-    pub(crate) tiers: Box<[Tier]>,
-    pub(crate) default_tier: Option<usize>,
-    pub(crate) namespace: Box<str>,
-    pub(crate) on_rejection: Arc<dyn OnRejection>,
-    pub(crate) failure_policy: FailurePolicy,
-    pub(crate) fallback: Option<FallbackStore>,
-    pub(crate) missing_key: MissingKey,
-    pub(crate) missing_log: BoundedLog,
-    pub(crate) tier_log: BoundedLog,
-    /// Store failures: an outage fails every request, so one line per request would be a
-    /// flood of its own.
-    pub(crate) store_error_log: BoundedLog,
-    pub(crate) blocked_status: BlockedStatus,
-    pub(crate) admitted_headers: bool,
-    pub(crate) shadow: bool,
-    pub(crate) max_delay: Duration,
-    pub(crate) deny_cache: Option<DenyCache>,
-    pub(crate) store_timeout: Option<Duration>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::key::GlobalKey;
+    use ratelimit_core::MemoryStore;
 
     #[test]
     fn implicit_namespaces_differ_by_call_site_and_are_stable() {
@@ -609,8 +537,6 @@ mod tests {
         assert_ne!(a.namespace(), b.namespace());
         assert_eq!(a.namespace().len(), 17);
         assert_eq!(a.clone().namespace(), a.namespace());
-        let site = Location::caller();
-        assert_eq!(implicit_namespace(site), implicit_namespace(site));
     }
 
     #[test]

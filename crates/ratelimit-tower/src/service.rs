@@ -2,30 +2,29 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use ratelimit_core::Store;
 use tower_service::Service;
 
-use crate::cost::RequestCost;
-use crate::decide::{Begin, Verdict};
-use crate::future::ResponseFuture;
+use crate::body::ResponseBody;
+use crate::cost::{RequestCost, UnitCost};
+use crate::future::{take_ready, ResponseFuture};
 use crate::key::KeyExtractor;
-use crate::layer::Shared;
-use crate::tier::SelectTier;
+use crate::limiter::{Begin, Limiter, Verdict};
+use crate::tier::{OneTier, SelectTier};
 
 /// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
 ///
 /// `poll_ready` is the inner service's; a refusal is a response (429, 403, 413, 500 or
 /// 503), never an error, so `Error` is the inner service's error.
-pub struct RateLimit<Svc, S, K, C, T> {
+pub struct RateLimit<Svc, S, K, C = UnitCost, T = OneTier> {
     inner: Svc,
-    shared: Arc<Shared<S, K, C, T>>,
+    limiter: Arc<Limiter<S, K, C, T>>,
 }
 
 impl<Svc, S, K, C, T> RateLimit<Svc, S, K, C, T> {
-    pub(crate) fn from_shared(inner: Svc, shared: Arc<Shared<S, K, C, T>>) -> Self {
-        Self { inner, shared }
+    pub(crate) fn new(inner: Svc, limiter: Arc<Limiter<S, K, C, T>>) -> Self {
+        Self { inner, limiter }
     }
 
     /// The wrapped service.
@@ -48,7 +47,7 @@ impl<Svc: Clone, S, K, C, T> Clone for RateLimit<Svc, S, K, C, T> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
+            limiter: Arc::clone(&self.limiter),
         }
     }
 }
@@ -57,7 +56,7 @@ impl<Svc: fmt::Debug, S, K, C, T> fmt::Debug for RateLimit<Svc, S, K, C, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("namespace", &self.shared.namespace)
+            .field("namespace", &self.limiter.namespace)
             .finish_non_exhaustive()
     }
 }
@@ -69,9 +68,8 @@ where
     K: KeyExtractor<ReqBody>,
     C: RequestCost<ReqBody>,
     T: SelectTier<ReqBody>,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = Svc::Error;
     type Future = ResponseFuture<Svc, ReqBody, ResBody>;
 
@@ -81,34 +79,14 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
-        match Shared::begin(&self.shared, &mut req) {
-            Begin::Now(Verdict::Pass {
-                delay,
-                fields,
-                decision,
-            }) => {
-                if let Some(decision) = decision {
-                    req.extensions_mut().insert(*decision);
-                }
-                if delay.is_zero() {
-                    // Nothing to wait for: the ready service is called here, without
-                    // cloning it.
-                    ResponseFuture::called(self.inner.call(req), fields)
-                } else {
-                    ResponseFuture::delayed(self.take_ready(), req, delay, fields)
-                }
+        match Limiter::begin(&self.limiter, &mut req) {
+            Begin::Now(Verdict::Pass(pass)) => ResponseFuture::pass(pass, req, &mut self.inner),
+            Begin::Now(Verdict::Refuse(refusal)) => {
+                ResponseFuture::reply(refusal.into_response(req.headers()))
             }
-            Begin::Now(Verdict::Refuse(refusal)) => ResponseFuture::reply(refusal.into_response()),
-            Begin::Later(check) => ResponseFuture::checking(check, self.take_ready(), req),
+            Begin::Later(check) => {
+                ResponseFuture::checking(check, take_ready(&mut self.inner), req)
+            }
         }
-    }
-}
-
-impl<Svc: Clone, S, K, C, T> RateLimit<Svc, S, K, C, T> {
-    /// The service that was polled ready, to be called later from the future; a fresh
-    /// clone takes its place.
-    fn take_ready(&mut self) -> Svc {
-        let clone = self.inner.clone();
-        std::mem::replace(&mut self.inner, clone)
     }
 }

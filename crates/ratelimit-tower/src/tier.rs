@@ -1,11 +1,14 @@
 //! Rules chosen per request: tiers (plans) and the selector that picks one.
 
-use http::{HeaderValue, Request};
-use ratelimit_core::{MemoryStore, RuleSet};
+use http::Request;
+use ratelimit_core::RuleSet;
 
-use crate::headers::{policy_names, policy_value};
+#[cfg(feature = "metrics")]
+use crate::headers::rule_names;
+use crate::headers::Policy;
 #[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
+use crate::namespace::key_prefix;
 use crate::policy::FailurePolicy;
 
 /// Picks the tier (plan) a request is decided under, by name; `None` is the layer's
@@ -54,8 +57,8 @@ pub(crate) struct Tier {
     pub(crate) rules: RuleSet,
     /// The smallest capacity of the rules: a cost up to it fits every rule.
     pub(crate) min_capacity: u64,
-    pub(crate) names: Vec<String>,
-    pub(crate) policy_header: HeaderValue,
+    /// The tier's fields, rendered once.
+    pub(crate) policy: Policy,
     /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
     pub(crate) prefix: Box<[u8]>,
     pub(crate) fallback_rules: Option<RuleSet>,
@@ -74,13 +77,11 @@ impl Tier {
         // The failure policy only labels the store-error counter.
         #[cfg(not(feature = "metrics"))]
         let _ = failure_policy;
-        let names = policy_names(&rules);
         Self {
             name: name.into(),
-            policy_header: policy_value(&rules, &names),
+            policy: Policy::new(&rules, namespace),
             #[cfg(feature = "metrics")]
-            metrics: Metrics::new(&names, failure_policy),
-            names,
+            metrics: Metrics::new(namespace, name, &rule_names(&rules), failure_policy),
             prefix: key_prefix(namespace, name),
             min_capacity: rules
                 .rules()
@@ -112,41 +113,3 @@ impl Tier {
 
 /// A store key, inline up to the length of any IP key under a namespace of 32 bytes.
 pub(crate) type StoreKey = smallvec::SmallVec<[u8; 96]>;
-
-/// Length-prefixed, so that no two (namespace, tier, client key) triples give the same
-/// bytes: the namespace and tier names are at most 255 bytes (checked when the layer is
-/// built).
-fn key_prefix(namespace: &str, tier: &str) -> Box<[u8]> {
-    let mut prefix = Vec::with_capacity(2 + namespace.len() + tier.len());
-    prefix.push(u8::try_from(namespace.len()).expect("checked at build"));
-    prefix.extend_from_slice(namespace.as_bytes());
-    prefix.push(u8::try_from(tier.len()).expect("checked at build"));
-    prefix.extend_from_slice(tier.as_bytes());
-    prefix.into()
-}
-
-/// A local store for the fallback policy, on the main store's clock.
-pub(crate) type FallbackStore = MemoryStore<StoreClock>;
-
-/// The clock of a store, for what runs beside it.
-pub(crate) struct StoreClock(pub(crate) std::sync::Arc<dyn Fn() -> u64 + Send + Sync>);
-
-impl ratelimit_core::Clock for StoreClock {
-    fn now_us(&self) -> u64 {
-        (self.0)()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefixes_keep_namespaces_tiers_and_keys_apart() {
-        // Without lengths, ("ab", "", "c") and ("a", "b", "c") would both read "abc".
-        let a = key_prefix("ab", "");
-        let b = key_prefix("a", "b");
-        assert_ne!([&a[..], b"c"].concat(), [&b[..], b"c"].concat());
-        assert_eq!(&*key_prefix("ns", "pro"), b"\x02ns\x03pro");
-    }
-}

@@ -2,6 +2,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{CapacityError, ConfigError};
+use crate::util::fnv1a;
 
 mod divisor;
 #[cfg(feature = "serde")]
@@ -332,14 +333,6 @@ impl Rule {
     }
 }
 
-/// 64-bit FNV-1a: fixed by its specification, so fingerprints and rule identities (which
-/// name state in a shared store) never change with a dependency's version.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 /// Rule identities and layout fingerprints are kept below 2^52, so that Lua's doubles
 /// hold them exactly.
 const ID_MASK: u64 = (1 << 52) - 1;
@@ -439,6 +432,8 @@ impl RuleSet {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join("; ");
+        // FNV-1a, not a hasher of std or a dependency: the fingerprint may name state in
+        // a shared store, so it must not change with a toolchain or a dependency.
         let fingerprint = fnv1a(id.as_bytes());
         let logs = rules
             .iter()

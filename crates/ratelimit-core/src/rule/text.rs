@@ -6,21 +6,13 @@ use std::time::Duration;
 
 use super::{Algorithm, LeakyMode, Rule, RuleSet, MAX_EXACT_PRODUCT};
 use crate::error::ConfigError;
+use crate::util::period_parts;
 
+/// The canonical period text: the largest whole unit, minutes as `m`.
 fn fmt_period(us: u64) -> String {
-    const UNITS: [(u64, &str); 5] = [
-        (86_400_000_000, "d"),
-        (3_600_000_000, "h"),
-        (60_000_000, "m"),
-        (1_000_000, "s"),
-        (1_000, "ms"),
-    ];
-    for (size, unit) in UNITS {
-        if us % size == 0 {
-            return format!("{}{unit}", us / size);
-        }
-    }
-    format!("{us}us")
+    let (count, unit) = period_parts(Duration::from_micros(us));
+    let unit = if unit == "min" { "m" } else { unit };
+    format!("{count}{unit}")
 }
 
 impl fmt::Display for Rule {

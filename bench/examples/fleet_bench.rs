@@ -1,0 +1,306 @@
+//! Fleet load: several `RedisStore` instances (the app servers of a fleet) sharing limits
+//! through a 3-master Redis Cluster started on this machine, on Zipf-distributed keys.
+//!
+//! ```sh
+//! cargo run --release -p ratelimit-bench --example fleet_bench
+//! ```
+//!
+//! Each instance is a store with its own cluster connection, driven by `TASKS` tokio
+//! tasks that each check one key at a time as fast as answers come back, for `DURATION`
+//! seconds. Keys are drawn from `KEYS` client keys with a Zipf law of exponent `ZIPF_S`
+//! (key k is drawn with probability proportional to 1/k^s): a few hot keys, a long tail.
+//!
+//! Printed per run:
+//!
+//! * decisions/s over the whole fleet;
+//! * Redis CPU per decision: each master's `used_cpu_user + used_cpu_sys` (from `INFO
+//!   cpu`) over the run, divided by every decision of the fleet, per master and summed;
+//!   with what that cost allows: the decisions/s 3 masters could serve with a core each,
+//!   if the load spread as it did here (the busiest master is the limit) and if it spread
+//!   evenly;
+//! * Redis calls per decision (`FCALL` and `EVALSHA` from `INFO commandstats`, all masters);
+//! * app CPU per decision: this process's user + system time (all instances) per decision;
+//! * admitted against the bound: for the rule `RULE` (a GCRA rule; burst B, rate r), no key
+//!   may be admitted more than B + r x (elapsed + lease) over the run. The run counts the
+//!   keys above that bound (must be 0) and reports the fleet's admitted total against the
+//!   most an exact limiter could have admitted of what was offered, sum over keys of
+//!   min(offered, B + r x elapsed).
+//!
+//! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
+//! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `POOL` (the
+//! store's default).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::Zipf;
+use ratelimit_bench::{cpu_seconds, env_or};
+use ratelimit_core::{Algorithm, Rule, RuleSet, Store};
+use ratelimit_redis::testing::RedisCluster;
+use ratelimit_redis::RedisStore;
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// What one task saw: per key, offered and admitted; errors; latencies in µs.
+#[derive(Default)]
+struct TaskTally {
+    keys: HashMap<u32, (u32, u32)>,
+    errors: u64,
+    latencies_us: Vec<u32>,
+}
+
+/// A master's counters at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+struct NodeStats {
+    cpu_s: f64,
+    calls: u64,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Error> {
+    let instances = env_or("INSTANCES", 4) as usize;
+    let tasks = env_or("TASKS", 16) as usize;
+    let duration = Duration::from_secs(env_or("DURATION", 10));
+    let keys = env_or("KEYS", 100_000);
+    let zipf_s: f64 = std::env::var("ZIPF_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1.1);
+    let rule_text = std::env::var("RULE").unwrap_or_else(|_| "100/s gcra burst=50".to_owned());
+    let rules: RuleSet = rule_text.parse()?;
+    let (burst, rate_per_s) = gcra_bound(&rules)?;
+
+    let cluster = RedisCluster::start();
+    println!(
+        "fleet: {instances} store instances x {tasks} tasks, 3-master cluster on this machine, \
+         {keys} keys, Zipf s={zipf_s}, rule `{rule_text}`, {} s per run",
+        duration.as_secs()
+    );
+
+    let mut builder = RedisStore::builder().prefix("fleet");
+    if let Some(pool) = std::env::var("POOL").ok().and_then(|v| v.parse().ok()) {
+        builder = builder.pool_size(pool);
+    }
+    let mut stores = Vec::with_capacity(instances);
+    for _ in 0..instances {
+        stores.push(Arc::new(
+            builder.clone().build_cluster(cluster.urls()).await?,
+        ));
+    }
+
+    let key_names: Arc<Vec<Vec<u8>>> = Arc::new(
+        (1..=keys)
+            .map(|k| format!("client-{k}").into_bytes())
+            .collect(),
+    );
+    let zipf = Zipf::new(keys as f64, zipf_s)?;
+
+    // One short run first: connections opened, functions loaded, caches warm.
+    let _ = drive(
+        &stores,
+        tasks,
+        &rules,
+        &key_names,
+        zipf,
+        Duration::from_secs(1),
+    )
+    .await;
+    for node in cluster.nodes() {
+        node.command("FLUSHALL")?;
+        node.command("CONFIG RESETSTAT")?;
+    }
+
+    let before: Vec<NodeStats> = cluster
+        .nodes()
+        .iter()
+        .map(node_stats)
+        .collect::<Result<_, _>>()?;
+    let app_before = cpu_seconds(std::process::id());
+    let started = Instant::now();
+    let tallies = drive(&stores, tasks, &rules, &key_names, zipf, duration).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let app_cpu = cpu_seconds(std::process::id()) - app_before;
+    let after: Vec<NodeStats> = cluster
+        .nodes()
+        .iter()
+        .map(node_stats)
+        .collect::<Result<_, _>>()?;
+
+    // Merge the tallies.
+    let mut per_key: HashMap<u32, (u64, u64)> = HashMap::new();
+    let mut errors = 0;
+    let mut latencies = Vec::new();
+    for tally in tallies {
+        errors += tally.errors;
+        latencies.extend(tally.latencies_us);
+        for (k, (offered, admitted)) in tally.keys {
+            let e = per_key.entry(k).or_default();
+            e.0 += u64::from(offered);
+            e.1 += u64::from(admitted);
+        }
+    }
+    latencies.sort_unstable();
+    let decisions: u64 = per_key.values().map(|&(o, _)| o).sum();
+    let admitted: u64 = per_key.values().map(|&(_, a)| a).sum();
+
+    // The exact limiter's ceiling over the run, and the bound a lease would widen.
+    let lease_s = 0.0;
+    let ceiling = |extra_s: f64| burst + rate_per_s * (elapsed + extra_s);
+    let exact_most: f64 = per_key
+        .values()
+        .map(|&(offered, _)| (offered as f64).min(ceiling(0.0).floor()))
+        .sum();
+    let over_bound = per_key
+        .values()
+        .filter(|&&(_, a)| a as f64 > ceiling(lease_s).floor())
+        .count();
+    let hottest = per_key.iter().max_by_key(|(_, &(o, _))| o);
+
+    let cpu_per_master: Vec<f64> = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| (a.cpu_s - b.cpu_s) * 1e6 / decisions.max(1) as f64)
+        .collect();
+    let redis_us: f64 = cpu_per_master.iter().sum();
+    let busiest = cpu_per_master.iter().copied().fold(0.0, f64::max);
+    let calls: u64 = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| a.calls - b.calls)
+        .sum();
+
+    println!();
+    println!("| mode | decisions/s | Redis CPU µs/decision (per master) | Redis CPU µs/decision (sum) | calls/decision | app CPU µs/decision | p50 / p99 ms | admitted / exact most | keys over bound | errors |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| exact | {:.0} | {} | {:.2} | {:.3} | {:.2} | {:.2} / {:.2} | {} / {:.0} ({:.3}) | {} | {} |",
+        decisions as f64 / elapsed,
+        cpu_per_master
+            .iter()
+            .map(|c| format!("{c:.2}"))
+            .collect::<Vec<_>>()
+            .join(" · "),
+        redis_us,
+        calls as f64 / decisions.max(1) as f64,
+        app_cpu * 1e6 / decisions.max(1) as f64,
+        percentile(&latencies, 0.50) / 1e3,
+        percentile(&latencies, 0.99) / 1e3,
+        admitted,
+        exact_most,
+        admitted as f64 / exact_most.max(1.0),
+        over_bound,
+        errors,
+    );
+    if let Some((k, &(offered, admitted))) = hottest {
+        println!(
+            "hottest key client-{k}: offered {offered}, admitted {admitted}, bound {:.0}",
+            ceiling(lease_s).floor()
+        );
+    }
+    println!(
+        "3 masters, one core each, allow: {:.0} decisions/s with this run's spread (busiest \
+         master {busiest:.2} µs/decision), {:.0} decisions/s spread evenly",
+        1e6 / busiest.max(f64::MIN_POSITIVE),
+        3e6 / redis_us.max(f64::MIN_POSITIVE),
+    );
+    Ok(())
+}
+
+/// Burst and rate per second of a one-rule GCRA set: what the admitted bound needs.
+fn gcra_bound(rules: &RuleSet) -> Result<(f64, f64), Error> {
+    let [rule]: &[Rule; 1] = rules
+        .rules()
+        .try_into()
+        .map_err(|_| "RULE must be one GCRA rule")?;
+    match rule.algorithm() {
+        Algorithm::Gcra { burst } => Ok((
+            burst as f64,
+            rule.limit() as f64 / rule.period().as_secs_f64(),
+        )),
+        _ => Err("RULE must be a GCRA rule (the admitted bound is computed for GCRA)".into()),
+    }
+}
+
+/// Runs every instance's tasks for `duration` and returns what each task saw.
+async fn drive(
+    stores: &[Arc<RedisStore>],
+    tasks: usize,
+    rules: &RuleSet,
+    keys: &Arc<Vec<Vec<u8>>>,
+    zipf: Zipf<f64>,
+    duration: Duration,
+) -> Vec<TaskTally> {
+    let deadline = Instant::now() + duration;
+    let mut handles = Vec::new();
+    for (i, store) in stores.iter().enumerate() {
+        for t in 0..tasks {
+            let store = Arc::clone(store);
+            let rules = rules.clone();
+            let keys = Arc::clone(keys);
+            let seed = (i * tasks + t) as u64;
+            handles.push(tokio::spawn(async move {
+                let mut rng = SmallRng::seed_from_u64(seed);
+                let mut tally = TaskTally::default();
+                while Instant::now() < deadline {
+                    // Zipf draws 1..=n as floats.
+                    let k = rng.sample(zipf) as u32;
+                    let start = Instant::now();
+                    let decision = store.check(&keys[k as usize - 1], &rules, 1).await;
+                    let micros = start.elapsed().as_micros();
+                    tally
+                        .latencies_us
+                        .push(u32::try_from(micros).unwrap_or(u32::MAX));
+                    let entry = tally.keys.entry(k).or_default();
+                    match decision {
+                        Ok(d) => {
+                            entry.0 += 1;
+                            entry.1 += u32::from(d.is_allowed());
+                        }
+                        Err(_) => tally.errors += 1,
+                    }
+                }
+                tally
+            }));
+        }
+    }
+    let mut tallies = Vec::with_capacity(handles.len());
+    for handle in handles {
+        tallies.push(handle.await.expect("a load task panicked"));
+    }
+    tallies
+}
+
+/// A master's CPU seconds and decision calls so far.
+fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats, Error> {
+    let cpu = node.command("INFO cpu")?;
+    let field = |name: &str| -> f64 {
+        cpu.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let stats = node.command("INFO commandstats")?;
+    let calls = stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_fcall:") || l.starts_with("cmdstat_evalsha:"))
+        .filter_map(|l| {
+            l.split(&[':', ','][..])
+                .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
+        })
+        .sum();
+    Ok(NodeStats {
+        cpu_s: field("used_cpu_user") + field("used_cpu_sys"),
+        calls,
+    })
+}
+
+/// The `q` quantile of sorted latencies, in µs.
+fn percentile(sorted: &[u32], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    f64::from(sorted[i])
+}

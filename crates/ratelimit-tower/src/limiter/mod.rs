@@ -1,0 +1,12 @@
+//! The limiter a layer's services share: its state ([`Limiter`]) and the pipeline that
+//! turns a request into a [`Verdict`] (key extraction, tier selection, the deny cache, the
+//! store's decision, failure and misconfiguration policies, shadow mode). The service and
+//! its future only carry verdicts out.
+
+mod decide;
+mod refuse;
+mod state;
+mod verdict;
+
+pub(crate) use state::Limiter;
+pub(crate) use verdict::{Begin, CheckFuture, Pass, Verdict};

@@ -1,0 +1,41 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+
+use ratelimit_core::util::BoundedLog;
+
+use crate::deny_cache::DenyCache;
+use crate::fallback::FallbackStore;
+use crate::policy::{FailurePolicy, MissingKey};
+use crate::rejection::{BlockedStatus, OnRejection};
+use crate::tier::Tier;
+
+/// Everything a layer's services share: what the layer was built with, and what it
+/// remembers (deny cache, fallback store, bounded logs).
+pub(crate) struct Limiter<S, K, C, T> {
+    pub(crate) store: Arc<S>,
+    pub(crate) key: K,
+    pub(crate) cost: C,
+    pub(crate) select: T,
+    pub(crate) tiers: Box<[Tier]>,
+    pub(crate) default_tier: Option<usize>,
+    pub(crate) namespace: Box<str>,
+    pub(crate) on_rejection: Arc<dyn OnRejection>,
+    pub(crate) failure_policy: FailurePolicy,
+    pub(crate) fallback: Option<FallbackStore>,
+    /// The status for requests whose client left out the key.
+    pub(crate) omitted_key_status: StatusCode,
+    pub(crate) missing_key: MissingKey,
+    pub(crate) missing_log: BoundedLog,
+    pub(crate) tier_log: BoundedLog,
+    /// Store failures: an outage fails every request, so one line per request would be a
+    /// flood of its own.
+    pub(crate) store_error_log: BoundedLog,
+    pub(crate) blocked_status: BlockedStatus,
+    pub(crate) admitted_headers: bool,
+    pub(crate) shadow: bool,
+    pub(crate) max_delay: Duration,
+    pub(crate) deny_cache: Option<DenyCache>,
+    pub(crate) store_timeout: Option<Duration>,
+}
