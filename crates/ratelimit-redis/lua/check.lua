@@ -683,8 +683,9 @@ local function decide(KEYS, v, now, raw, status, c)
   -- Sized for one rule, the common case, so that it does not grow.
   local out = {status, 0, 0, 0, 0, 0}
   -- The next state at new[1 .. width], each rule's expiry at new[width + i]; `off` is
-  -- where the values of the rule at hand start, past its entry's header.
-  local new = {layout}
+  -- where the values of the rule at hand start, past its entry's header. Sized for one
+  -- rule (state and expiry), so that it does not grow: each growth is a rehash.
+  local new = {layout, 0, 0, 0, 0, 0, 0, 0}
   local all_ok, delay, off = true, 0, 1
   for i = 1, n do
     local o = HEADER + PER_RULE * i - 5
