@@ -125,7 +125,7 @@
 //!
 //! # Budgets and namespaces
 //!
-//! A budget is (namespace, tier, client key, rule set). A layer's namespace is the one
+//! A budget is (namespace, tier, client key). A layer's namespace is the one
 //! given to [`namespace`](RateLimitLayerBuilder::namespace), or else derived from where
 //! [`RateLimitLayer::new`] / [`builder`](RateLimitLayer::builder) is called in the source
 //! (`@` and a hash of file, line and column). So:
@@ -143,8 +143,9 @@
 //! The store key is `[n] namespace [m] tier client-key`, where `n` and `m` are single
 //! bytes holding the lengths of the namespace and the tier name (`""` unless
 //! [tiers](#tiers-rules-per-request) are used), so no two (namespace, tier, key) triples
-//! produce the same bytes. The store then keeps one state per (key, rule set) and digests
-//! long keys itself. [`RateLimitLayer::store_key`] gives the key for a client;
+//! produce the same bytes. The store then keeps one state per key (each rule's inside it
+//! by the rule's identity, so changed limits keep each client's usage) and digests long
+//! keys itself. [`RateLimitLayer::store_key`] gives the key for a client;
 //! [`RateLimitLayer::block`], [`unblock`](RateLimitLayer::unblock) and
 //! [`reset`](RateLimitLayer::reset) act on a client key in the layer's namespace.
 //!
