@@ -532,6 +532,11 @@ impl Store for RedisStore {
             None => SystemClock.now_us(),
         }
     }
+
+    /// Always: every process connected to the same Redis shares the state.
+    fn is_shared(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]
