@@ -19,6 +19,7 @@ async fn instance(url: &str, rules: &str, policy: FailurePolicy) -> TestServer {
         .await
         .expect("connect to the test redis-server");
     let layer = RateLimitLayer::builder(store, PeerIp::new())
+        .namespace("e2e-instance")
         .rules(rules)
         .unwrap()
         .failure_policy(policy)
@@ -157,6 +158,7 @@ async fn global_key_through_redis() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.unwrap();
     let layer = RateLimitLayer::builder(store, GlobalKey)
+        .namespace("e2e-global")
         .rules("3/h sliding-log name=global")
         .unwrap()
         .build()
