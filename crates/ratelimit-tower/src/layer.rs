@@ -452,9 +452,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
-        if self.namespace.is_none() && self.store.is_shared() {
-            namespace::warn_implicit(self.location);
-        }
+        let implicit = self.namespace.is_none();
         let namespace = namespace::resolve(self.namespace, self.location)?;
         let rules = if !self.rules.is_empty() || self.tiers.is_empty() {
             Some(RuleSet::new(self.rules)?)
@@ -474,6 +472,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             self.selector_set,
         );
         let live = Live::new(settings, limits)?;
+        if implicit && self.store.is_shared() {
+            namespace::warn_implicit(self.location);
+        }
         let store = Arc::new(self.store);
         let limiter = Limiter {
             fallback: fallback.then(|| fallback_store(&store)),
