@@ -15,16 +15,10 @@ use axum::routing::{get, post};
 use axum::Router;
 use ratelimit_core::MemoryStore;
 use ratelimit_tower::{PeerIp, RateLimitLayer};
-use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("info,ratelimit_tower=debug")),
-        )
-        .init();
+    ratelimit_examples::serve::logging();
 
     // One store for both layers. Each layer built here has budgets of its own, even with
     // the same rules: a budget is (layer namespace, client key, rules). Clone a layer, or

@@ -12,10 +12,12 @@
 //! `REDIS_URL` (default `redis://127.0.0.1:6379/`) selects the server. The same store
 //! runs over a Redis Cluster (`REDIS_CLUSTER_URLS`, comma-separated node URLs) or over
 //! the primary Redis Sentinel names (`REDIS_SENTINEL_URLS`, comma-separated Sentinel URLs,
-//! and `REDIS_SERVICE`, the monitored name). If Redis becomes unreachable, each instance
-//! limits `/` on its own with a local store holding half of each limit (two instances keep
-//! the fleet within the limit; set `FLEET_SIZE` for more) and refuses logins with 503,
-//! logging a warning every 10 s with the number of failed checks until Redis is back.
+//! and `REDIS_SERVICE`, the monitored name). While Redis is unreachable (also when the app
+//! starts before it), each instance limits `/` on its own with a local store holding half
+//! of each limit (two instances keep the fleet within the limit; set `FLEET_SIZE` for
+//! more) and refuses logins with 503, logging a warning every 10 s with the number of
+//! failed checks. The store reconnects by itself and says so in the log; from then on
+//! the limits are the fleet's again, without a restart.
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -34,33 +36,49 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
 
+    let (store, url) = store_from_env().await?;
+    if !store.is_connected() {
+        println!("{url} is not reachable yet: serving under the failure policies until it is");
+    }
+    let fleet_size: NonZeroU32 = match std::env::var("FLEET_SIZE") {
+        Ok(n) => n.parse().map_err(|e| format!("FLEET_SIZE={n:?}: {e}"))?,
+        Err(_) => NonZeroU32::new(2).expect("2 is not zero"),
+    };
+    ratelimit_examples::serve::serve(app(store, fleet_size)?, |addr| {
+        println!("serving on http://{addr} with limits in {url}");
+    })
+    .await
+}
+
+/// The store the environment names, and what it names. Fails only on a configuration
+/// error: a Redis that is down is connected once it is up.
+pub(crate) async fn store_from_env() -> Result<(RedisStore, String), Box<dyn std::error::Error>> {
     let list = |name: &str| -> Option<Vec<String>> {
         let value = std::env::var(name).ok()?;
         Some(value.split(',').map(|u| u.trim().to_owned()).collect())
     };
     // A check that takes longer than this counts as a failure and the fallback decides.
     let builder = RedisStore::builder().timeout(Duration::from_millis(50));
-    let (store, url) = if let Some(nodes) = list("REDIS_CLUSTER_URLS") {
-        let store = builder.build_cluster(&nodes).await;
+    Ok(if let Some(nodes) = list("REDIS_CLUSTER_URLS") {
+        let store = builder.build_cluster(&nodes).await?;
         (store, format!("the Redis Cluster at {}", nodes.join(", ")))
     } else if let Some(sentinels) = list("REDIS_SENTINEL_URLS") {
         let service = std::env::var("REDIS_SERVICE").unwrap_or_else(|_| "mymaster".into());
-        let store = builder.build_sentinel(&sentinels, &service).await;
-        (
-            store,
-            format!("the primary of {service} ({})", sentinels.join(", ")),
-        )
+        let store = builder.build_sentinel(&sentinels, &service).await?;
+        let name = format!("the primary of {service} ({})", sentinels.join(", "));
+        (store, name)
     } else {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
-        (builder.build(&url).await, url)
-    };
-    let store = store.map_err(|e| format!("cannot reach {url} (see the example's docs): {e}"))?;
+        (builder.build(&url).await?, url)
+    })
+}
 
-    // The store is cheap to clone: both layers share its connection pool.
-    let fleet_size: NonZeroU32 = match std::env::var("FLEET_SIZE") {
-        Ok(n) => n.parse().map_err(|e| format!("FLEET_SIZE={n:?}: {e}"))?,
-        Err(_) => NonZeroU32::new(2).expect("2 is not zero"),
-    };
+/// The app: `/` limited per client IP for the whole fleet, `/login` strictly.
+pub(crate) fn app(
+    store: RedisStore,
+    fleet_size: NonZeroU32,
+) -> Result<Router, Box<dyn std::error::Error>> {
+    // The store is cheap to clone: both layers share its connections.
     // Named namespaces: every instance shares these budgets, and a deploy that moves this
     // code keeps them (an unnamed layer's namespace comes from where it is built).
     let per_ip = RateLimitLayer::builder(store.clone(), PeerIp::new())
@@ -76,7 +94,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .failure_policy(FailurePolicy::FailClosed)
         .build()?;
 
-    let app = Router::new()
+    Ok(Router::new()
         .route(
             "/",
             get(|| async { "hello from the fleet\n" }).route_layer(per_ip),
@@ -84,10 +102,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route(
             "/login",
             post(|| async { "logged in\n" }).route_layer(login),
-        );
-
-    ratelimit_examples::serve::serve(app, |addr| {
-        println!("serving on http://{addr} with limits in {url}");
-    })
-    .await
+        ))
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ratelimit_core::{ManualClock, MemoryStore};
 use ratelimit_e2e::{client, TestServer};
-use ratelimit_examples::live::{app, read_limits, reload};
+use ratelimit_examples::live::{app, parse_limits, read_limits, reload};
 
 // Aligned to the hour, so fixed windows start at T0.
 const T0: u64 = 1_699_999_200_000_000;
@@ -81,4 +81,33 @@ async fn a_reloaded_file_applies_and_a_bad_one_is_refused() {
         r#""per-ip";q=5;w=3600"#,
         "the running limits stay"
     );
+}
+
+#[tokio::test]
+async fn a_reload_keeps_the_clients_usage() {
+    let store = Arc::new(MemoryStore::builder().clock(ManualClock::new(T0)).build());
+    let limits = |text: &str| parse_limits(text).unwrap();
+    let (router, handle) = app(store, limits("rules = \"5/h fixed-window\"")).unwrap();
+    let server = TestServer::start(router).await;
+    let http = client();
+    let send = async |n: usize| {
+        let mut ok = 0;
+        for _ in 0..n {
+            if http.get(server.url("/")).send().await.unwrap().status() == 200 {
+                ok += 1;
+            }
+        }
+        ok
+    };
+    assert_eq!(send(3).await, 3);
+
+    handle
+        .replace(limits("rules = \"10/h fixed-window\""))
+        .unwrap();
+    assert_eq!(send(10).await, 7, "3 of 10 already used");
+
+    handle
+        .replace(limits("rules = \"3/h fixed-window\""))
+        .unwrap();
+    assert_eq!(send(1).await, 0, "10 used, more than 3");
 }

@@ -13,12 +13,20 @@ use ratelimit_tower::{FailurePolicy, GlobalKey, PeerIp, RateLimitLayer};
 const STORE_TIMEOUT: Duration = Duration::from_millis(200);
 
 async fn instance(url: &str, rules: &str, policy: FailurePolicy) -> TestServer {
+    instance_and_store(url, rules, policy).await.0
+}
+
+async fn instance_and_store(
+    url: &str,
+    rules: &str,
+    policy: FailurePolicy,
+) -> (TestServer, RedisStore) {
     let store = RedisStore::builder()
         .timeout(STORE_TIMEOUT)
         .build(url)
         .await
         .expect("connect to the test redis-server");
-    let layer = RateLimitLayer::builder(store, PeerIp::new())
+    let layer = RateLimitLayer::builder(store.clone(), PeerIp::new())
         .namespace("e2e-instance")
         .rules(rules)
         .unwrap()
@@ -27,12 +35,13 @@ async fn instance(url: &str, rules: &str, policy: FailurePolicy) -> TestServer {
         .without_deny_cache()
         .build()
         .unwrap();
-    TestServer::start(
+    let server = TestServer::start(
         Router::new()
             .route("/", get(|| async { "ok" }))
             .layer(layer),
     )
-    .await
+    .await;
+    (server, store)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -76,7 +85,8 @@ async fn failure_policies_when_redis_is_gone() {
     let mut redis = RedisServer::start();
     let rules = "2/h sliding-log";
     let open = instance(&redis.url(), rules, FailurePolicy::FailOpen).await;
-    let closed = instance(&redis.url(), rules, FailurePolicy::FailClosed).await;
+    let (closed, closed_store) =
+        instance_and_store(&redis.url(), rules, FailurePolicy::FailClosed).await;
     let fallback = instance(&redis.url(), rules, FailurePolicy::Fallback).await;
     let http = client();
 
@@ -136,8 +146,12 @@ async fn failure_policies_when_redis_is_gone() {
         }
     }
 
-    // Back up (and empty): decisions come from Redis again, on fresh connections.
+    // Back up (and empty): decisions come from Redis again, on fresh connections, once
+    // the store has reconnected by itself.
     redis.restart();
+    tokio::time::timeout(Duration::from_secs(20), closed_store.connected())
+        .await
+        .expect("the store reconnects by itself");
     let mut back = Vec::new();
     for _ in 0..3 {
         back.push(

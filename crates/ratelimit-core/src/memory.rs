@@ -6,7 +6,7 @@ use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::algo::{decide, decide_one_then, RuleState};
+use crate::algo::{carry, decide, decide_one_then, RuleState};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
@@ -39,6 +39,13 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 ///   (`max_keys × limit` admitted requests) within one period of the client's rule. Keys
 ///   are spread over shards with a per-process random seed, so no cheaper targeted attack
 ///   on one shard exists.
+/// * **One entry per key.** A key's entry holds one state per rule, named by the rule's
+///   identity, and the rule set that wrote it (a shared pointer). A check under other
+///   rules (a changed limit, a second rule set on the same key) starts from the states
+///   carried over by identity (see [`algo`](crate::algo#changing-rules)), and the
+///   entry takes the new rules' states only if that check commits. A rule set's rules
+///   make the entry no larger than before: the memory per key is bounded by the rules
+///   of the set that last wrote it.
 /// * **Long keys** are held as a 32-byte digest (see [`key`](crate::key)): memory per
 ///   entry does not grow with the length of the client's key.
 ///
@@ -79,7 +86,8 @@ struct Padded<T>(T);
 struct Entry {
     /// The held key: the client key, or its digest when [`Meta::is_digest`].
     key: Box<[u8]>,
-    fingerprint: u64,
+    /// The rule set `states` were written under (a pointer: the entry stays 72 bytes).
+    rules: RuleSet,
     meta: Meta,
     states: SmallVec<[RuleState; 1]>,
 }
@@ -251,7 +259,7 @@ impl MemoryStoreBuilder<SystemClock> {
 }
 
 impl<C: Clock> MemoryStoreBuilder<C> {
-    /// Caps the number of tracked (key, rule set) pairs; at least 1.
+    /// Caps the number of tracked keys; at least 1.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys.max(1);
         self
@@ -315,7 +323,7 @@ impl<C: Clock> MemoryStore<C> {
         &self.clock
     }
 
-    /// Number of tracked (key, rule set) entries, expired ones included until swept.
+    /// Number of tracked keys, expired ones included until swept.
     pub fn len(&self) -> usize {
         self.shards.iter().map(|s| s.0.lock().table.len()).sum()
     }
@@ -377,18 +385,17 @@ impl<C: Clock> MemoryStore<C> {
     ) -> Result<Decision, CapacityError> {
         let now = self.clock.now_us();
         let (hash, shard) = self.locate(held);
-        let fp = rules.fingerprint();
-        let table_hash = hash ^ fp;
         let mut shard = shard.lock();
         if !shard.blocks.is_empty() {
             if let Some(decision) = shard.blocked(stored(held, is_digest), now) {
                 return Ok(decision);
             }
         }
-        let found = shard
-            .table
-            .find_mut(table_hash, |e| e.holds(held, is_digest, fp, rules.len()));
+        let found = shard.table.find_mut(hash, |e| e.holds(held, is_digest));
         if let Some(entry) = found {
+            if !entry.rules.same_as(rules) {
+                return Ok(Self::check_changed(entry, rules, now, cost));
+            }
             if let ([rule], [state]) = (rules.rules(), &mut entry.states[..]) {
                 let meta = &mut entry.meta;
                 let decision =
@@ -409,7 +416,26 @@ impl<C: Clock> MemoryStore<C> {
             }
             return Ok(t.decision);
         }
-        Ok(self.insert(&mut shard, held, is_digest, table_hash, rules, now, cost))
+        Ok(self.insert(&mut shard, held, is_digest, hash, rules, now, cost))
+    }
+
+    /// The check of a key whose state was written under other rules: decided on the
+    /// states carried over (see [`algo`](crate::algo#changing-rules)), which replace the
+    /// entry's only if the check commits, so that a denial or a peek leaves the state as
+    /// the other rules wrote it (as a store shared with processes on those rules must).
+    #[cold]
+    #[inline(never)]
+    fn check_changed(entry: &mut Entry, rules: &RuleSet, now: u64, cost: u64) -> Decision {
+        let mut states = carry(&entry.rules, &entry.states, rules, now);
+        let t = decide(rules, &mut states, now, cost);
+        if t.committed {
+            entry.states = states;
+            entry.rules = rules.clone();
+            entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));
+        } else if !t.decision.is_allowed() {
+            entry.meta = entry.meta.with_tier(Meta::AT_LIMIT);
+        }
+        t.decision
     }
 
     /// The check of a key without an entry: decided from fresh states, and the entry
@@ -421,7 +447,7 @@ impl<C: Clock> MemoryStore<C> {
         shard: &mut Shard,
         held: &[u8],
         is_digest: bool,
-        table_hash: u64,
+        hash: u64,
         rules: &RuleSet,
         now: u64,
         cost: u64,
@@ -433,14 +459,14 @@ impl<C: Clock> MemoryStore<C> {
             shard.make_room(self.shard_cap, now);
             let hasher = &self.hasher;
             shard.table.insert_unique(
-                table_hash,
+                hash,
                 Box::new(Entry {
                     key: held.into(),
-                    fingerprint: rules.fingerprint(),
+                    rules: rules.clone(),
                     meta: Meta::new(t.expires_at_us, tier(rules, &t.decision), is_digest),
                     states,
                 }),
-                |e| hasher.hash_one(&*e.key) ^ e.fingerprint,
+                |e| hasher.hash_one(&*e.key),
             );
         }
         t.decision
@@ -467,29 +493,28 @@ impl<C: Clock> MemoryStore<C> {
         shard.lock().blocks.remove(&held);
     }
 
-    /// The synchronous form of [`Store::reset`].
+    /// The synchronous form of [`Store::reset`]: forgets every rule's state of `key`
+    /// (whatever `rules`); a block stays.
     pub fn reset_now(&self, key: &[u8], rules: &RuleSet) {
+        let _ = rules;
         let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held.as_bytes());
-        let fp = rules.fingerprint();
         let mut shard = shard.lock();
-        if let Ok(entry) = shard.table.find_entry(hash ^ fp, |e| {
-            e.holds(held.as_bytes(), held.is_digest(), fp, rules.len())
-        }) {
+        if let Ok(entry) = shard
+            .table
+            .find_entry(hash, |e| e.holds(held.as_bytes(), held.is_digest()))
+        {
             entry.remove();
         }
     }
 }
 
 impl Entry {
-    /// Whether this is the entry of `key` under the rule set of fingerprint `fp`: the
-    /// key's kind is compared too, so a short key equal to some digest is another key.
+    /// Whether this is the entry of `key`: the key's kind is compared too, so a short key
+    /// equal to some digest is another key.
     #[inline]
-    fn holds(&self, held: &[u8], is_digest: bool, fp: u64, rules: usize) -> bool {
-        self.fingerprint == fp
-            && self.states.len() == rules
-            && self.meta.is_digest() == is_digest
-            && same_bytes(&self.key, held)
+    fn holds(&self, held: &[u8], is_digest: bool) -> bool {
+        self.meta.is_digest() == is_digest && same_bytes(&self.key, held)
     }
 }
 
@@ -637,4 +662,10 @@ mod tests {
     }
 
     const MAX: usize = crate::key::MAX_INLINE_KEY_LEN + 2;
+
+    /// The memory benches and the type's docs count on it.
+    #[test]
+    fn an_entry_is_72_bytes() {
+        assert_eq!(std::mem::size_of::<super::Entry>(), 72);
+    }
 }

@@ -15,7 +15,10 @@ use crate::rule::RuleSet;
 /// [`Arc`] to share it between layers; `Arc<S>` is a store too.
 ///
 /// Keys are arbitrary bytes (an IP, an API key, a user id). A key's state belongs to the
-/// pair (key, rule set); blocks belong to the key alone and stop every rule set.
+/// key; inside it, each rule's state belongs to the rule's identity
+/// ([`RuleSet::rule_ids`](crate::RuleSet::rule_ids)), so a check under changed rules
+/// keeps the client's usage as [`algo`](crate::algo#changing-rules) says, the same in
+/// every store. Blocks belong to the key and stop every rule set.
 pub trait Store: Send + Sync + 'static {
     /// What can go wrong: an unreachable backend, a timeout, a cost no rule can grant.
     type Error: std::error::Error + Send + Sync + 'static;
@@ -54,7 +57,9 @@ pub trait Store: Send + Sync + 'static {
     /// Lifts a block on `key` (no-op when not blocked).
     fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
-    /// Forgets what `key` consumed under `rules`, as if it had never been seen.
+    /// Forgets what `key` consumed, under every rule, as if it had never been seen. The
+    /// state of a key is one whatever the rules, so `rules` does not narrow it; a block
+    /// stays.
     fn reset(
         &self,
         key: &[u8],

@@ -1,8 +1,8 @@
 //! The store conformance suite: the same traces, with the same injected times, must give
 //! the same decisions from every [`Store`].
 //!
-//! Every case (algorithms, multi-rule, cost, peek, blocks, key isolation, long keys) is a
-//! function in [`cases`]. [`conformance_tests!`](crate::conformance_tests) expands each
+//! Every case (algorithms, multi-rule, cost, peek, blocks, key isolation, long keys,
+//! rules that change under a key's state) is a function in [`cases`]. [`conformance_tests!`](crate::conformance_tests) expands each
 //! into its own `#[test]` for a store, so a failure names its case and the others still
 //! run; [`conformance`] runs them all in one call. [`run_trace`] and the [`strategy`]
 //! module drive random traces, so a test can require identical answers from two stores,
@@ -154,10 +154,18 @@ macro_rules! __conformance_cases {
             cost_consumes_units_and_too_large_is_an_error,
             peek_consumes_nothing,
             blocks_with_duration_without_end_lifted,
-            reset_forgets_one_rule_set,
+            reset_forgets_the_key,
             keys_are_data,
             idle_state_expires,
             long_keys_are_digests_distinct_from_short_keys,
+            rule_change_limit_raised_keeps_usage,
+            rule_change_limit_lowered_keeps_usage_and_clamps_tokens,
+            rule_change_rule_added_starts_empty,
+            rule_change_rule_removed_is_dropped_on_commit,
+            rule_change_algorithm_changed_starts_afresh,
+            rule_change_period_changed_starts_afresh,
+            rule_change_named_rules_follow_their_names,
+            rule_change_sliding_log_carries_while_a_log_rule_remains,
         );
     };
 }
@@ -687,35 +695,48 @@ pub mod cases {
         c.allowed(b"k", &r, 1, "unblocked").await;
     }
 
-    /// Reset forgets a key's state for one rule set.
-    pub async fn reset_forgets_one_rule_set<St: Store>(store: &St, clock: &ManualClock) {
-        let c = Case::new(store, clock, "reset forgets a key's state for one rule set");
-        let r = c.rules("2/min fixed-window");
-        let other = c.rules("2/min fixed-window name=other");
+    /// Reset forgets every rule's state of the key; a block stays.
+    pub async fn reset_forgets_the_key<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "reset forgets every rule's state of the key");
+        let r = c.rules("2/min fixed-window; 3/min gcra burst=3");
+        let other = c.rules("5/min fixed-window name=other");
         c.at(0);
         c.allowed(b"k", &r, 2, "quota").await;
-        c.allowed(b"k", &other, 2, "quota").await;
+        c.allowed(b"j", &r, 2, "another key's quota").await;
+        c.store
+            .reset(b"k", &other)
+            .await
+            .unwrap_or_else(|e| panic!("reset: {e}"));
+        c.allowed(b"k", &r, 2, "after reset, whatever the rules named")
+            .await;
+        c.denied(
+            b"j",
+            &r,
+            1,
+            Duration::from_secs(60),
+            "another key untouched",
+        )
+        .await;
+        c.block(b"k", None).await;
         c.store
             .reset(b"k", &r)
             .await
             .unwrap_or_else(|e| panic!("reset: {e}"));
-        c.allowed(b"k", &r, 2, "after reset").await;
-        c.denied(
-            b"k",
-            &other,
-            1,
-            Duration::from_secs(60),
-            "other rule set untouched",
-        )
-        .await;
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(
+            d.outcome(),
+            Outcome::Blocked,
+            "[{}] block stays {d:?}",
+            c.name
+        );
     }
 
-    /// Keys are data: no collisions between awkward keys or rule sets.
+    /// Keys are data: no collisions between awkward keys.
     pub async fn keys_are_data<St: Store>(store: &St, clock: &ManualClock) {
         let c = Case::new(
             store,
             clock,
-            "keys are data: no collisions between awkward keys or rule sets",
+            "keys are data: no collisions between awkward keys",
         );
         let long = vec![b'x'; 10 * 1024];
         let keys: [&[u8]; 10] = [
@@ -731,12 +752,10 @@ pub mod cases {
             &long,
         ];
         let binary: &[u8] = &[0xff, 0xfe, 0x00, 0x7b, 0x7d];
-        let r = c.rules("1/min fixed-window");
-        let r2 = c.rules("1/min sliding-log");
+        let r = c.rules("1/min fixed-window; 2/min sliding-log");
         c.at(0);
         for key in keys.iter().copied().chain([binary]) {
             c.allowed(key, &r, 1, "first use of each key").await;
-            c.allowed(key, &r2, 1, "same key, other rule set").await;
         }
         for key in keys.iter().copied().chain([binary]) {
             c.denied(key, &r, 1, Duration::from_secs(60), "second use")
@@ -796,6 +815,297 @@ pub mod cases {
         let d = c.check(b"k", &r, 1).await;
         assert!(d.is_allowed(), "[{}] {d:?}", c.name);
         assert_eq!(d.rules()[1].remaining, 2, "[{}] {d:?}", c.name);
+    }
+
+    /// The remaining units of each rule, from a peek.
+    async fn remaining<St: Store>(
+        c: &Case<'_, St>,
+        key: &[u8],
+        rules: &crate::RuleSet,
+    ) -> Vec<u64> {
+        let d = c.check(key, rules, 0).await;
+        d.rules().iter().map(|r| r.remaining).collect()
+    }
+
+    /// A raised limit keeps what was spent: 3 of `5/h` leave 7 of `10/h`. A token bucket
+    /// keeps its tokens (a raised capacity fills by refill), GCRA and leaky buckets what
+    /// is owed.
+    pub async fn rule_change_limit_raised_keeps_usage<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "rule change: a raised limit keeps usage");
+        c.at(0);
+        for (before, after, left) in [
+            ("5/h fixed-window", "10/h fixed-window", 7),
+            (
+                "5/h sliding-window precision=2",
+                "10/h sliding-window precision=2",
+                7,
+            ),
+            ("5/h sliding-log", "10/h sliding-log", 7),
+            ("1/min gcra burst=5", "1/min gcra burst=10", 7),
+            (
+                "1/min leaky-bucket mode=meter capacity=5",
+                "1/min leaky-bucket mode=meter capacity=10",
+                7,
+            ),
+            (
+                "1/h token-bucket capacity=5",
+                "1/h token-bucket capacity=10",
+                2,
+            ),
+        ] {
+            let (before, after) = (c.rules(before), c.rules(after));
+            let key = before.to_string();
+            c.allowed(key.as_bytes(), &before, 3, "before the change")
+                .await;
+            assert_eq!(
+                remaining(&c, key.as_bytes(), &after).await,
+                [left],
+                "[{}] {after}",
+                c.name
+            );
+            assert_eq!(
+                c.count_allowed(key.as_bytes(), &after, 20).await,
+                left as usize,
+                "[{}] {before} -> {after}",
+                c.name
+            );
+        }
+    }
+
+    /// A lowered limit keeps what was spent: 3 of `5/h` leave none of `3/h`; a token
+    /// bucket's tokens are clamped to the new capacity, a GCRA's debt waits to drain.
+    pub async fn rule_change_limit_lowered_keeps_usage_and_clamps_tokens<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "rule change: a lowered limit keeps usage, tokens clamped",
+        );
+        c.at(0);
+        let (before, after) = (c.rules("5/h fixed-window"), c.rules("3/h fixed-window"));
+        c.allowed(b"fw", &before, 3, "3 of 5/h").await;
+        c.denied(b"fw", &after, 1, Duration::from_secs(3600), "none of 3/h")
+            .await;
+        c.allowed(b"fw", &before, 2, "the rest of 5/h, on the same count")
+            .await;
+
+        let (before, after) = (
+            c.rules("1/h token-bucket capacity=10"),
+            c.rules("1/h token-bucket capacity=5"),
+        );
+        c.allowed(b"tb", &before, 3, "3 of 10 tokens").await;
+        assert_eq!(
+            c.count_allowed(b"tb", &after, 10).await,
+            5,
+            "[{}] 7 tokens clamped to 5",
+            c.name
+        );
+
+        let (before, after) = (
+            c.rules("1/min gcra burst=10"),
+            c.rules("1/min gcra burst=4"),
+        );
+        c.allowed(b"g", &before, 8, "8 of a burst of 10").await;
+        c.denied(
+            b"g",
+            &after,
+            1,
+            Duration::from_secs(300),
+            "8 owed of a burst of 4",
+        )
+        .await;
+        c.at(300 * S);
+        c.allowed(b"g", &after, 1, "once the debt is within the burst")
+            .await;
+        c.denied(b"g", &after, 1, Duration::from_secs(60), "then full again")
+            .await;
+    }
+
+    /// A rule added to the set starts empty; the others keep their state.
+    pub async fn rule_change_rule_added_starts_empty<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "rule change: an added rule starts empty");
+        c.at(0);
+        let before = c.rules("5/h fixed-window");
+        let after = c.rules("5/h fixed-window; 2/min gcra burst=2; 4/min token-bucket capacity=4");
+        c.allowed(b"k", &before, 3, "3 of 5/h").await;
+        assert_eq!(remaining(&c, b"k", &after).await, [2, 2, 4], "[{}]", c.name);
+        assert_eq!(c.count_allowed(b"k", &after, 5).await, 2, "[{}]", c.name);
+    }
+
+    /// A rule removed from the set is dropped when a check under the smaller set
+    /// commits; until then (denials, peeks) the state stays as it was.
+    pub async fn rule_change_rule_removed_is_dropped_on_commit<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "rule change: a removed rule is dropped on commit",
+        );
+        c.at(0);
+        let both = c.rules("5/h fixed-window; 2/min fixed-window");
+        let one = c.rules("5/h fixed-window");
+        c.allowed(b"k", &both, 2, "2 of 2/min").await;
+        assert_eq!(remaining(&c, b"k", &one).await, [3], "[{}]", c.name);
+        c.denied(
+            b"k",
+            &both,
+            1,
+            Duration::from_secs(60),
+            "a peek dropped nothing",
+        )
+        .await;
+        c.allowed(b"k", &one, 1, "a check under the smaller set")
+            .await;
+        assert_eq!(
+            remaining(&c, b"k", &both).await,
+            [2, 2],
+            "[{}] 2/min dropped, 5/h kept",
+            c.name
+        );
+    }
+
+    /// A new algorithm starts afresh, named or not; a leaky bucket's mode is not an
+    /// algorithm (the level carries between meter and shaper).
+    pub async fn rule_change_algorithm_changed_starts_afresh<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "rule change: a new algorithm starts afresh");
+        c.at(0);
+        for (before, after, n) in [
+            ("5/h fixed-window", "5/h sliding-window precision=1", 5),
+            (
+                "5/h sliding-window precision=1",
+                "5/h sliding-window precision=2",
+                5,
+            ),
+            (
+                "3/min gcra burst=3 name=api",
+                "3/min token-bucket capacity=3 name=api",
+                3,
+            ),
+            (
+                "3/min gcra burst=3",
+                "3/min leaky-bucket mode=meter capacity=3",
+                3,
+            ),
+        ] {
+            let (before, after) = (c.rules(before), c.rules(after));
+            let key = before.to_string();
+            c.allowed(key.as_bytes(), &before, n, "the whole limit")
+                .await;
+            assert_eq!(
+                c.count_allowed(key.as_bytes(), &after, 2 * n).await,
+                n,
+                "[{}] {before} -> {after}",
+                c.name
+            );
+        }
+        let meter = c.rules("1/s leaky-bucket mode=meter capacity=4");
+        let shaper = c.rules("1/s leaky-bucket mode=shaper burst=3 delay=3");
+        c.allowed(b"leaky", &meter, 4, "a full meter").await;
+        c.denied(
+            b"leaky",
+            &shaper,
+            1,
+            Duration::from_secs(1),
+            "the shaper is as full",
+        )
+        .await;
+    }
+
+    /// A new period starts afresh, named or not.
+    pub async fn rule_change_period_changed_starts_afresh<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "rule change: a new period starts afresh");
+        c.at(0);
+        for (before, after, n, m) in [
+            ("5/h fixed-window", "120/day fixed-window", 5, 120),
+            ("5/h fixed-window name=x", "5/min fixed-window name=x", 5, 5),
+            ("2/s gcra burst=2", "2/min gcra burst=2", 2, 2),
+        ] {
+            let (before, after) = (c.rules(before), c.rules(after));
+            let key = before.to_string();
+            c.allowed(key.as_bytes(), &before, n, "the whole limit")
+                .await;
+            assert_eq!(
+                c.count_allowed(key.as_bytes(), &after, m + 10).await,
+                m,
+                "[{}] {before} -> {after}",
+                c.name
+            );
+        }
+    }
+
+    /// Named rules keep their state by name wherever they stand in the set.
+    pub async fn rule_change_named_rules_follow_their_names<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "rule change: named rules follow their names");
+        c.at(0);
+        let before = c.rules("5/h fixed-window name=a; 5/h fixed-window name=b");
+        c.allowed(b"k", &before, 2, "2 of each").await;
+        c.allowed(b"k", &c.rules("5/h fixed-window name=a"), 1, "a third of a")
+            .await;
+        let after = c.rules("6/h fixed-window name=b; 7/h fixed-window name=a");
+        assert_eq!(
+            remaining(&c, b"k", &after).await,
+            [6, 4],
+            "[{}] b was dropped by the commit under a alone",
+            c.name
+        );
+        c.allowed(b"k", &after, 1, "one under the swapped set")
+            .await;
+        assert_eq!(remaining(&c, b"k", &after).await, [5, 3], "[{}]", c.name);
+    }
+
+    /// The sliding log is one per key, shared by every sliding-log rule: it carries while
+    /// a sliding-log rule writes it and its writers' longest period has not run out,
+    /// and is dropped by a commit under rules without a sliding log.
+    pub async fn rule_change_sliding_log_carries_while_a_log_rule_remains<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "rule change: the sliding log carries while a sliding-log rule remains",
+        );
+        c.at(0);
+        c.allowed(b"k", &c.rules("3/min sliding-log"), 2, "2 of 3/min")
+            .await;
+        assert_eq!(
+            remaining(&c, b"k", &c.rules("4/min sliding-log")).await,
+            [2]
+        );
+        c.at(2 * S);
+        let two = c.rules("1/s sliding-log; 5/min sliding-log");
+        assert_eq!(remaining(&c, b"k", &two).await, [1, 3], "[{}]", c.name);
+        c.allowed(b"k", &c.rules("5/h fixed-window"), 1, "no sliding log")
+            .await;
+        assert_eq!(
+            c.count_allowed(b"k", &c.rules("3/min sliding-log"), 5)
+                .await,
+            3,
+            "[{}] the log was dropped",
+            c.name
+        );
+        c.allowed(b"short", &c.rules("1/s sliding-log"), 1, "1/s")
+            .await;
+        c.at(5 * S);
+        assert_eq!(
+            remaining(&c, b"short", &c.rules("1/h sliding-log")).await,
+            [1],
+            "[{}] a log whose writers' period ran out starts empty",
+            c.name
+        );
     }
 }
 
@@ -941,6 +1251,106 @@ pub mod strategy {
     pub fn rule_set() -> impl Strategy<Value = RuleSet> {
         proptest::collection::vec(rule(), 1..=4)
             .prop_map(|rules| RuleSet::new(rules).expect("valid"))
+    }
+
+    /// `versions` rule sets (at least one) that one service could go through: the first
+    /// of one to four rules, some named; each later one the same rules with new limits,
+    /// capacities or bursts (a leaky bucket may switch mode), some rules dropped, some
+    /// moved to a new algorithm or period, some reordered, and a rule added. Traces over
+    /// them change rules under the keys' state, with identities that match.
+    pub fn rule_set_versions(versions: usize) -> impl Strategy<Value = Vec<RuleSet>> {
+        let edit = (0u8..10, 1u64..=12, 0u64..=4);
+        let version = (
+            proptest::collection::vec(edit, 4),
+            proptest::option::of(rule()),
+            any::<bool>(),
+        );
+        (
+            proptest::collection::vec((rule(), any::<bool>()), 1..=4),
+            proptest::collection::vec(version, versions.saturating_sub(1)),
+        )
+            .prop_map(|(base, edits)| {
+                let base: Vec<Rule> = base
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (rule, named))| {
+                        if named {
+                            rule.named(&format!("r{i}")).expect("a valid name")
+                        } else {
+                            rule
+                        }
+                    })
+                    .collect();
+                let mut sets = vec![RuleSet::new(base.clone()).expect("valid")];
+                for (per_rule, added, reverse) in edits {
+                    let mut rules: Vec<Rule> = base
+                        .iter()
+                        .zip(per_rule)
+                        .filter_map(|(rule, (op, limit, extra))| match op {
+                            0 => None,
+                            1..=4 => Some(relimited(rule, limit, extra, op == 4)),
+                            5 => Some(moved(rule, limit)),
+                            _ => Some(rule.clone()),
+                        })
+                        .collect();
+                    if reverse {
+                        rules.reverse();
+                    }
+                    rules.extend(added);
+                    if rules.is_empty() {
+                        rules.push(base[0].clone());
+                    }
+                    sets.push(RuleSet::new(rules).expect("valid"));
+                }
+                sets
+            })
+    }
+
+    /// `rule` with the same identity and new limits (a leaky bucket switches mode when
+    /// `flip`).
+    fn relimited(rule: &Rule, limit: u64, extra: u64, flip: bool) -> Rule {
+        use crate::{Algorithm, LeakyMode};
+        let period = rule.period();
+        let p = extra + 1;
+        let new = match rule.algorithm() {
+            Algorithm::FixedWindow => Rule::fixed_window(limit, period),
+            Algorithm::SlidingWindow { precision } => {
+                Rule::sliding_window(limit, period, precision)
+            }
+            Algorithm::SlidingLog => Rule::sliding_log(limit, period),
+            Algorithm::TokenBucket { .. } => Rule::token_bucket(limit, period, limit + extra),
+            Algorithm::LeakyBucket(mode) => match (mode, flip) {
+                (LeakyMode::Meter { .. }, false) | (LeakyMode::Shaper { .. }, true) => {
+                    Rule::leaky_meter(limit, period, p)
+                }
+                _ => Rule::leaky_shaper(limit, period, extra, extra.min(limit)),
+            },
+            Algorithm::Gcra { .. } => Rule::gcra(limit, period, p),
+        }
+        .expect("generated rules are valid");
+        named_as(new, rule)
+    }
+
+    /// `rule` under another algorithm or period, with its name.
+    fn moved(rule: &Rule, limit: u64) -> Rule {
+        use crate::Algorithm;
+        let period = rule.period();
+        let new = match rule.algorithm() {
+            Algorithm::FixedWindow => Rule::gcra(limit, period, 2),
+            Algorithm::Gcra { .. } => Rule::token_bucket(limit, period, limit),
+            Algorithm::TokenBucket { .. } => Rule::leaky_meter(limit, period, 3),
+            Algorithm::SlidingWindow { .. } => Rule::fixed_window(limit, period * 2),
+            _ => Rule::sliding_window(limit, period, 1),
+        }
+        .expect("generated rules are valid");
+        named_as(new, rule)
+    }
+
+    fn named_as(new: Rule, old: &Rule) -> Rule {
+        match old.name() {
+            Some(name) => new.named(name).expect("a valid name"),
+            None => new,
+        }
     }
 
     /// A trace over `rulesets` rule sets and three keys: mostly checks (cost 0 to 3, so

@@ -1,7 +1,7 @@
 //! Invariants each algorithm promises, over random arrival traces.
 
 use proptest::prelude::*;
-use ratelimit_core::algo::{decide, RuleState};
+use ratelimit_core::algo::{carry, decide, RuleState};
 use ratelimit_core::testing::{proptest_config, strategy};
 use ratelimit_core::{Rule, RuleSet};
 use std::time::Duration;
@@ -156,6 +156,59 @@ proptest! {
                 prop_assert!(!tr.committed);
             } else {
                 prop_assert!(tr.committed);
+            }
+        }
+    }
+
+    /// Carrying a state to the rules that wrote it changes no decision, whenever it
+    /// happens: a store may read in place or carry, alike.
+    #[test]
+    fn carrying_to_the_same_rules_decides_as_the_state_given(
+        sets in strategy::rule_set(), seed in arrivals(1_000_000, 120), costs in proptest::collection::vec(0u64..4, 120)
+    ) {
+        let mut states = vec![RuleState::Fresh; sets.len()];
+        for (i, t) in seed.iter().enumerate() {
+            let cost = costs[i % costs.len()];
+            if sets.check_cost(cost).is_err() {
+                continue;
+            }
+            let mut carried = carry(&sets, &states, &sets, *t).into_vec();
+            let want = decide(&sets, &mut states, *t, cost);
+            let got = decide(&sets, &mut carried, *t, cost);
+            prop_assert_eq!(&want.decision, &got.decision);
+            prop_assert_eq!(want.expires_at_us, got.expires_at_us);
+        }
+    }
+
+    /// Under rules that changed, a denial's retry_after still holds: the same check at
+    /// that instant is admitted (carried states are states the new rules can keep their
+    /// promises on), through any history of commits under random versions.
+    #[test]
+    fn after_a_rule_change_retry_after_still_holds(
+        sets in strategy::rule_set_versions(3), seed in arrivals(1_000_000, 120),
+        picks in proptest::collection::vec((0usize..3, 1u64..4), 120)
+    ) {
+        let (mut writer, mut states) = (sets[0].clone(), vec![RuleState::Fresh; sets[0].len()]);
+        for (i, t) in seed.iter().enumerate() {
+            let (v, cost) = picks[i % picks.len()];
+            let rules = &sets[v];
+            if rules.check_cost(cost).is_err() {
+                continue;
+            }
+            let mut next = carry(&writer, &states, rules, *t).into_vec();
+            let tr = decide(rules, &mut next, *t, cost);
+            if let Some(retry) = tr.decision.retry_after() {
+                let later = *t + retry.as_micros() as u64;
+                let mut again = carry(&writer, &states, rules, later).into_vec();
+                let d = decide(rules, &mut again, later, cost).decision;
+                prop_assert!(
+                    d.is_allowed(),
+                    "{} after {}: denied at +{:?} ({:?}), then {:?}",
+                    rules, writer, retry, tr.decision, d
+                );
+            }
+            if tr.committed {
+                (writer, states) = (rules.clone(), next);
             }
         }
     }

@@ -13,22 +13,30 @@
 -- decodes the reply; change both together.
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
--- KEYS[2]  rule state of (client key, rule set): string of little-endian doubles, rule
---          after rule in rule-set order: fixed window (index, count); sliding window
---          counter (index, c0 .. cp), ci = count of sub-window index - i; token bucket
---          (level = tokens x period_us, last); leaky bucket and GCRA (tat_us, tat_frac);
---          sliding log: nothing
--- KEYS[3]  shared sliding log of (client key, rule set), only when a rule is a sliding
---          log: list of µs timestamps, newest first, at most the largest log limit long
+-- KEYS[2]  rule state of the client key: string of little-endian doubles, every one an
+--          integer below 2^53: the layout (the fingerprint of the rule set that wrote it,
+--          ARGV's `layout`), then one entry per rule but the sliding logs, in rule-set
+--          order, then a log marker when a rule is a sliding log. An entry is
+--          {id, m, m values}: the rule's identity (RuleSet::rule_ids), the number of
+--          values, and the state: fixed window (index, count); sliding window counter
+--          (index, c0 .. cp), ci = count of sub-window index - i; token bucket (limit,
+--          capacity of the rule that wrote it, level = tokens x period_us, last); leaky
+--          bucket and GCRA (limit, capacity of the rule that wrote it, tat_us,
+--          tat_frac). The log marker is the entry {0, 1, until}: the shared log counts
+--          until then (the newest entry plus the writer's longest sliding-log period).
+-- KEYS[3]  shared sliding log of the client key, only when a rule is a sliding log: list
+--          of µs timestamps, newest first, at most the largest log limit long
 --
 -- ARGV[1]  the values as little-endian doubles (exact: every one is an integer < 2^53):
 --          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
 --          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
---          none; a check that starts later is not run), cost (0 peeks: evaluated as 1, nothing written), TTL floor in ms
---          (applied only under an injected clock, which need not run at Redis's pace),
---          number of rules n, state width (values in KEYS[2]), entries the shared log
---          keeps (0: no sliding log), longest sliding-log period in µs;
---          then 5 values per rule: code, limit, period_us, a, b
+--          none; a check that starts later is not run), cost (0 peeks: evaluated as 1,
+--          nothing written), TTL floor in ms (applied only under an injected clock, which
+--          need not run at Redis's pace), number of rules n, state width (values in
+--          KEYS[2] as this rule set writes it), entries the shared log keeps (0: no
+--          sliding log), longest sliding-log period in µs, layout (the rule set's
+--          fingerprint, below 2^52);
+--          then 6 values per rule: code, limit, period_us, a, b, id
 --            FIXED_WINDOW    1
 --            SLIDING_WINDOW  2   a = precision, b = sub-window length in µs
 --            SLIDING_LOG     3
@@ -36,6 +44,12 @@
 --            LEAKY_BUCKET    5   meter: a = capacity, b = 0
 --                                shaper: a = burst, b = delay + 1
 --            GCRA            6   a = burst
+--
+-- A state of the same layout is read in place. One of another layout (the rules changed,
+-- or processes on two rule versions share the key) is read entry by entry: each rule
+-- takes the entry of its identity, carried as the core's `algo::carry` does (see
+-- carry below), and starts fresh without one; a check that commits writes the state in
+-- its own layout, so the entries of rules it does not have are dropped then.
 --
 -- Returns one string of little-endian doubles (all integers below 2^53, or -1; Redis
 -- turns a string into a reply at about half the cost of a table of 6 integers):
@@ -45,9 +59,10 @@
 --                   s = 0, or 2 when a value this script did not write was found at one
 --                   of the keys and discarded (the store owns its key namespace)
 --
--- Redis calls: TIME (without an injected time), one MGET for block marker and state, one SET of
--- the state with its expiry when the check commits; a sliding log adds LLEN, LINDEX,
--- LPUSH, PEXPIRE. A value of another type at a key reads as absent and is replaced.
+-- Redis calls: TIME (without an injected time), one MGET for block marker and state, one
+-- SET of the state with its expiry when the check commits; a sliding log adds LLEN,
+-- LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer counts). A value of another
+-- type at a key reads as absent and is replaced.
 
 -- Cost: run with EVALSHA, every function below is created anew on each call, and each
 -- local it captures costs at creation. So the functions take their inputs as parameters,
@@ -55,9 +70,11 @@
 
 local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
   1, 2, 3, 4, 5, 6
-local HEADER, PER_RULE = 8, 5
+local HEADER, PER_RULE = 9, 6
 -- The struct format of the arguments of one rule: '<' and HEADER + PER_RULE 'd'.
-local ONE_RULE = '<ddddddddddddd'
+local ONE_RULE = '<ddddddddddddddd'
+-- The identity of the log marker's entry; no rule has it.
+local LOG_MARKER = 0
 
 -- Exact floor division of non-negative integers below 2^53: the double quotient may round
 -- across an integer, the exact remainder corrects it.
@@ -124,9 +141,7 @@ end
 
 -- The next state `new` as stored.
 local function encode(new, width, shape)
-  if width == 2 then
-    return struct.pack('<dd', new[1], new[2])
-  elseif shape ~= '' then
+  if shape ~= '' then
     return struct.pack(shape, unpack(new, 1, width))
   end
   local parts = {}
@@ -355,6 +370,26 @@ local function token_bucket(now, c, st, new, off, limit, period, capacity)
     last + ceil_div(full - held, limit), 0
 end
 
+-- A bucket's state (level, last), written under a rule of limit ol and capacity oc of the
+-- same period, for a rule of capacity `capacity`: nil (fresh) when the old rule has
+-- refilled it by now; else the level, at most the new capacity, and last.
+local function token_bucket_carry(now, ol, oc, level, last, period, capacity)
+  local full = oc * period
+  local lvl = level
+  if now > last then
+    -- Past `full` the sum may round, never below `full`: the comparison stays exact.
+    lvl = level + (now - last) * ol
+  end
+  if lvl >= full then
+    return nil
+  end
+  local cap = capacity * period
+  if level > cap then
+    level = cap
+  end
+  return level, last
+end
+
 -- The theoretical arrival time (su µs and sf / limit of one; su nil: no state):
 -- `cap` emission intervals of room, requests beyond the first `no_delay` (0 = all)
 -- admitted with a delay. Returns the six values every algorithm returns, then the next
@@ -417,6 +452,95 @@ end
 
 local function gcra(now, c, st, new, off, limit, period, burst)
   return tat_rule(now, c, st, new, off, limit, period, burst, 0)
+end
+
+-- A TAT (us, frac / ol), written under a rule of limit ol of the same algorithm and
+-- period, for a rule of limit `limit`: nil (fresh) once it has passed; else the TAT,
+-- rounded up to a whole µs when the limit (the unit of its fraction) changed.
+local function gcra_carry(now, ol, us, frac, limit)
+  if not (us > now or (us == now and frac > 0)) then
+    return nil
+  end
+  if ol ~= limit and frac > 0 then
+    return us + 1, 0
+  end
+  return us, frac
+end
+
+-- The state `raw`, written under another layout, for the rules of the arguments `v`: the
+-- table of values in this layout (`st`), the set of rules without a state (`fresh`, by
+-- rule number) and whether the shared log counts; nil when `raw` is not a state this
+-- script wrote. The core's `algo::carry`, entry by entry.
+local function carry(raw, v, n, now)
+  local len = #raw / 8
+  if len % 1 ~= 0 or len < 1 then
+    return nil
+  end
+  local shape = ''
+  if len <= 1000 then
+    shape = '<' .. string.rep('d', len)
+  end
+  local t = decode(raw, len, shape)
+  if not t then
+    return nil
+  end
+  -- Where each identity's values start.
+  local at = {}
+  local pos = 2
+  while pos <= len do
+    local m = t[pos + 1]
+    if not m or pos + 1 + m > len then
+      return nil
+    end
+    at[t[pos]] = pos + 2
+    pos = pos + 2 + m
+  end
+  local log_counts = false
+  local lp = at[LOG_MARKER]
+  if lp and t[lp - 1] == 1 and t[lp] > now then
+    log_counts = true
+  end
+  local st, fresh, off = {}, {}, 1
+  for i = 1, n do
+    local o = HEADER + PER_RULE * i - 5
+    local code, limit, period, a, b, id = v[o], v[o + 1], v[o + 2], v[o + 3], v[o + 4], v[o + 5]
+    if code ~= SLIDING_LOG then
+      local p, width = at[id], 2
+      if code == SLIDING_WINDOW then
+        width = a + 2
+      end
+      if code >= TOKEN_BUCKET then
+        -- The header's writer limit and capacity.
+        off = off + 4
+        if p and t[p - 1] == width + 2 then
+          local x, y
+          if code == TOKEN_BUCKET then
+            x, y = token_bucket_carry(now, t[p], t[p + 1], t[p + 2], t[p + 3], period, a)
+          else
+            x, y = gcra_carry(now, t[p], t[p + 2], t[p + 3], limit)
+          end
+          if x then
+            st[off + 1], st[off + 2] = x, y
+          else
+            fresh[i] = true
+          end
+        else
+          fresh[i] = true
+        end
+      else
+        off = off + 2
+        if p and t[p - 1] == width then
+          for j = 0, width - 1 do
+            st[off + 1 + j] = t[p + j]
+          end
+        else
+          fresh[i] = true
+        end
+      end
+      off = off + width
+    end
+  end
+  return st, fresh, log_counts
 end
 
 -- The expiry option of a key whose state matters until `at` µs, and its value: exact on
@@ -482,10 +606,6 @@ local function begin(KEYS, injected, now_or_deadline, cost)
   return now, got[2], status, c
 end
 
--- One-rule checks of the common algorithms skip the general loop: no argument or state
--- tables, the state read and written with one fixed struct call. They decide exactly as
--- the functions above (they are the same arithmetic, or call them in the rare cases).
-
 -- The reply `out` as one string of doubles.
 local function as_reply(out)
   return struct.pack('<' .. string.rep('d', #out), unpack(out))
@@ -505,7 +625,207 @@ local function at_least_zero(remaining, reset, retry)
   return remaining, reset, retry
 end
 
--- The reply of a one-rule check and whether it commits; as the general loop below.
+-- The decision on the arguments `v` (validated), once `begin` has read the time and the
+-- stored state `raw`.
+local function decide(KEYS, v, now, raw, status, c)
+  local fmt = string.format
+  local injected = v[1] == 1
+  local cost, ttl_floor, n, width, log_limit, log_period, layout =
+    v[3], v[4], v[5], v[6], v[7], v[8], v[9]
+  -- The state's struct format, or '' when it is too wide for one struct call (it is then
+  -- read and written in chunks).
+  local shape = ''
+  if width <= 1000 then
+    shape = '<' .. string.rep('d', width)
+  end
+
+  -- The stored state in this layout: read in place when this rule set wrote it, else
+  -- carried entry by entry (rules in `fresh` start without state). The shared log counts
+  -- when this rule set wrote the state, or the state's log marker says so.
+  local st, fresh, log_counts = nil, nil, false
+  if raw then
+    st = decode(raw, width, shape)
+    if st and st[1] == layout then
+      log_counts = true
+    else
+      st, fresh, log_counts = carry(raw, v, n, now)
+      if not st then
+        -- Read as fresh; the commit replaces it.
+        status = 2
+      end
+    end
+  end
+
+  local key3, log_len, newest = KEYS[3], 0, nil
+  if log_limit > 0 then
+    if not log_counts then
+      -- A log the state does not vouch for is no one's: drop it before it is added to.
+      redis.call('DEL', key3)
+    else
+      log_len = redis.pcall('LLEN', key3)
+      if type(log_len) == 'table' then
+        -- Another type: drop it (LLEN failed, so the key is not a list).
+        redis.call('DEL', key3)
+        log_len, status = 0, 2
+      elseif log_len > 0 then
+        newest = tonumber(redis.call('LINDEX', key3, 0))
+        if not newest then
+          redis.call('DEL', key3)
+          log_len, status = 0, 2
+        end
+      end
+    end
+  end
+
+  -- Evaluate every rule on the state as it stands; out holds the reply.
+  -- Sized for one rule, the common case, so that it does not grow.
+  local out = {status, 0, 0, 0, 0, 0}
+  -- The next state at new[1 .. width], each rule's expiry at new[width + i]; `off` is
+  -- where the values of the rule at hand start, past its entry's header.
+  local new = {layout}
+  local all_ok, delay, off = true, 0, 1
+  for i = 1, n do
+    local o = HEADER + PER_RULE * i - 5
+    local code, limit, period = v[o], v[o + 1], v[o + 2]
+    local s = st
+    if fresh and fresh[i] then
+      s = nil
+    end
+    local allowed, remaining, reset, retry, exp, wait
+    if code == FIXED_WINDOW then
+      new[off + 1], new[off + 2] = v[o + 5], 2
+      off = off + 2
+      allowed, remaining, reset, retry, exp, wait = fixed_window(now, c, s, new, off, limit, period)
+      off = off + 2
+    elseif code == SLIDING_WINDOW then
+      local p = v[o + 3]
+      new[off + 1], new[off + 2] = v[o + 5], p + 2
+      off = off + 2
+      allowed, remaining, reset, retry, exp, wait =
+        sliding_window(now, c, s, new, off, limit, period, p, v[o + 4])
+      off = off + p + 2
+    elseif code == SLIDING_LOG then
+      allowed, remaining, reset, retry, exp, wait =
+        sliding_log(now, c, key3, log_len, newest, limit, period)
+      if allowed == nil then
+        -- An entry deep in the log is not a timestamp: drop the log so the next check
+        -- starts clean, and say so.
+        redis.call('DEL', key3)
+        return redis.error_reply('RLSTATE the sliding log held a value this store did '
+          .. 'not write; it was deleted')
+      end
+    elseif code == TOKEN_BUCKET or code == LEAKY_BUCKET or code == GCRA then
+      local a, b = v[o + 3], v[o + 4]
+      -- The header: identity, 4 values, the limit and capacity a carry needs.
+      local cap = a
+      if code == LEAKY_BUCKET and b > 0 then
+        cap = a + 1
+      end
+      new[off + 1], new[off + 2], new[off + 3], new[off + 4] = v[o + 5], 4, limit, cap
+      off = off + 4
+      if code == TOKEN_BUCKET then
+        allowed, remaining, reset, retry, exp, wait =
+          token_bucket(now, c, s, new, off, limit, period, a)
+      elseif code == LEAKY_BUCKET then
+        allowed, remaining, reset, retry, exp, wait =
+          leaky_bucket(now, c, s, new, off, limit, period, a, b)
+      else
+        allowed, remaining, reset, retry, exp, wait =
+          gcra(now, c, s, new, off, limit, period, a)
+      end
+      off = off + 2
+    else
+      return redis.error_reply(fmt('RLARGS unknown algorithm code %d', code))
+    end
+    if not allowed then
+      all_ok = false
+    end
+    if wait > delay then
+      delay = wait
+    end
+    remaining, reset, retry = at_least_zero(remaining, reset, retry)
+    new[width + i] = exp
+    out[4 * i - 1] = allowed and 1 or 0
+    out[4 * i] = remaining
+    out[4 * i + 1] = reset
+    out[4 * i + 2] = retry
+  end
+  if log_limit > 0 then
+    off = off + 3
+  end
+  if off ~= width then
+    return redis.error_reply(fmt('RLARGS the rules fill %d values of a state of %d', off, width)
+      .. '; the store and the script are from different versions')
+  end
+  out[2] = delay
+
+  if not all_ok or cost == 0 then
+    return as_reply(out)
+  end
+
+  -- Commit: every rule is charged `cost`; remaining and reset become the next state's.
+  local state_expires = 0
+  for i = 1, n do
+    local exp = new[width + i]
+    if exp > state_expires then
+      state_expires = exp
+    end
+    local reset = exp - now
+    if reset < 0 then
+      reset = 0
+    end
+    out[4 * i + 1] = reset
+    local left = out[4 * i] - cost
+    if left < 0 then
+      left = 0
+    end
+    out[4 * i] = left
+  end
+
+  if log_limit > 0 then
+    -- The log marker: the log counts until its newest entry (now) leaves the longest
+    -- sliding-log window, the last of the rules' expiries.
+    new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, now + log_period
+  end
+  local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
+  redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
+
+  if log_limit > 0 then
+    -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
+    local stamp = fmt('%d', now)
+    local left = cost
+    while left > 0 do
+      local chunk = {}
+      local m = left
+      if m > 1000 then
+        m = 1000
+      end
+      for j = 1, m do
+        chunk[j] = stamp
+      end
+      redis.call('LPUSH', key3, unpack(chunk))
+      left = left - m
+    end
+    if log_len + cost > log_limit then
+      redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
+    end
+    local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
+    if unit == 'PX' then
+      redis.call('PEXPIRE', key3, at)
+    else
+      redis.call('PEXPIREAT', key3, at)
+    end
+  end
+
+  return as_reply(out)
+end
+
+-- One-rule checks of the common algorithms skip the general loop: no argument or state
+-- tables, the state read and written with one fixed struct call. They decide exactly as
+-- the functions above (they are the same arithmetic, or call them in the rare cases),
+-- and hand a state of another layout to `decide`.
+
+-- The reply of a one-rule check and whether it commits; as the general loop above.
 local function one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
   remaining, reset, retry = at_least_zero(remaining, reset, retry)
   if not allowed then
@@ -524,55 +844,61 @@ local function one_reply(status, cost, allowed, remaining, reset, retry, exp, no
   return struct.pack('<dddddd', status, 0, 1, remaining, reset, retry), true
 end
 
--- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst).
-local function gcra_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, period, cap)
+-- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst):
+-- state {layout, id, 4, limit, cap, tat_us, tat_frac}.
+local function gcra_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
+    limit, period, cap)
   local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
   if not now then
     return raw
   end
   local su, sf
   if raw then
-    if #raw == 16 then
-      su, sf = struct.unpack('<dd', raw)
-      if not (whole(su) and whole(sf)) then
-        su = nil
-      end
+    local l, _
+    if #raw == 56 then
+      l, _, _, _, _, su, sf = struct.unpack('<ddddddd', raw)
     end
-    if not su then
-      status = 2
+    if l ~= layout then
+      return decide(KEYS, {struct.unpack(ONE_RULE, packed)}, now, raw, status, c)
+    end
+    if not (whole(su) and whole(sf)) then
+      su, status = nil, 2
     end
   end
   local allowed, remaining, reset, retry, exp, _, nus, m =
     gcra_tat(now, c, su, sf, limit, period, cap, 0)
   local out, commit = one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
   if commit then
-    redis.call('SET', KEYS[2], struct.pack('<dd', nus, m),
+    redis.call('SET', KEYS[2], struct.pack('<ddddddd', layout, id, 4, limit, cap, nus, m),
       expiry_arg(injected, now, ttl_floor, exp))
   end
   return out
 end
 
--- One sliding window counter of precision 1: state (index, c0, c1). The common cases (no
--- state, or a state of this sub-window or the one before, and an admitted check) are
--- worked out here; a denial or a clock that went back goes through sliding_window.
-local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, limit, sub)
+-- One sliding window counter of precision 1: state {layout, id, 3, index, c0, c1}. The
+-- common cases (no state, or a state of this sub-window or the one before, and an
+-- admitted check) are worked out here; a denial or a clock that went back goes through
+-- sliding_window.
+local function sliding_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
+    limit, sub)
   local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
   if not now then
     return raw
   end
   local idx, c0, c1
   if raw then
-    if #raw == 24 then
-      idx, c0, c1 = struct.unpack('<ddd', raw)
-      -- whole() of each, without the calls.
-      if not (idx >= 0 and c0 >= 0 and c1 >= 0 and idx < 9007199254740992
-          and c0 < 9007199254740992 and c1 < 9007199254740992 and idx % 1 == 0
-          and c0 % 1 == 0 and c1 % 1 == 0) then
-        idx = nil
-      end
+    local l, _
+    if #raw == 48 then
+      l, _, _, idx, c0, c1 = struct.unpack('<dddddd', raw)
     end
-    if not idx then
-      status = 2
+    if l ~= layout then
+      return decide(KEYS, {struct.unpack(ONE_RULE, packed)}, now, raw, status, c)
+    end
+    -- whole() of each, without the calls.
+    if not (idx >= 0 and c0 >= 0 and c1 >= 0 and idx < 9007199254740992
+        and c0 < 9007199254740992 and c1 < 9007199254740992 and idx % 1 == 0
+        and c0 % 1 == 0 and c1 % 1 == 0) then
+      idx, status = nil, 2
     end
   end
   local cur, elapsed = divmod(now, sub)
@@ -612,7 +938,7 @@ local function sliding_one(KEYS, injected, now_or_deadline, cost, ttl_floor, lim
   end
   local out, commit = one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
   if commit then
-    redis.call('SET', KEYS[2], struct.pack('<ddd', s0, s1, s2),
+    redis.call('SET', KEYS[2], struct.pack('<dddddd', layout, id, 3, s0, s1, s2),
       expiry_arg(injected, now, ttl_floor, exp))
   end
   return out
@@ -623,7 +949,7 @@ end
 -- above are created once per server, not once per call) or, on Redis 6.2, runs it with
 -- EVALSHA followed by `return check(KEYS, ARGV)`.
 local function check(KEYS, ARGV)
-  local tonumber, fmt, redis = tonumber, string.format, redis
+  local fmt = string.format
 
   -- One C call reads every argument (no text to parse); the last value is unpack's next
   -- position.
@@ -633,13 +959,13 @@ local function check(KEYS, ARGV)
   end
   local packed = ARGV[1]
   if #packed == 8 * (HEADER + PER_RULE) then
-    local inj, t, cost, ttl_floor, n, width, log_limit, _, code, limit, period, a, b =
+    local inj, t, cost, ttl_floor, n, width, log_limit, _, layout, code, limit, period, a, b, id =
       struct.unpack(ONE_RULE, packed)
     if n == 1 and log_limit == 0 then
       if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
-        return gcra_one(KEYS, inj == 1, t, cost, ttl_floor, limit, period, a)
-      elseif code == SLIDING_WINDOW and a == 1 and width == 3 then
-        return sliding_one(KEYS, inj == 1, t, cost, ttl_floor, limit, b)
+        return gcra_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, period, a)
+      elseif code == SLIDING_WINDOW and a == 1 and width == 6 then
+        return sliding_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, b)
       end
     end
   end
@@ -654,158 +980,9 @@ local function check(KEYS, ARGV)
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
       HEADER + PER_RULE * n, n, #v - 1) .. VERSION_SKEW)
   end
-
-  local injected = v[1] == 1
-  local cost, ttl_floor, width, log_limit, log_period = v[3], v[4], v[6], v[7], v[8]
-  -- The state's struct format, or '' when it is too wide for one struct call (it is then
-  -- read and written in chunks).
-  local shape = ''
-  if width <= 1000 then
-    shape = '<' .. string.rep('d', width)
-  end
-  local now, raw, status, c = begin(KEYS, injected, v[2], cost)
+  local now, raw, status, c = begin(KEYS, v[1] == 1, v[2], v[3])
   if not now then
     return raw
   end
-
-  local st = nil
-  if raw and width > 0 then
-    st = decode(raw, width, shape)
-    if not st then
-      -- Read as fresh; the commit replaces it.
-      status = 2
-    end
-  end
-
-  local key3, log_len, newest = KEYS[3], 0, nil
-  if log_limit > 0 then
-    log_len = redis.pcall('LLEN', key3)
-    if type(log_len) == 'table' then
-      -- Another type: drop it (LLEN failed, so the key is not a list).
-      redis.call('DEL', key3)
-      log_len, status = 0, 2
-    elseif log_len > 0 then
-      newest = tonumber(redis.call('LINDEX', key3, 0))
-      if not newest then
-        redis.call('DEL', key3)
-        log_len, status = 0, 2
-      end
-    end
-  end
-
-  -- Evaluate every rule on the state as it stands; out holds the reply.
-  -- Sized for one rule and a two-value state, the common case, so that neither grows.
-  local out = {status, 0, 0, 0, 0, 0}
-  -- The next state at new[1 .. width], each rule's expiry at new[width + i].
-  local new = {0, 0, 0}
-  local all_ok, delay, off = true, 0, 0
-  for i = 1, n do
-    local o = HEADER + PER_RULE * i - 4
-    local code, limit, period = v[o], v[o + 1], v[o + 2]
-    local allowed, remaining, reset, retry, exp, wait
-    if code == FIXED_WINDOW then
-      allowed, remaining, reset, retry, exp, wait = fixed_window(now, c, st, new, off, limit, period)
-      off = off + 2
-    elseif code == SLIDING_WINDOW then
-      local p = v[o + 3]
-      allowed, remaining, reset, retry, exp, wait =
-        sliding_window(now, c, st, new, off, limit, period, p, v[o + 4])
-      off = off + p + 2
-    elseif code == SLIDING_LOG then
-      allowed, remaining, reset, retry, exp, wait =
-        sliding_log(now, c, key3, log_len, newest, limit, period)
-      if allowed == nil then
-        -- An entry deep in the log is not a timestamp: drop the log so the next check
-        -- starts clean, and say so.
-        redis.call('DEL', key3)
-        return redis.error_reply('RLSTATE the sliding log held a value this store did '
-          .. 'not write; it was deleted')
-      end
-    elseif code == TOKEN_BUCKET then
-      allowed, remaining, reset, retry, exp, wait =
-        token_bucket(now, c, st, new, off, limit, period, v[o + 3])
-      off = off + 2
-    elseif code == LEAKY_BUCKET then
-      allowed, remaining, reset, retry, exp, wait =
-        leaky_bucket(
-          now, c, st, new, off, limit, period, v[o + 3], v[o + 4])
-      off = off + 2
-    elseif code == GCRA then
-      allowed, remaining, reset, retry, exp, wait =
-        gcra(now, c, st, new, off, limit, period, v[o + 3])
-      off = off + 2
-    else
-      return redis.error_reply(fmt('RLARGS unknown algorithm code %d', code))
-    end
-    if not allowed then
-      all_ok = false
-    end
-    if wait > delay then
-      delay = wait
-    end
-    remaining, reset, retry = at_least_zero(remaining, reset, retry)
-    new[width + i] = exp
-    out[4 * i - 1] = allowed and 1 or 0
-    out[4 * i] = remaining
-    out[4 * i + 1] = reset
-    out[4 * i + 2] = retry
-  end
-  out[2] = delay
-
-  if not all_ok or cost == 0 then
-    return as_reply(out)
-  end
-
-  -- Commit: every rule is charged `cost`; remaining and reset become the next state's.
-  local state_expires = 0
-  for i = 1, n do
-    local exp = new[width + i]
-    if exp > state_expires and v[HEADER + PER_RULE * i - 4] ~= SLIDING_LOG then
-      state_expires = exp
-    end
-    local reset = exp - now
-    if reset < 0 then
-      reset = 0
-    end
-    out[4 * i + 1] = reset
-    local left = out[4 * i] - cost
-    if left < 0 then
-      left = 0
-    end
-    out[4 * i] = left
-  end
-
-  if width > 0 then
-    local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
-    redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
-  end
-
-  if log_limit > 0 then
-    -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
-    local stamp = fmt('%d', now)
-    local left = cost
-    while left > 0 do
-      local chunk = {}
-      local m = left
-      if m > 1000 then
-        m = 1000
-      end
-      for j = 1, m do
-        chunk[j] = stamp
-      end
-      redis.call('LPUSH', key3, unpack(chunk))
-      left = left - m
-    end
-    if log_len + cost > log_limit then
-      redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
-    end
-    local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
-    if unit == 'PX' then
-      redis.call('PEXPIRE', key3, at)
-    else
-      redis.call('PEXPIREAT', key3, at)
-    end
-  end
-
-  return as_reply(out)
+  return decide(KEYS, v, now, raw, status, c)
 end

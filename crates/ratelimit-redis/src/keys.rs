@@ -1,4 +1,4 @@
-//! Redis key names: `<prefix>:{<tag>}:<kind>`.
+//! Redis key names: `<prefix>:{<tag>}:<kind>`, one set per client key whatever the rules.
 //!
 //! The tag stands for the client key as the core holds it
 //! ([`StoredKey`](ratelimit_core::key::StoredKey)): `k<hex of the key>` for a key of at
@@ -10,10 +10,7 @@
 //! client key (Redis hashes the whole name when the tag is `{}`). Every key of one client
 //! carries the same tag, so they share one Cluster slot and one script may touch them all.
 
-use std::fmt::Write as _;
-
 use ratelimit_core::key::StoredKey;
-use ratelimit_core::RuleSet;
 
 use crate::error::RedisStoreError;
 
@@ -60,28 +57,25 @@ impl KeyNames {
         Self { buf, base }
     }
 
-    fn with(&mut self, kind: &str, rules: Option<&RuleSet>) -> &str {
+    fn with(&mut self, kind: &str) -> &str {
         self.buf.truncate(self.base);
         self.buf.push_str(kind);
-        if let Some(rules) = rules {
-            let _ = write!(self.buf, ":{:016x}", rules.fingerprint());
-        }
         &self.buf
     }
 
     /// The block marker of the client key (string).
     pub(crate) fn block(&mut self) -> &str {
-        self.with("b", None)
+        self.with("b")
     }
 
-    /// The rule state of (client key, rule set) (string).
-    pub(crate) fn state(&mut self, rules: &RuleSet) -> &str {
-        self.with("s", Some(rules))
+    /// The rule state of the client key, every rule's by its identity (string).
+    pub(crate) fn state(&mut self) -> &str {
+        self.with("s")
     }
 
-    /// The shared sliding log of (client key, rule set) (list).
-    pub(crate) fn log(&mut self, rules: &RuleSet) -> &str {
-        self.with("l", Some(rules))
+    /// The sliding log of the client key, shared by every sliding-log rule (list).
+    pub(crate) fn log(&mut self) -> &str {
+        self.with("l")
     }
 }
 
@@ -89,29 +83,23 @@ impl KeyNames {
 mod tests {
     use super::*;
 
-    fn rules(text: &str) -> RuleSet {
-        text.parse().unwrap()
-    }
-
-    fn all(prefix: &str, key: &[u8], r: &RuleSet) -> [String; 3] {
+    fn all(prefix: &str, key: &[u8]) -> [String; 3] {
         let mut n = KeyNames::new(prefix, key);
         [
             n.block().to_owned(),
-            n.state(r).to_owned(),
-            n.log(r).to_owned(),
+            n.state().to_owned(),
+            n.log().to_owned(),
         ]
     }
 
     #[test]
     fn layout() {
-        let r = rules("1/s");
-        let fp = format!("{:016x}", r.fingerprint());
         assert_eq!(
-            all("rl", b"a{b}", &r),
+            all("rl", b"a{b}"),
             [
                 "rl:{k617b627d}:b".to_owned(),
-                format!("rl:{{k617b627d}}:s:{fp}"),
-                format!("rl:{{k617b627d}}:l:{fp}"),
+                "rl:{k617b627d}:s".to_owned(),
+                "rl:{k617b627d}:l".to_owned(),
             ]
         );
         assert_eq!(KeyNames::new("rl", b"").block(), "rl:{k}:b");
@@ -119,9 +107,8 @@ mod tests {
 
     #[test]
     fn long_keys_are_named_by_their_digest() {
-        let r = rules("1/s");
         let long = vec![b'x'; 1 << 20];
-        let [block, state, _] = all("rl", &long, &r);
+        let [block, state, _] = all("rl", &long);
         let digest = StoredKey::new(&long);
         let hex: String = digest
             .as_bytes()
@@ -131,15 +118,14 @@ mod tests {
         assert_eq!(block, format!("rl:{{d{hex}}}:b"));
         assert!(state.len() < 100, "{state}");
         // 64 bytes stay inline, 65 do not.
-        assert!(all("rl", &[b'y'; 64], &r)[0].starts_with("rl:{k"));
-        assert!(all("rl", &[b'y'; 65], &r)[0].starts_with("rl:{d"));
+        assert!(all("rl", &[b'y'; 64])[0].starts_with("rl:{k"));
+        assert!(all("rl", &[b'y'; 65])[0].starts_with("rl:{d"));
         // A 32-byte key equal to a digest's bytes is still another key.
-        assert_ne!(all("rl", digest.as_bytes(), &r)[0], block);
+        assert_ne!(all("rl", digest.as_bytes())[0], block);
     }
 
     #[test]
     fn distinct_client_keys_give_distinct_names() {
-        let r = rules("1/s");
         let long = [b'z'; 100];
         let awkward: [&[u8]; 10] = [
             b"",
@@ -155,7 +141,7 @@ mod tests {
         ];
         let mut seen = std::collections::HashSet::new();
         for key in awkward {
-            for name in all("rl", key, &r) {
+            for name in all("rl", key) {
                 assert!(name.starts_with("rl:{"), "{name}");
                 assert!(name.is_ascii(), "{name}");
                 assert_eq!(name.matches('{').count(), 1, "{name}");

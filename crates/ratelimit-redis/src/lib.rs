@@ -28,12 +28,29 @@
 //! # Topologies
 //!
 //! One store type over every topology; only the builder's last call differs:
-//! [`build`](RedisStoreBuilder::build) (one server, through a `bb8` pool of multiplexed
-//! connections), [`build_cluster`](RedisStoreBuilder::build_cluster) (the `redis` crate's
-//! cluster connection, which follows slots and failovers) and
+//! [`build`](RedisStoreBuilder::build) (one server, over a few multiplexed connections),
+//! [`build_cluster`](RedisStoreBuilder::build_cluster) (the `redis` crate's cluster
+//! connection, which follows slots and failovers) and
 //! [`build_sentinel`](RedisStoreBuilder::build_sentinel) (the primary that Redis Sentinel
 //! names; after a failover the store asks the Sentinels again). Every call goes through
 //! one timeout and one script-loading path whatever the topology.
+//!
+//! # Starting and running without Redis
+//!
+//! Building a store fails only on configuration errors (a malformed URL, an empty node
+//! list, a bad prefix, a service no Sentinel knows), never because Redis is unreachable:
+//! an app deployed or scaled out during a Redis outage starts. The build tries to connect
+//! once within the connect timeout; without an answer the store starts unconnected.
+//! While it has no connection, checks fail at once with
+//! [`RedisStoreError::Connection`] (no check waits for a server that is not there) and the
+//! caller's failure policy decides, e.g. the tower layer's fail open, fail closed or
+//! local fallback. Meanwhile the store reconnects by itself in the background, pausing
+//! 50 ms, then twice as long after each failed attempt, up to 2 s. Each (re)connection
+//! sets the connection up as the first one: loads the function library, reads `TIME`
+//! (for deadlines) and `maxmemory-policy`. Failed attempts are logged as a WARN at most
+//! every 10 s with their count; the recovery as one INFO line.
+//! [`RedisStore::is_connected`] and [`RedisStore::connected`] tell whether a connection
+//! is up, for readiness probes.
 //!
 //! # One round trip per check
 //!
@@ -113,9 +130,10 @@
 //!
 //! Every call is bounded by a timeout (default 50 ms) and fails with a typed
 //! [`RedisStoreError`] saying what failed: connection, timeout, script, unexpected reply,
-//! wrong type, configuration. Nothing panics. A dead connection is replaced on the spot,
-//! so the same store recovers when Redis comes back. Whether to fail open or closed is
-//! the caller's policy.
+//! wrong type, configuration. Nothing panics. A connection that fails is dropped and a
+//! new one opened at once (the failed call is sent once more if it comes up within the
+//! call's timeout), then with growing pauses as above, so the same store recovers when
+//! Redis comes back. Whether to fail open or closed is the caller's policy.
 //!
 //! Requires Redis 6.2 or newer (tested with 7.0).
 //!

@@ -71,6 +71,7 @@ impl Options {
             // Until a server says it has no FCALL.
             functions: std::sync::atomic::AtomicBool::new(true),
             redis_clock: crate::script::RedisClock::new(),
+            maxmemory_policy: std::sync::RwLock::new(None),
         })
     }
 }

@@ -250,8 +250,8 @@ enum Code {
 /// are written down on the Rust side.
 ///
 /// The one argument, `ARGV[1]`, packs [`HEADER`](Self::HEADER) values (injected, now,
-/// cost, TTL floor, rules, state width, log limit, log period) and
-/// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b`) as
+/// cost, TTL floor, rules, state width, log limit, log period, layout) and
+/// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b, id`) as
 /// little-endian doubles, so that the script reads every argument in one C call instead
 /// of parsing text (the script derives the struct formats from the lengths). The reply is one string
 /// of little-endian doubles, every one an integer (cheaper for Redis to send than an
@@ -318,12 +318,17 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 
 impl CheckArgs {
     /// Values before the first rule.
-    pub(crate) const HEADER: usize = 8;
+    pub(crate) const HEADER: usize = 9;
     /// Values per rule.
-    pub(crate) const PER_RULE: usize = 5;
+    pub(crate) const PER_RULE: usize = 6;
 
-    /// The values of one rule: code, limit, period_us, a, b.
-    fn rule(rule: &Rule) -> [u64; 5] {
+    /// The layout of a rule set's state: its fingerprint, cut to what a double holds.
+    fn layout(rules: &RuleSet) -> u64 {
+        rules.fingerprint() & ((1 << 52) - 1)
+    }
+
+    /// The values of one rule: code, limit, period_us, a, b, id.
+    fn rule(rule: &Rule, id: u64) -> [u64; 6] {
         let (l, p) = (rule.limit(), rule.period_us());
         let (code, a, b) = match rule.algorithm() {
             Algorithm::FixedWindow => (Code::FixedWindow, 0, 0),
@@ -342,21 +347,27 @@ impl CheckArgs {
             }
             Algorithm::Gcra { burst } => (Code::Gcra, burst, 0),
         };
-        [code as u64, l, p, a, b]
+        [code as u64, l, p, a, b, id]
     }
 
-    /// Values the script keeps per rule set: 2 per rule, precision + 2 for a sliding
-    /// window counter, none for a sliding log (whose entries live in a list).
+    /// Values the script keeps for a rule set: the layout; an entry per rule but the
+    /// sliding logs (identity, length, then the state: 2 values for a fixed window,
+    /// precision + 2 for a sliding window counter, the writer's limit and capacity and
+    /// 2 values for the others); and the log marker (3 values) when a rule is a
+    /// sliding log.
     fn state_width(rules: &RuleSet) -> u64 {
-        rules
+        let entries: u64 = rules
             .rules()
             .iter()
             .map(|rule| match rule.algorithm() {
                 Algorithm::SlidingLog => 0,
-                Algorithm::SlidingWindow { precision } => precision + 2,
-                _ => 2,
+                Algorithm::FixedWindow => 2 + 2,
+                Algorithm::SlidingWindow { precision } => 2 + precision + 2,
+                _ => 2 + 4,
             })
-            .sum()
+            .sum();
+        let marker = if rules.log_limit() > 0 { 3 } else { 0 };
+        1 + entries + marker
     }
 
     /// Every packed value of a check, in order.
@@ -379,10 +390,15 @@ impl CheckArgs {
             Self::state_width(rules),
             rules.log_limit(),
             rules.log_period_us(),
+            Self::layout(rules),
         ];
-        header
-            .into_iter()
-            .chain(rules.rules().iter().flat_map(Self::rule))
+        header.into_iter().chain(
+            rules
+                .rules()
+                .iter()
+                .zip(rules.rule_ids())
+                .flat_map(|(rule, &id)| Self::rule(rule, id)),
+        )
     }
 
     /// Appends the arguments of a check to `cmd`.
@@ -494,6 +510,18 @@ pub(crate) struct Shared {
     pub(crate) functions: AtomicBool,
     /// The Redis clock as seen from here, for deadlines.
     pub(crate) redis_clock: RedisClock,
+    /// `maxmemory-policy` as last read, when the server allowed it.
+    pub(crate) maxmemory_policy: std::sync::RwLock<Option<String>>,
+}
+
+impl Shared {
+    /// The time on the store's clock: the injected one, else the system's.
+    pub(crate) fn now_us(&self) -> u64 {
+        match &self.clock {
+            Some(clock) => clock.now_us(),
+            None => ratelimit_core::SystemClock.now_us(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Shared {
@@ -537,9 +565,9 @@ impl Shared {
         let mut call = CHECK.call(&self.functions, keys, keys + 1);
         let mut names = KeyNames::new(&self.prefix, key);
         call.cmd.arg(names.block());
-        call.cmd.arg(names.state(rules));
+        call.cmd.arg(names.state());
         if has_log {
-            call.cmd.arg(names.log(rules));
+            call.cmd.arg(names.log());
         }
         CheckArgs::write(&mut call.cmd, self.time(), cost, self.ttl_floor_ms, rules);
         call
@@ -568,11 +596,12 @@ impl Shared {
         cmd
     }
 
-    pub(crate) fn reset_cmd(&self, key: &[u8], rules: &RuleSet) -> Cmd {
+    /// Forgets every rule's state of `key`: the state and the log (a block stays).
+    pub(crate) fn reset_cmd(&self, key: &[u8]) -> Cmd {
         let mut names = KeyNames::new(&self.prefix, key);
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(names.state(rules));
-        cmd.arg(names.log(rules));
+        cmd.arg(names.state());
+        cmd.arg(names.log());
         cmd
     }
 }
@@ -679,22 +708,29 @@ mod tests {
              8/s token-bucket capacity=9; 10/s gcra burst=3; \
              11/s leaky-bucket mode=meter capacity=4; 12/s leaky-bucket mode=shaper burst=5 delay=2",
         );
-        let codes: Vec<[u64; 5]> = r.rules().iter().map(CheckArgs::rule).collect();
+        let codes: Vec<[u64; 6]> = r
+            .rules()
+            .iter()
+            .zip(r.rule_ids())
+            .map(|(rule, &id)| CheckArgs::rule(rule, id))
+            .collect();
         let s = 1_000_000;
+        let ids = r.rule_ids();
         assert_eq!(
             codes,
             [
-                [1, 5, s, 0, 0],
-                [2, 6, s, 4, s / 4],
-                [3, 7, s, 0, 0],
-                [4, 8, s, 9, 0],
-                [6, 10, s, 3, 0],
-                [5, 11, s, 4, 0],
-                [5, 12, s, 5, 3],
+                [1, 5, s, 0, 0, ids[0]],
+                [2, 6, s, 4, s / 4, ids[1]],
+                [3, 7, s, 0, 0, ids[2]],
+                [4, 8, s, 9, 0, ids[3]],
+                [6, 10, s, 3, 0, ids[4]],
+                [5, 11, s, 4, 0, ids[5]],
+                [5, 12, s, 5, 3, ids[6]],
             ]
         );
-        // Fixed window 2, sliding window 4 + 2, log none, and 2 for each of the other four.
-        assert_eq!(CheckArgs::state_width(&r), 16);
+        // The layout; entries of 2 + 2 (fixed window), 2 + 6 (sliding window), none (log),
+        // 2 + 4 for each of the other four; the log marker.
+        assert_eq!(CheckArgs::state_width(&r), 1 + 4 + 8 + 4 * 6 + 3);
         let args = CheckArgs::to_args(Time::Injected(7), 2, 60_000, &r);
         let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
         assert_eq!(args.len(), 1);
@@ -703,8 +739,12 @@ mod tests {
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
             .collect();
-        assert_eq!(values[..8], [1.0, 7.0, 2.0, 60_000.0, 7.0, 16.0, 7.0, 1e6]);
-        assert_eq!(values[8..13], [1.0, 5.0, 1e6, 0.0, 0.0]);
+        let layout = (r.fingerprint() & ((1 << 52) - 1)) as f64;
+        assert_eq!(
+            values[..9],
+            [1.0, 7.0, 2.0, 60_000.0, 7.0, 40.0, 7.0, 1e6, layout]
+        );
+        assert_eq!(values[9..15], [1.0, 5.0, 1e6, 0.0, 0.0, ids[0] as f64]);
     }
 
     /// Builds whatever rule the core accepts from arbitrary numbers.

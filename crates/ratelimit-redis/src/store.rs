@@ -1,12 +1,10 @@
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bb8::Pool;
 use bb8_redis::RedisConnectionManager;
 use ratelimit_core::util::BoundedLog;
-use ratelimit_core::{Clock, Decision, RuleSet, Store, SystemClock};
-use redis::aio::ConnectionLike;
+use ratelimit_core::{Clock, Decision, RuleSet, Store};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
@@ -15,9 +13,9 @@ use redis::Value;
 use crate::error::{classify, RedisStoreError};
 use crate::options::Options;
 use crate::script::{CheckArgs, Request, Shared};
-use crate::transport::{self, Failure, Sentinel, Single, Transport};
+use crate::transport::{Failure, Link, Pooled, Source, Transport};
 
-/// Connections the pool holds when none is configured. Each is multiplexed (many
+/// Connections to one server when none is configured. Each is multiplexed (many
 /// requests in flight on one socket), so a few are plenty.
 pub(crate) const DEFAULT_POOL_SIZE: u32 = 4;
 
@@ -62,9 +60,7 @@ pub struct RedisStore {
 
 struct Inner {
     transport: Transport,
-    shared: Shared,
-    /// `maxmemory-policy` as read at connect, when the server allowed it.
-    maxmemory_policy: Option<String>,
+    shared: Arc<Shared>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
 }
@@ -74,7 +70,7 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("transport", &self.inner.transport)
             .field("config", &self.inner.shared)
-            .field("maxmemory_policy", &self.inner.maxmemory_policy)
+            .field("maxmemory_policy", &self.maxmemory_policy())
             .finish()
     }
 }
@@ -105,7 +101,9 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The longest `build` may take to connect and load the scripts (default 1 s).
+    /// The longest one connection attempt may take, setup included (default 1 s): the
+    /// first one, in `build`, and each one the store makes in the background while
+    /// Redis is unreachable.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.options.connect_timeout = timeout;
         self
@@ -132,7 +130,7 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connections in the pool of a single-server store (default 4, at least 1).
+    /// Connections a single-server store keeps open (default 4, at least 1).
     /// Connections are multiplexed, so more only help when one socket's throughput is
     /// the limit. Cluster and Sentinel stores keep one multiplexed connection per server.
     pub fn pool_size(mut self, size: u32) -> Self {
@@ -140,51 +138,31 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects to one server at `url` (`redis://[user:password@]host[:port][/db]`, or
-    /// `rediss://` when the `redis` crate's TLS features are enabled), loads the scripts
-    /// and returns the store. Fails with [`RedisStoreError::Connection`] or
-    /// [`RedisStoreError::Timeout`] when Redis cannot be reached within the connect
-    /// timeout.
+    /// A store for one server at `url` (`redis://[user:password@]host[:port][/db]`, or
+    /// `rediss://` when the `redis` crate's TLS features are enabled).
+    ///
+    /// Fails only when the configuration is wrong (a malformed URL, a bad prefix), never
+    /// because Redis is unreachable: the store tries to connect once, within the connect
+    /// timeout, and if Redis does not answer it starts anyway. Its checks then fail at
+    /// once with [`RedisStoreError::Connection`] (the caller's failure policy decides)
+    /// while it reconnects in the background, and go through Redis as soon as it is
+    /// back. Every (re)connection loads the scripts and reads the server's `TIME` and
+    /// `maxmemory-policy`.
     pub async fn build(self, url: &str) -> Result<RedisStore, RedisStoreError> {
         let shared = self.options.shared()?;
-        let manager = RedisConnectionManager::new(url).map_err(|e| {
+        let client = redis::Client::open(url).map_err(|e| {
             RedisStoreError::InvalidConfig(format!(
                 "invalid Redis URL: {e}; expected redis://host:port/db"
             ))
         })?;
-        let pool = Pool::builder()
-            .max_size(self.pool_size)
-            // Connections are shared, not held, so bb8 would rarely open a second one:
-            // keep them all open and let requests spread over them.
-            .min_idle(Some(self.pool_size))
-            // One round trip per check: no PING on checkout. Dead connections are replaced
-            // when a call fails on them instead.
-            .test_on_check_out(false)
-            // Report a refused connection at once rather than retrying until the timeout.
-            .retry_connection(false)
-            .connection_timeout(self.options.connect_timeout)
-            .error_sink(Box::new(TracingSink))
-            .build_unchecked(manager);
-        // Open the first connection directly (bb8 would only report a refused connection
-        // as a timeout), set it up and hand it to the pool.
-        let connect = async {
-            let mut conn = pool.dedicated_connection().await?;
-            let policy = prepare(&mut conn, &shared).await?;
-            // A full pool (impossible here) would just drop the connection.
-            let _ = pool.add(conn);
-            Ok(policy)
-        };
-        let policy = self.connecting(connect).await?;
-        Ok(RedisStore::new(
-            Transport::Single(Single::new(pool)),
-            shared,
-            policy,
-        ))
+        let lanes = usize::try_from(self.pool_size).unwrap_or(1);
+        self.start(Source::Server { client, lanes }, shared).await
     }
 
-    /// Connects to the Redis Cluster reachable through `urls` (one reachable node
-    /// suffices; the others are discovered), loads the scripts on every primary and
-    /// returns the store.
+    /// A store for the Redis Cluster reachable through `urls` (one reachable node
+    /// suffices; the others are discovered). Fails only on configuration errors (no URL,
+    /// a malformed one); a Cluster that is down or not formed yet is connected in the
+    /// background, as for [`build`](Self::build). The scripts load on every primary.
     pub async fn build_cluster<I, S>(self, urls: I) -> Result<RedisStore, RedisStoreError>
     where
         I: IntoIterator<Item = S>,
@@ -205,19 +183,15 @@ impl RedisStoreBuilder {
                     "invalid Redis Cluster node URL: {e}; expected redis://host:port/"
                 ))
             })?;
-        let connect = async {
-            let mut conn = client.get_async_connection().await?;
-            let policy = prepare(&mut conn, &shared).await?;
-            Ok((conn, policy))
-        };
-        let (conn, policy) = self.connecting(connect).await?;
-        Ok(RedisStore::new(Transport::Cluster(conn), shared, policy))
+        self.start(Source::Cluster(client), shared).await
     }
 
-    /// Connects to the primary that the Sentinels at `sentinel_urls` name for
-    /// `service_name`, loads the scripts and returns the store. After a failover (the
-    /// primary's connection fails, or it answers as a replica) the store asks the
-    /// Sentinels again and carries on with the new primary.
+    /// A store for the primary that the Sentinels at `sentinel_urls` name for
+    /// `service_name`. After a failover (the primary's connection fails, or it answers as
+    /// a replica) the store asks the Sentinels again and carries on with the new primary.
+    /// Fails on configuration errors, including a service the reachable Sentinels do not
+    /// know; unreachable Sentinels or primary are connected in the background, as for
+    /// [`build`](Self::build).
     ///
     /// For passwords or TLS towards the Redis servers, build a
     /// [`SentinelClient`](redis::sentinel::SentinelClient) yourself and use
@@ -262,18 +236,8 @@ impl RedisStoreBuilder {
         client: SentinelClient,
     ) -> Result<RedisStore, RedisStoreError> {
         let shared = self.options.shared()?;
-        let connect = async {
-            let sentinel = Sentinel::connect(client).await?;
-            let mut conn = sentinel.primary().ok_or(Failure::PoolTimedOut)?;
-            let policy = prepare(&mut conn, &shared).await?;
-            Ok((sentinel, policy))
-        };
-        let (sentinel, policy) = self.connecting(connect).await?;
-        Ok(RedisStore::new(
-            Transport::Sentinel(Box::new(sentinel)),
-            shared,
-            policy,
-        ))
+        self.start(Source::Sentinel(tokio::sync::Mutex::new(client)), shared)
+            .await
     }
 
     /// A single-server store over a pool the application already has. Nothing is sent
@@ -289,7 +253,7 @@ impl RedisStoreBuilder {
     /// [`build`](Self::build) returns).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
-        RedisStore::new(Transport::Single(Single::new(pool)), shared, (None, true))
+        RedisStore::new(Transport::Pool(Pooled::new(pool)), shared)
     }
 
     /// A Cluster store over a cluster connection the application already has. The
@@ -300,93 +264,29 @@ impl RedisStoreBuilder {
     /// As [`build_with_pool`](Self::build_with_pool).
     pub fn build_with_cluster_connection(self, conn: ClusterConnection) -> RedisStore {
         let shared = self.shared_or_panic("build_with_cluster_connection");
-        RedisStore::new(Transport::Cluster(conn), shared, (None, true))
+        RedisStore::new(Transport::Link(Link::given(conn, shared.clone())), shared)
     }
 
-    fn shared_or_panic(&self, what: &str) -> Shared {
+    fn shared_or_panic(&self, what: &str) -> Arc<Shared> {
         self.options
             .shared()
+            .map(Arc::new)
             .unwrap_or_else(|e| panic!("RedisStoreBuilder::{what}: {e}"))
     }
 
-    /// Runs a connect step within the connect timeout.
-    async fn connecting<T>(
-        &self,
-        connect: impl std::future::Future<Output = Result<T, Failure>>,
-    ) -> Result<T, RedisStoreError> {
-        let timeout = self.options.connect_timeout;
-        match tokio::time::timeout(timeout, connect).await {
-            Ok(result) => result.map_err(|e| failure(e, timeout)),
-            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+    /// Connects once (within the connect timeout) and returns the store; when Redis is
+    /// unreachable, the store starts unconnected and keeps trying. Only an answer that
+    /// says the configuration is wrong fails the build.
+    async fn start(self, source: Source, shared: Shared) -> Result<RedisStore, RedisStoreError> {
+        let shared = Arc::new(shared);
+        let link = Link::new(source, shared.clone(), self.options.connect_timeout);
+        if let Err(e) = link.start().await {
+            if let e @ RedisStoreError::InvalidConfig(_) = failure(e, self.options.connect_timeout)
+            {
+                return Err(e);
+            }
         }
-    }
-}
-
-/// Loads the scripts and reads `maxmemory-policy`, warning when limiter keys can be
-/// evicted.
-/// Returns the policy and whether the server has functions; reads the server's clock.
-async fn prepare<C: ConnectionLike + Send>(
-    conn: &mut C,
-    shared: &Shared,
-) -> Result<(Option<String>, bool), Failure> {
-    let functions = transport::load_scripts(conn).await?;
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
-    shared
-        .redis_clock
-        .observe(secs * 1_000_000 + micros, std::time::Instant::now());
-    let policy = match redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("maxmemory-policy")
-        .query_async::<Value>(conn)
-        .await
-    {
-        Ok(reply) => policy_in(&reply),
-        Err(e) => {
-            // Managed services often rename or forbid CONFIG.
-            tracing::info!(
-                error = %e,
-                "cannot read maxmemory-policy; make sure the Redis server does not evict \
-                 rate-limit keys (maxmemory-policy noeviction)"
-            );
-            None
-        }
-    };
-    if let Some(policy) = &policy {
-        if let Some(why) = eviction_risk(policy) {
-            tracing::warn!(
-                maxmemory_policy = %policy,
-                "Redis may evict rate-limit keys: {why}. An evicted key forgets what a client \
-                 consumed, so limits admit more than configured. Set `maxmemory-policy \
-                 noeviction` (or give the limiter a Redis of its own)."
-            );
-        }
-    }
-    Ok((policy, functions))
-}
-
-/// The policy's value in a `CONFIG GET` reply: a map or a flat array on one server, one
-/// of those per node on a Cluster (the first one read wins; a fleet runs one policy).
-fn policy_in(reply: &Value) -> Option<String> {
-    match reply {
-        Value::BulkString(bytes) => {
-            let s = String::from_utf8_lossy(bytes);
-            (s != "maxmemory-policy").then(|| s.into_owned())
-        }
-        Value::SimpleString(s) => (s != "maxmemory-policy").then(|| s.clone()),
-        Value::Array(items) => items.iter().find_map(policy_in),
-        Value::Map(pairs) => pairs.iter().find_map(|(_, v)| policy_in(v)),
-        _ => None,
-    }
-}
-
-/// Why `policy` can evict the store's keys, or `None` when it cannot.
-pub(crate) fn eviction_risk(policy: &str) -> Option<&'static str> {
-    if policy == "noeviction" {
-        None
-    } else if policy.starts_with("allkeys-") {
-        Some("the policy evicts any key when memory runs out")
-    } else {
-        Some("the policy evicts keys with a TTL when memory runs out, and every rate-limit state key has one")
+        Ok(RedisStore::new(Transport::Link(link), shared))
     }
 }
 
@@ -397,23 +297,11 @@ fn failure(e: Failure, timeout: Duration) -> RedisStoreError {
     }
 }
 
-/// Logs the connection errors bb8 meets while filling the pool in the background.
-#[derive(Debug, Clone, Copy)]
-struct TracingSink;
-
-impl bb8::ErrorSink<redis::RedisError> for TracingSink {
-    fn sink(&self, error: redis::RedisError) {
-        tracing::warn!(%error, "cannot open a Redis connection for the rate-limit pool");
-    }
-
-    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<redis::RedisError>> {
-        Box::new(*self)
-    }
-}
-
 impl RedisStore {
     /// A store for the Redis server at `url` with the defaults: prefix `"ratelimit"`,
-    /// Redis `TIME`, a 50 ms per-call timeout and a pool of 4 multiplexed connections.
+    /// Redis `TIME`, a 50 ms per-call timeout and 4 multiplexed connections. As
+    /// [`RedisStoreBuilder::build`], fails only on configuration errors, never because
+    /// Redis is unreachable.
     pub async fn connect(url: &str) -> Result<Self, RedisStoreError> {
         Self::builder().build(url).await
     }
@@ -426,24 +314,22 @@ impl RedisStore {
         }
     }
 
-    fn new(transport: Transport, shared: Shared, prepared: (Option<String>, bool)) -> Self {
-        let (maxmemory_policy, functions) = prepared;
-        shared.functions.store(functions, Ordering::Relaxed);
+    fn new(transport: Transport, shared: Arc<Shared>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 transport,
                 shared,
-                maxmemory_policy,
                 heal_log: BoundedLog::new(),
             }),
         }
     }
 
-    /// The connection pool of a single-server store; `None` for Cluster and Sentinel.
+    /// The connection pool of a store built over one
+    /// ([`build_with_pool`](RedisStoreBuilder::build_with_pool)); `None` otherwise.
     pub fn pool(&self) -> Option<&Pool<RedisConnectionManager>> {
         match &self.inner.transport {
-            Transport::Single(single) => Some(&single.pool),
-            _ => None,
+            Transport::Pool(pooled) => Some(&pooled.pool),
+            Transport::Link(_) => None,
         }
     }
 
@@ -452,12 +338,31 @@ impl RedisStore {
         &self.inner.shared.prefix
     }
 
-    /// The server's `maxmemory-policy` as read when the store connected; `None` when it
-    /// could not be read (CONFIG forbidden) or the store was built over an existing
-    /// connection. Anything but `noeviction` can evict rate-limit keys, which the store
-    /// logs as a warning at connect.
-    pub fn maxmemory_policy(&self) -> Option<&str> {
-        self.inner.maxmemory_policy.as_deref()
+    /// The server's `maxmemory-policy` as read at the last (re)connection; `None` when it
+    /// could not be read (CONFIG forbidden), before the first connection, or for a store
+    /// built over an existing connection. Anything but `noeviction` can evict rate-limit
+    /// keys, which the store logs as a warning when it connects.
+    pub fn maxmemory_policy(&self) -> Option<String> {
+        self.inner
+            .shared
+            .maxmemory_policy
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether the store holds a connection to Redis now. A store starts and runs
+    /// without one (its checks fail with [`RedisStoreError::Connection`]) and reconnects
+    /// by itself. Always true for a store over an application's pool.
+    pub fn is_connected(&self) -> bool {
+        self.inner.transport.is_connected()
+    }
+
+    /// Resolves once the store holds a connection to Redis (at once when it does), e.g.
+    /// for a readiness probe, or to wait for Redis at startup with a timeout of one's
+    /// choosing.
+    pub async fn connected(&self) {
+        self.inner.transport.connected().await;
     }
 
     /// Sends `request` within the store's timeout.
@@ -519,51 +424,21 @@ impl Store for RedisStore {
         self.run(Request::Cmd(cmd)).await.map(drop)
     }
 
+    /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
     async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
-        let cmd = self.inner.shared.reset_cmd(key, rules);
+        let _ = rules;
+        let cmd = self.inner.shared.reset_cmd(key);
         self.run(Request::Cmd(cmd)).await.map(drop)
     }
 
     /// The injected clock's time when one is set; otherwise this host's clock, the best
     /// local reading of the Redis server's `TIME`.
     fn now_us(&self) -> u64 {
-        match &self.inner.shared.clock {
-            Some(clock) => clock.now_us(),
-            None => SystemClock.now_us(),
-        }
+        self.inner.shared.now_us()
     }
 
     /// Always: every process connected to the same Redis shares the state.
     fn is_shared(&self) -> bool {
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn eviction_policies() {
-        assert_eq!(eviction_risk("noeviction"), None);
-        for evicting in [
-            "allkeys-lru",
-            "allkeys-lfu",
-            "allkeys-random",
-            "volatile-lru",
-            "volatile-ttl",
-        ] {
-            assert!(eviction_risk(evicting).is_some(), "{evicting}");
-        }
-        let flat = Value::Array(vec![
-            Value::BulkString(b"maxmemory-policy".to_vec()),
-            Value::BulkString(b"allkeys-lru".to_vec()),
-        ]);
-        assert_eq!(policy_in(&flat).as_deref(), Some("allkeys-lru"));
-        let map = Value::Map(vec![(
-            Value::BulkString(b"maxmemory-policy".to_vec()),
-            Value::BulkString(b"noeviction".to_vec()),
-        )]);
-        assert_eq!(policy_in(&map).as_deref(), Some("noeviction"));
     }
 }

@@ -377,14 +377,19 @@ impl RedisCluster {
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
     }
+
+    /// The nodes, to stop and restart them. A restarted node keeps its cluster
+    /// configuration (`nodes.conf`) and rejoins; its data is lost.
+    pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
+        &mut self.nodes
+    }
 }
 
 /// The decision script in the forms the store sends it, for sending checks by hand (a
 /// benchmark): with `SCRIPT LOAD` and `EVALSHA` (Redis 6.2), or with `FUNCTION LOAD` and
-/// `FCALL` (Redis 7). The keys are `<prefix>:{<tag>}:b`,
-/// `<prefix>:{<tag>}:s:<fingerprint>` and, when a rule is a sliding log,
-/// `<prefix>:{<tag>}:l:<fingerprint>`, with the fingerprint as 16 hex digits; the
-/// arguments come from [`check_script_args`].
+/// `FCALL` (Redis 7). The keys are `<prefix>:{<tag>}:b`, `<prefix>:{<tag>}:s` and, when
+/// a rule is a sliding log, `<prefix>:{<tag>}:l`; the arguments come from
+/// [`check_script_args`].
 #[derive(Debug, Clone, Copy)]
 pub struct CheckScript {
     /// The script, for `SCRIPT LOAD` or `EVAL`.
@@ -528,6 +533,12 @@ impl RedisSentinel {
     /// The server that was a replica at start.
     pub fn replica(&self) -> &RedisServer {
         &self.replica
+    }
+
+    /// The server that was primary at start, to stop it (the Sentinel then promotes the
+    /// replica after about a second).
+    pub fn primary_mut(&mut self) -> &mut RedisServer {
+        &mut self.primary
     }
 
     /// The port of the primary the Sentinel names now.

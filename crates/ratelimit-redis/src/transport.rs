@@ -1,53 +1,76 @@
-//! How requests reach Redis: one server through a pool, a Cluster, or the primary a set
-//! of Sentinels names. The store above sends every request through [`Transport::send`].
+//! How requests reach Redis: connections the store keeps and re-establishes itself (one
+//! server, a Cluster, the primary a set of Sentinels names), or a pool the application
+//! brought. The store above sends every request through [`Transport::send`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use bb8::{Pool, RunError};
 use bb8_redis::RedisConnectionManager;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::SentinelClient;
-use redis::{ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+
+use ratelimit_core::util::BoundedLog;
 
 use crate::error::is_connection_error;
-use crate::script::{self, Request};
+use crate::script::{self, Request, Shared};
+
+/// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+/// The longest pause between reconnection attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 /// The connection to Redis a store sends its requests through.
 pub(crate) enum Transport {
-    /// One server (or a proxy in front of one) through a pool of multiplexed connections.
-    Single(Single),
-    /// A Redis Cluster through the `redis` crate's cluster connection, which routes each
-    /// request by its keys' slot and follows MOVED / ASK and failovers by itself.
-    Cluster(ClusterConnection),
-    /// The primary that Redis Sentinel names for a service, found again after a failover.
-    Sentinel(Box<Sentinel>),
+    /// Connections the store opened and re-opens after a failure.
+    Link(Arc<Link>),
+    /// An application's `bb8` pool of multiplexed connections to one server.
+    Pool(Pooled),
 }
 
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Transport::Single(single) => {
-                f.debug_tuple("Single").field(&single.pool.state()).finish()
-            }
-            Transport::Cluster(_) => f.write_str("Cluster"),
-            Transport::Sentinel(_) => f.write_str("Sentinel"),
+            Transport::Link(link) => f
+                .debug_struct("Link")
+                .field("topology", &link.source.name())
+                .field("connected", &link.is_connected())
+                .finish(),
+            Transport::Pool(pooled) => f.debug_tuple("Pool").field(&pooled.pool.state()).finish(),
         }
     }
 }
 
 impl Transport {
-    /// Sends `request`; a request whose connection turned out dead (or whose server is no
-    /// longer the primary) is sent once more on a fresh connection.
+    /// Sends `request`. A request whose connection turned out dead (or whose server is no
+    /// longer the primary) is sent once more if a fresh connection comes up in time.
     ///
     /// A request lost with its connection may have reached Redis first; if so it is
     /// counted twice, which errs toward limiting, never toward admitting more.
     pub(crate) async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         match self {
-            Transport::Single(single) => single.send(request).await,
-            Transport::Cluster(conn) => Ok(request.send(&mut conn.clone()).await?),
-            Transport::Sentinel(sentinel) => sentinel.send(request).await,
+            Transport::Link(link) => link.send(request).await,
+            Transport::Pool(pooled) => pooled.send(request).await,
+        }
+    }
+
+    /// Whether the store holds a working connection (always true over a pool, whose
+    /// connections the application manages).
+    pub(crate) fn is_connected(&self) -> bool {
+        match self {
+            Transport::Link(link) => link.is_connected(),
+            Transport::Pool(_) => true,
+        }
+    }
+
+    /// Resolves once the store holds a connection.
+    pub(crate) async fn connected(&self) {
+        if let Transport::Link(link) = self {
+            link.connected().await;
         }
     }
 }
@@ -93,6 +116,437 @@ pub(crate) async fn load_scripts<C: ConnectionLike + Send>(conn: &mut C) -> Redi
     Ok(functions)
 }
 
+/// Where a [`Link`] gets its connections.
+pub(crate) enum Source {
+    /// One server: `lanes` multiplexed connections to it.
+    Server { client: redis::Client, lanes: usize },
+    /// A Redis Cluster; the `redis` crate's cluster connection follows slots, failovers
+    /// and node restarts by itself once it exists.
+    Cluster(ClusterClient),
+    /// The primary the Sentinels name for a service.
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    /// A cluster connection the application made: nothing to reconnect.
+    Given,
+}
+
+impl Source {
+    fn name(&self) -> &'static str {
+        match self {
+            Source::Server { .. } => "server",
+            Source::Cluster(_) | Source::Given => "cluster",
+            Source::Sentinel(_) => "sentinel",
+        }
+    }
+}
+
+/// One open connection of a [`Link`].
+#[derive(Clone)]
+enum Conn {
+    Multiplexed(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn send(&mut self, request: &Request<'_>) -> RedisResult<Value> {
+        match self {
+            Conn::Multiplexed(conn) => request.send(conn).await,
+            Conn::Cluster(conn) => request.send(conn).await,
+        }
+    }
+}
+
+/// What a [`Link`] knows about its recent failures.
+#[derive(Default)]
+struct Health {
+    /// A task is reconnecting.
+    reconnecting: bool,
+    /// Failed attempts since the last working connection.
+    failures: u64,
+    down_since: Option<Instant>,
+    last_error: Option<RedisError>,
+}
+
+/// Connections the store opened itself. While they work, requests go through them; once
+/// one fails, they are dropped and a background task reconnects with growing pauses
+/// (50 ms doubling to 2 s), setting every new connection up as at build: the scripts
+/// loaded, Redis `TIME` read, `maxmemory-policy` read. Meanwhile requests fail at once
+/// with [`RedisStoreError::Connection`](crate::RedisStoreError::Connection): no request
+/// waits for a server that is not there.
+pub(crate) struct Link {
+    source: Source,
+    shared: Arc<Shared>,
+    connect_timeout: Duration,
+    current: RwLock<Option<Arc<[Conn]>>>,
+    /// Round robin over the lanes.
+    next: AtomicUsize,
+    /// Bumped by every install and every break, so that a stale failure breaks nothing.
+    generation: AtomicU64,
+    health: Mutex<Health>,
+    /// Counts finished connection attempts, for callers waiting on one.
+    attempts: tokio::sync::watch::Sender<u64>,
+    failure_log: BoundedLog,
+}
+
+impl Link {
+    pub(crate) fn new(source: Source, shared: Arc<Shared>, connect_timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            source,
+            shared,
+            connect_timeout,
+            current: RwLock::new(None),
+            next: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
+            health: Mutex::new(Health::default()),
+            attempts: tokio::sync::watch::Sender::new(0),
+            failure_log: BoundedLog::new(),
+        })
+    }
+
+    /// A link over a cluster connection the application made; the scripts load on first
+    /// use.
+    pub(crate) fn given(conn: ClusterConnection, shared: Arc<Shared>) -> Arc<Self> {
+        let link = Self::new(Source::Given, shared, Duration::ZERO);
+        link.install(vec![Conn::Cluster(conn)]);
+        link
+    }
+
+    /// Connects once within the connect timeout; on failure a background task keeps
+    /// trying. Returns the failure (for the caller to tell configuration errors apart).
+    pub(crate) async fn start(self: &Arc<Self>) -> Result<(), Failure> {
+        match self.attempt().await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.failed(&e);
+                self.reconnect_in_background(true);
+                Err(e)
+            }
+        }
+    }
+
+    fn lock_health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn is_connected(&self) -> bool {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    async fn connected(&self) {
+        let mut attempts = self.attempts.subscribe();
+        while !self.is_connected() {
+            if attempts.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// One connection attempt with its setup, within the connect timeout.
+    async fn attempt(&self) -> Result<(), Failure> {
+        let connect = async {
+            let conns = self.open().await?;
+            let mut first = conns[0].clone();
+            match &mut first {
+                Conn::Multiplexed(conn) => prepare(conn, &self.shared).await?,
+                Conn::Cluster(conn) => prepare(conn, &self.shared).await?,
+            }
+            Ok::<_, Failure>(conns)
+        };
+        let result = match tokio::time::timeout(self.connect_timeout, connect).await {
+            Ok(result) => result,
+            Err(_) => Err(Failure::Redis(RedisError::from((
+                ErrorKind::Io,
+                "connecting to Redis timed out",
+                format!(
+                    "no answer within the connect timeout ({:?})",
+                    self.connect_timeout
+                ),
+            )))),
+        };
+        if let Ok(conns) = result {
+            self.install(conns);
+            self.recovered();
+            return Ok(());
+        }
+        self.attempts.send_modify(|n| *n += 1);
+        result.map(drop)
+    }
+
+    async fn open(&self) -> Result<Vec<Conn>, Failure> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            // The store bounds every call with its own timeout.
+            .set_response_timeout(None);
+        match &self.source {
+            Source::Server { client, lanes } => {
+                let mut conns = Vec::with_capacity(*lanes);
+                for _ in 0..*lanes {
+                    let conn = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?;
+                    conns.push(Conn::Multiplexed(conn));
+                }
+                Ok(conns)
+            }
+            Source::Cluster(client) => {
+                Ok(vec![Conn::Cluster(client.get_async_connection().await?)])
+            }
+            Source::Sentinel(client) => {
+                let client = client.lock().await.async_get_client().await?;
+                let conn = client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?;
+                Ok(vec![Conn::Multiplexed(conn)])
+            }
+            Source::Given => Err(Failure::Redis(RedisError::from((
+                ErrorKind::Io,
+                "the application's cluster connection cannot be reopened",
+            )))),
+        }
+    }
+
+    fn install(&self, conns: Vec<Conn>) {
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Some(conns.into());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Logs the recovery when there were failures, and wakes whoever waits.
+    fn recovered(&self) {
+        let (failures, down_since) = {
+            let mut health = self.lock_health();
+            let seen = (health.failures, health.down_since);
+            *health = Health {
+                reconnecting: health.reconnecting,
+                ..Health::default()
+            };
+            seen
+        };
+        if failures > 0 {
+            tracing::info!(
+                topology = self.source.name(),
+                failed_attempts = failures,
+                down_for = ?down_since.map(|t| t.elapsed()),
+                "Redis is reachable again; rate-limit checks go through it"
+            );
+        }
+        self.attempts.send_modify(|n| *n += 1);
+    }
+
+    fn failed(&self, e: &Failure) {
+        let error = match e {
+            Failure::Redis(e) => e.clone(),
+            Failure::PoolTimedOut => RedisError::from((ErrorKind::Io, "timed out")),
+        };
+        {
+            let mut health = self.lock_health();
+            health.failures += 1;
+            health.down_since.get_or_insert_with(Instant::now);
+            health.last_error = Some(error.clone());
+        }
+        if let Some(count) = self.failure_log.hit(self.shared.now_us()) {
+            tracing::warn!(
+                topology = self.source.name(),
+                %error,
+                failed_attempts = count,
+                "cannot connect to Redis; rate-limit checks fail (the caller's failure policy \
+                 decides) and the store keeps trying in the background (reported at most \
+                 every 10 s, with the attempts since the last report)"
+            );
+        }
+    }
+
+    /// Starts the reconnecting task unless one runs. It holds the link weakly: a dropped
+    /// store stops it.
+    fn reconnect_in_background(self: &Arc<Self>, pause_first: bool) {
+        {
+            let mut health = self.lock_health();
+            if health.reconnecting {
+                return;
+            }
+            health.reconnecting = true;
+        }
+        let weak = Arc::downgrade(self);
+        tokio::spawn(reconnect(weak, pause_first));
+    }
+
+    /// A connection to send on, or the reason there is none.
+    fn conn(&self) -> Result<(Conn, u64), RedisError> {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        match &*current {
+            Some(conns) => {
+                let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
+                Ok((conns[i].clone(), self.generation.load(Ordering::Acquire)))
+            }
+            None => {
+                drop(current);
+                let detail = match &self.lock_health().last_error {
+                    Some(e) => format!("last attempt: {e}"),
+                    None => "the connection was lost".to_owned(),
+                };
+                Err(RedisError::from((
+                    ErrorKind::Io,
+                    "no connection to Redis; reconnecting in the background",
+                    detail,
+                )))
+            }
+        }
+    }
+
+    /// Whether `e` means the connection is unusable.
+    fn breaks(&self, e: &RedisError) -> bool {
+        match self.source {
+            // The cluster connection repairs itself.
+            Source::Cluster(_) | Source::Given => false,
+            Source::Server { .. } => is_connection_error(e),
+            Source::Sentinel(_) => is_connection_error(e) || is_demoted(e),
+        }
+    }
+
+    /// Drops the connections of `generation` (unless replaced meanwhile) and reconnects.
+    fn broken(self: &Arc<Self>, generation: u64, e: &RedisError) {
+        {
+            let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+            if self.generation.load(Ordering::Acquire) != generation || current.is_none() {
+                return;
+            }
+            *current = None;
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+        self.lock_health().down_since = Some(Instant::now());
+        tracing::debug!(error = %e, "Redis connection lost; reconnecting");
+        self.reconnect_in_background(false);
+    }
+
+    async fn send(self: &Arc<Self>, request: &Request<'_>) -> Result<Value, Failure> {
+        let mut attempts = self.attempts.subscribe();
+        let (mut conn, generation) = self.conn()?;
+        match conn.send(request).await {
+            Err(e) if self.breaks(&e) => {
+                // Redis restarted, failed over or the network dropped the socket: the
+                // first reconnection starts at once; send once more if it works (the
+                // caller's timeout bounds the wait).
+                self.broken(generation, &e);
+                if !self.is_connected() {
+                    let _ = attempts.changed().await;
+                }
+                let Ok((mut conn, _)) = self.conn() else {
+                    return Err(e.into());
+                };
+                Ok(conn.send(request).await?)
+            }
+            other => Ok(other?),
+        }
+    }
+}
+
+async fn reconnect(link: Weak<Link>, mut pause_first: bool) {
+    let mut pause = FIRST_BACKOFF;
+    loop {
+        if pause_first {
+            tokio::time::sleep(jitter(pause)).await;
+            pause = (pause * 2).min(MAX_BACKOFF);
+        }
+        pause_first = true;
+        let Some(link) = link.upgrade() else {
+            return;
+        };
+        match link.attempt().await {
+            Ok(()) => {
+                link.lock_health().reconnecting = false;
+                return;
+            }
+            Err(e) => link.failed(&e),
+        }
+    }
+}
+
+/// `pause` less up to a quarter, so that a fleet restarted together does not reconnect
+/// in step.
+fn jitter(pause: Duration) -> Duration {
+    let nanos = u64::from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .subsec_nanos(),
+    );
+    let quarter = u64::try_from(pause.as_micros() / 4).unwrap_or(0).max(1);
+    pause.saturating_sub(Duration::from_micros(nanos % quarter))
+}
+
+/// Loads the scripts, reads the server's clock and its `maxmemory-policy` (warning when
+/// limiter keys can be evicted); remembers whether the server has functions.
+pub(crate) async fn prepare<C: ConnectionLike + Send>(
+    conn: &mut C,
+    shared: &Shared,
+) -> Result<(), Failure> {
+    let functions = load_scripts(conn).await?;
+    shared.functions.store(functions, Ordering::Relaxed);
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    shared
+        .redis_clock
+        .observe(secs * 1_000_000 + micros, Instant::now());
+    let policy = match redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async::<Value>(conn)
+        .await
+    {
+        Ok(reply) => policy_in(&reply),
+        Err(e) => {
+            // Managed services often rename or forbid CONFIG.
+            tracing::info!(
+                error = %e,
+                "cannot read maxmemory-policy; make sure the Redis server does not evict \
+                 rate-limit keys (maxmemory-policy noeviction)"
+            );
+            None
+        }
+    };
+    if let Some(policy) = &policy {
+        if let Some(why) = eviction_risk(policy) {
+            tracing::warn!(
+                maxmemory_policy = %policy,
+                "Redis may evict rate-limit keys: {why}. An evicted key forgets what a client \
+                 consumed, so limits admit more than configured. Set `maxmemory-policy \
+                 noeviction` (or give the limiter a Redis of its own)."
+            );
+        }
+    }
+    *shared
+        .maxmemory_policy
+        .write()
+        .unwrap_or_else(PoisonError::into_inner) = policy;
+    Ok(())
+}
+
+/// The policy's value in a `CONFIG GET` reply: a map or a flat array on one server, one
+/// of those per node on a Cluster (the first one read wins; a fleet runs one policy).
+fn policy_in(reply: &Value) -> Option<String> {
+    match reply {
+        Value::BulkString(bytes) => {
+            let s = String::from_utf8_lossy(bytes);
+            (s != "maxmemory-policy").then(|| s.into_owned())
+        }
+        Value::SimpleString(s) => (s != "maxmemory-policy").then(|| s.clone()),
+        Value::Array(items) => items.iter().find_map(policy_in),
+        Value::Map(pairs) => pairs.iter().find_map(|(_, v)| policy_in(v)),
+        _ => None,
+    }
+}
+
+/// Why `policy` can evict the store's keys, or `None` when it cannot.
+fn eviction_risk(policy: &str) -> Option<&'static str> {
+    if policy == "noeviction" {
+        None
+    } else if policy.starts_with("allkeys-") {
+        Some("the policy evicts any key when memory runs out")
+    } else {
+        Some("the policy evicts keys with a TTL when memory runs out, and every rate-limit state key has one")
+    }
+}
+
 /// Counts repairs so that callers who saw the same failure repair it once.
 #[derive(Debug, Default)]
 struct Repairs {
@@ -121,13 +575,13 @@ impl Repairs {
     }
 }
 
-/// One server through a `bb8` pool of multiplexed connections.
-pub(crate) struct Single {
+/// One server through an application's `bb8` pool of multiplexed connections.
+pub(crate) struct Pooled {
     pub(crate) pool: Pool<RedisConnectionManager>,
     repairs: Repairs,
 }
 
-impl Single {
+impl Pooled {
     pub(crate) fn new(pool: Pool<RedisConnectionManager>) -> Self {
         Self {
             pool,
@@ -174,73 +628,47 @@ impl Single {
     }
 }
 
-/// The primary of a Sentinel-managed service. The connection is kept until it fails or
-/// the server answers as a replica (`READONLY`, after a failover demoted it); then the
-/// Sentinels are asked for the primary again.
-pub(crate) struct Sentinel {
-    client: tokio::sync::Mutex<SentinelClient>,
-    primary: RwLock<Option<MultiplexedConnection>>,
-    repairs: Repairs,
-}
-
-impl Sentinel {
-    /// Asks the Sentinels for the primary and connects to it.
-    pub(crate) async fn connect(client: SentinelClient) -> Result<Self, Failure> {
-        let sentinel = Self {
-            client: tokio::sync::Mutex::new(client),
-            primary: RwLock::new(None),
-            repairs: Repairs::default(),
-        };
-        sentinel.rediscover().await?;
-        Ok(sentinel)
-    }
-
-    /// The current primary's connection.
-    pub(crate) fn primary(&self) -> Option<MultiplexedConnection> {
-        self.primary
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    async fn rediscover(&self) -> Result<(), Failure> {
-        let client = self.client.lock().await.async_get_client().await?;
-        let mut conn = client.get_multiplexed_async_connection().await?;
-        load_scripts(&mut conn).await?;
-        *self
-            .primary
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(conn);
-        Ok(())
-    }
-
-    async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
-        let seen = self.repairs.seen();
-        let first = match self.primary() {
-            Some(mut conn) => request.send(&mut conn).await,
-            None => Err(RedisError::from((
-                ErrorKind::Io,
-                "no primary connection yet",
-            ))),
-        };
-        match first {
-            Err(e) if is_connection_error(&e) || is_demoted(&e) => {
-                tracing::info!(error = %e, "Redis primary lost; asking Sentinel for the primary");
-                self.repairs.once(seen, || self.rediscover()).await?;
-                let mut conn = self
-                    .primary()
-                    .ok_or_else(|| RedisError::from((ErrorKind::Io, "no primary connection")))?;
-                Ok(request.send(&mut conn).await?)
-            }
-            other => Ok(other?),
-        }
-    }
-}
-
 /// The server no longer takes writes as a primary: a failover happened.
 fn is_demoted(e: &RedisError) -> bool {
     matches!(
         e.kind(),
         ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eviction_policies() {
+        assert_eq!(eviction_risk("noeviction"), None);
+        for evicting in [
+            "allkeys-lru",
+            "allkeys-lfu",
+            "allkeys-random",
+            "volatile-lru",
+            "volatile-ttl",
+        ] {
+            assert!(eviction_risk(evicting).is_some(), "{evicting}");
+        }
+        let flat = Value::Array(vec![
+            Value::BulkString(b"maxmemory-policy".to_vec()),
+            Value::BulkString(b"allkeys-lru".to_vec()),
+        ]);
+        assert_eq!(policy_in(&flat).as_deref(), Some("allkeys-lru"));
+        let map = Value::Map(vec![(
+            Value::BulkString(b"maxmemory-policy".to_vec()),
+            Value::BulkString(b"noeviction".to_vec()),
+        )]);
+        assert_eq!(policy_in(&map).as_deref(), Some("noeviction"));
+    }
+
+    #[test]
+    fn jitter_stays_within_a_quarter() {
+        for pause in [FIRST_BACKOFF, MAX_BACKOFF] {
+            let j = jitter(pause);
+            assert!(j <= pause && j >= pause * 3 / 4, "{j:?}");
+        }
+    }
 }

@@ -141,6 +141,15 @@ fn traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
     })
 }
 
+/// Three versions of one rule set (limits raised and lowered, rules added, dropped,
+/// moved to another algorithm or period, reordered; see
+/// [`strategy::rule_set_versions`]) under a random trace: the rules change under the
+/// keys' state at every step that picks another version, as a fleet rolling from one
+/// version to the next does.
+fn version_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
+    (strategy::rule_set_versions(3), strategy::steps(3, 80))
+}
+
 /// Traces whose clock moves in whole milliseconds and whole periods, so that requests
 /// land exactly on window edges, log entries' expiry instants and bucket refill points,
 /// where a `<` for a `<=` would show.
@@ -219,6 +228,71 @@ ratelimit_core::conformance_tests! {
 fn random_traces_agree_with_memory_store() {
     let server = RedisServer::start();
     traces_agree(&runtime(), 256, traces(), single(server.url(), "trace"));
+}
+
+#[test]
+fn rule_changes_mid_trace_agree_with_memory_store() {
+    let server = RedisServer::start();
+    traces_agree(
+        &runtime(),
+        256,
+        version_traces(),
+        single(server.url(), "versions"),
+    );
+}
+
+/// Two app servers on two versions of the rules at once (a rolling deploy), each with
+/// its own store, alternate on one client key: no error, and every decision is the one
+/// MemoryStore makes for the same alternation, each under its own rules (a state one
+/// store could not read would start fresh and show).
+#[test]
+fn two_rule_versions_at_once_share_one_key() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let old: RuleSet = "5/h fixed-window; 10/min gcra burst=3; 4/min sliding-log; \
+                        2/s sliding-window precision=2; 30/min token-bucket capacity=5"
+        .parse()
+        .unwrap();
+    let new: RuleSet = "8/h fixed-window; 10/min gcra burst=5; 6/min sliding-log; \
+                        2/s sliding-window precision=2; 1/s leaky-bucket mode=meter capacity=2"
+        .parse()
+        .unwrap();
+    rt.block_on(async {
+        let clock = ManualClock::new(T0_US);
+        let (prefix, url) = (fresh_prefix("fleet"), server.url());
+        let store = || {
+            RedisStore::builder()
+                .prefix(&prefix)
+                .clock(clock.clone())
+                .timeout(TIMEOUT)
+                .build(&url)
+        };
+        let (a, b) = (store().await.unwrap(), store().await.unwrap());
+        let mem_clock = ManualClock::new(T0_US);
+        let memory = MemoryStore::builder().clock(mem_clock.clone()).build();
+        let mut admitted = [0; 2];
+        for i in 0..60u64 {
+            let (store, rules, n) = if i % 2 == 0 {
+                (&a, &old, 0)
+            } else {
+                (&b, &new, 1)
+            };
+            let cost = [1, 1, 2, 0, 1][i as usize % 5];
+            let got = store.check(b"client", rules, cost).await.expect("no error");
+            let want = memory.check(b"client", rules, cost).await.unwrap();
+            assert_eq!(got, want, "step {i}, {rules}");
+            admitted[n] += u64::from(got.is_allowed() && cost > 0);
+            let step = [0, 700_000, 20_000_000][i as usize % 3];
+            for c in [&clock, &mem_clock] {
+                c.advance(Duration::from_micros(step));
+            }
+        }
+        // Both versions admitted some, and the hourly window counted both: no more than
+        // the larger limit in the hour, whoever decided.
+        assert!(admitted.iter().all(|n| *n > 0), "{admitted:?}");
+        let d = memory.check(b"client", &new, 0).await.unwrap();
+        assert!(d.rules()[0].remaining < 8, "{d:?}");
+    });
 }
 
 #[test]
@@ -356,4 +430,10 @@ fn cluster_store_passes_the_conformance_suite_and_random_traces() {
     // Fewer traces: the cluster adds routing, not arithmetic.
     traces_agree(&rt, 32, traces(), clustered(cluster.urls(), "trace"));
     segmented_traces_agree(&rt, 32, one_rule_traces(), clustered(cluster.urls(), "one"));
+    traces_agree(
+        &rt,
+        32,
+        version_traces(),
+        clustered(cluster.urls(), "versions"),
+    );
 }

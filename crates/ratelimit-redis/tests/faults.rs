@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::redis;
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE};
 use ratelimit_redis::{RedisStore, RedisStoreError};
 use tokio::sync::Barrier;
 
@@ -70,8 +70,9 @@ async fn killed_redis_gives_typed_errors_in_time_and_a_restart_recovers() {
     );
 
     server.restart();
-    // The very first check after the restart succeeds: dead pooled connections are
-    // replaced on the spot, and the empty script cache is refilled.
+    // The store reconnects by itself; then every check succeeds: the empty script cache
+    // is refilled.
+    reconnected(&store).await;
     for i in 0..20 {
         let d = store.check(b"k", &rules(), 1).await;
         assert!(
@@ -119,6 +120,7 @@ async fn redis_killed_under_load() {
         }
     }
     server.restart();
+    reconnected(&store).await;
     assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
 }
 
@@ -142,16 +144,40 @@ async fn a_frozen_redis_times_out_within_the_timeout() {
     assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
 }
 
+/// Long enough for a reconnection (pauses grow to 2 s) on a loaded machine.
+const RECONNECT: Duration = Duration::from_secs(20);
+
+async fn reconnected(store: &RedisStore) {
+    tokio::time::timeout(RECONNECT, store.connected())
+        .await
+        .expect("the store reconnects by itself");
+}
+
 #[tokio::test]
-async fn an_unreachable_redis_fails_the_build_with_a_typed_error() {
+async fn a_store_starts_without_redis_and_uses_it_once_it_is_up() {
     let mut server = RedisServer::start();
-    let url = server.url();
     server.stop();
-    let started = Instant::now();
-    let err = RedisStore::connect(&url).await.unwrap_err();
+    let store = RedisStore::builder()
+        .timeout(TIMEOUT)
+        .connect_timeout(Duration::from_millis(300))
+        .build(&server.url())
+        .await
+        .expect("an unreachable Redis is no reason to fail the build");
+    assert!(!store.is_connected());
+    all_fail_fast(&store, 5, "Redis never up").await;
+    let err = store.check(b"k", &rules(), 1).await.unwrap_err();
     assert!(matches!(err, RedisStoreError::Connection(_)), "{err:?}");
-    assert!(started.elapsed() < Duration::from_secs(2));
     assert!(err.to_string().contains("cannot reach Redis"), "{err}");
+    assert_eq!(store.maxmemory_policy(), None);
+
+    server.restart();
+    reconnected(&store).await;
+    // The connection came with the scripts, the clock and the policy read.
+    assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
+    for i in 0..5 {
+        let d = store.check(b"k", &rules(), 1).await;
+        assert!(d.as_ref().is_ok_and(|d| d.is_allowed()), "check {i}: {d:?}");
+    }
 
     let err = RedisStore::connect("http://example.invalid/")
         .await
@@ -160,18 +186,59 @@ async fn an_unreachable_redis_fails_the_build_with_a_typed_error() {
 }
 
 #[tokio::test]
-async fn an_unreachable_cluster_fails_the_build_with_a_typed_error() {
-    let mut server = RedisServer::start();
-    let url = server.url();
-    server.stop();
-    let started = Instant::now();
-    let err = RedisStore::builder()
+async fn a_cluster_store_starts_while_the_nodes_are_down() {
+    let mut cluster = RedisCluster::start();
+    for node in cluster.nodes_mut() {
+        node.stop();
+    }
+    let store = RedisStore::builder()
+        .timeout(TIMEOUT)
         .connect_timeout(Duration::from_millis(500))
-        .build_cluster([url])
+        .build_cluster(cluster.urls())
+        .await
+        .expect("an unreachable Cluster is no reason to fail the build");
+    all_fail_fast(&store, 3, "Cluster down").await;
+    for node in cluster.nodes_mut() {
+        node.restart();
+    }
+    reconnected(&store).await;
+    // The nodes may still be agreeing on the cluster's state: the first checks may fail.
+    let deadline = Instant::now() + RECONNECT;
+    let mut allowed = 0;
+    while allowed < 5 {
+        match store.check(b"k", &rules(), 1).await {
+            Ok(d) => {
+                assert!(d.is_allowed());
+                allowed += 1;
+            }
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e:?}");
+                assert!(Instant::now() < deadline, "the Cluster never served: {e}");
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    let err = RedisStore::builder()
+        .build_cluster(Vec::<String>::new())
         .await
         .unwrap_err();
-    assert!(err.is_unavailable(), "{err:?}");
-    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(matches!(err, RedisStoreError::InvalidConfig(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_sentinel_store_starts_while_the_primary_is_down() {
+    let mut set = RedisSentinel::start();
+    set.primary_mut().stop();
+    let store = RedisStore::builder()
+        .timeout(TIMEOUT)
+        .connect_timeout(Duration::from_millis(300))
+        .build_sentinel([set.url()], SENTINEL_SERVICE)
+        .await
+        .expect("an unreachable primary is no reason to fail the build");
+    // The Sentinel promotes the replica after a second; the store asks it again.
+    reconnected(&store).await;
+    assert_eq!(set.current_primary_port().unwrap(), set.replica().port());
+    assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
 }
 
 #[tokio::test]
@@ -216,12 +283,11 @@ async fn foreign_values_at_limiter_keys_heal() {
         .unwrap();
     let mut con = common::conn(&server.url());
     let rules = rules();
-    let fp = format!("{:016x}", rules.fingerprint());
     // The documented layout: "wt:{k<hex of b"k">}:...".
     let (block, state, log) = (
         "wt:{k6b}:b".to_owned(),
-        format!("wt:{{k6b}}:s:{fp}"),
-        format!("wt:{{k6b}}:l:{fp}"),
+        "wt:{k6b}:s".to_owned(),
+        "wt:{k6b}:l".to_owned(),
     );
     assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     let exists: (bool, bool) = redis::pipe()
@@ -267,11 +333,12 @@ async fn foreign_values_at_limiter_keys_heal() {
     })
     .await;
     expect_healed(&|c| redis::cmd("SET").arg(&state).arg("12 x").exec(c).unwrap()).await;
-    // Sixteen bytes of the right length that are not two non-negative integers.
+    // Bytes of the right length (the layout, the GCRA's entry of 6 values, the log
+    // marker's 3) that are not non-negative integers.
     expect_healed(&|c| {
         redis::cmd("SET")
             .arg(&state)
-            .arg(&[0xff_u8; 16][..])
+            .arg(&[0xff_u8; 80][..])
             .exec(c)
             .unwrap()
     })
@@ -305,20 +372,14 @@ async fn foreign_values_at_limiter_keys_heal() {
 
     // An entry deep in the log that is not a timestamp: reported once, with the log
     // dropped, so the check after it starts clean.
-    redis::cmd("RPUSH")
-        .arg(&log)
-        .arg("yesterday")
-        .exec(&mut con)
-        .unwrap();
     let deep = "10/s sliding-log; 10000/h sliding-log"
         .parse::<RuleSet>()
         .unwrap();
-    let deep_log = format!("wt:{{k6b}}:l:{:016x}", deep.fingerprint());
     for _ in 0..3 {
         assert!(store.check(b"k", &deep, 1).await.unwrap().is_allowed());
     }
     redis::cmd("RPUSH")
-        .arg(&deep_log)
+        .arg(&log)
         .arg("yesterday")
         .exec(&mut con)
         .unwrap();

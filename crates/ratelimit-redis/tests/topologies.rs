@@ -73,11 +73,11 @@ async fn sentinel_misconfiguration_is_an_error() {
 async fn the_eviction_policy_is_read_at_connect() {
     let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
     let store = RedisStore::connect(&evicting.url()).await.unwrap();
-    assert_eq!(store.maxmemory_policy(), Some("allkeys-lru"));
+    assert_eq!(store.maxmemory_policy().as_deref(), Some("allkeys-lru"));
 
     let safe = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
     let store = RedisStore::connect(&safe.url()).await.unwrap();
-    assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
 
     // A server that forbids CONFIG (as managed services do) still serves the store.
     let locked = RedisServer::start_with(&["--rename-command", "CONFIG", "\"\""]);

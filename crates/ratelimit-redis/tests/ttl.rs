@@ -29,12 +29,12 @@ fn redis_time_us(con: &mut Connection) -> u64 {
     secs * 1_000_000 + micros
 }
 
-fn state_key(prefix: &str, client_hex: &str, rules: &RuleSet) -> String {
-    format!("{prefix}:{{k{client_hex}}}:s:{:016x}", rules.fingerprint())
+fn state_key(prefix: &str, client_hex: &str) -> String {
+    format!("{prefix}:{{k{client_hex}}}:s")
 }
 
-fn log_key(prefix: &str, client_hex: &str, rules: &RuleSet) -> String {
-    format!("{prefix}:{{k{client_hex}}}:l:{:016x}", rules.fingerprint())
+fn log_key(prefix: &str, client_hex: &str) -> String {
+    format!("{prefix}:{{k{client_hex}}}:l")
 }
 
 #[tokio::test]
@@ -53,7 +53,7 @@ async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() 
     let before = redis_time_us(&mut con);
     assert!(store.check(b"a", &gcra, 1).await.unwrap().is_allowed());
     let after = redis_time_us(&mut con);
-    let (pttl, now_ms) = pttl_at(&mut con, &state_key("t", "61", &gcra));
+    let (pttl, now_ms) = pttl_at(&mut con, &state_key("t", "61"));
     let expires_ms = now_ms as i64 + pttl;
     // The key expires at ceil((t + 100 ms) / 1 ms) for the script's time t in [before, after].
     let earliest = (before + 100 * MS).div_ceil(MS) as i64;
@@ -67,29 +67,27 @@ async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() 
     let hourly: RuleSet = "100/h fixed-window".parse().unwrap();
     let before = redis_time_us(&mut con);
     assert!(store.check(b"a", &hourly, 1).await.unwrap().is_allowed());
-    let (pttl, now_ms) = pttl_at(&mut con, &state_key("t", "61", &hourly));
+    let (pttl, now_ms) = pttl_at(&mut con, &state_key("t", "61"));
     let window_end_ms = (before / 3_600_000_000 + 1) * 3_600_000;
     assert!(
         (now_ms as i64 + pttl - window_end_ms as i64).abs() <= 1,
         "{pttl} ms left at {now_ms}, window ends at {window_end_ms}"
     );
 
-    // A log-only rule set keeps no hash, and its log lives one longest period.
+    // A log-only rule set: the log and the state (which says until when the log counts)
+    // live one longest period.
     let log: RuleSet = "1/s sliding-log; 5/min sliding-log".parse().unwrap();
     let before = redis_time_us(&mut con);
     assert!(store.check(b"a", &log, 1).await.unwrap().is_allowed());
-    let (pttl, now_ms) = pttl_at(&mut con, &log_key("t", "61", &log));
     let want = (before + 60_000_000).div_ceil(MS) as i64;
-    assert!(
-        (now_ms as i64 + pttl - want).abs() <= 2,
-        "log expires at {} ms, want about {want}",
-        now_ms as i64 + pttl
-    );
-    let exists: bool = redis::cmd("EXISTS")
-        .arg(state_key("t", "61", &log))
-        .query(&mut con)
-        .unwrap();
-    assert!(!exists, "no state hash for a log-only rule set");
+    for key in [log_key("t", "61"), state_key("t", "61")] {
+        let (pttl, now_ms) = pttl_at(&mut con, &key);
+        assert!(
+            (now_ms as i64 + pttl - want).abs() <= 2,
+            "{key} expires at {} ms, want about {want}",
+            now_ms as i64 + pttl
+        );
+    }
 
     // Blocks expire with their duration; a block without end has no TTL.
     store
@@ -171,17 +169,17 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
     // Ranges leave a second for a slow machine between the check and PTTL.
     let floored = store("f", Duration::from_secs(60)).await.unwrap();
     assert!(floored.check(b"a", &gcra, 1).await.unwrap().is_allowed());
-    let (pttl, _) = pttl_at(&mut con, &state_key("f", "61", &gcra));
+    let (pttl, _) = pttl_at(&mut con, &state_key("f", "61"));
     assert!((59_000..=60_000).contains(&pttl), "{pttl}");
     // Longer lives are measured on the injected clock: 50 minutes left in the hour.
     assert!(floored.check(b"a", &hourly, 1).await.unwrap().is_allowed());
-    let (pttl, _) = pttl_at(&mut con, &state_key("f", "61", &hourly));
+    let (pttl, _) = pttl_at(&mut con, &state_key("f", "61"));
     assert!((2_999_000..=3_000_000).contains(&pttl), "{pttl}");
 
     // Without a floor the TTL is the state's own life: 100 ms.
     let exact = store("e", Duration::ZERO).await.unwrap();
     assert!(exact.check(b"a", &gcra, 1).await.unwrap().is_allowed());
-    let (pttl, _) = pttl_at(&mut con, &state_key("e", "61", &gcra));
+    let (pttl, _) = pttl_at(&mut con, &state_key("e", "61"));
     assert!((1..=100).contains(&pttl), "{pttl}");
 
     // A block's marker gets the floor too, while the block itself ends on the injected
@@ -198,4 +196,44 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
     );
     clock.advance(Duration::from_secs(1));
     assert!(floored.check(b"a", &gcra, 1).await.unwrap().is_allowed());
+}
+
+#[tokio::test]
+async fn a_clients_state_lives_as_long_as_its_longest_rule_and_no_longer() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let store = RedisStore::builder()
+        .prefix("t")
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    let expires_at_ms = |con: &mut Connection| {
+        let (pttl, now_ms) = pttl_at(con, &state_key("t", "61"));
+        assert!(pttl > 0, "{pttl}");
+        now_ms as i64 + pttl
+    };
+
+    // One key for both rules: it lives to the end of the hour, the longer of the two.
+    let both: RuleSet = "10/s gcra burst=5; 100/h fixed-window".parse().unwrap();
+    let before = redis_time_us(&mut con);
+    assert!(store.check(b"a", &both, 1).await.unwrap().is_allowed());
+    let window_end_ms = (before / 3_600_000_000 + 1) * 3_600_000;
+    assert!(
+        (expires_at_ms(&mut con) - window_end_ms as i64).abs() <= 1,
+        "want the end of the hour, {window_end_ms}"
+    );
+
+    // The hourly rule removed: the next check that commits writes the GCRA's state
+    // alone, with its 100 ms; the removed rule keeps nothing alive.
+    let gcra: RuleSet = "10/s gcra burst=5".parse().unwrap();
+    let before = redis_time_us(&mut con);
+    assert!(store.check(b"a", &gcra, 1).await.unwrap().is_allowed());
+    let after = redis_time_us(&mut con);
+    let at = expires_at_ms(&mut con);
+    // Two requests of 100 ms each, from the first check's time on.
+    assert!(
+        at <= (after + 200 * MS).div_ceil(MS) as i64 + 1 && at >= (before / MS) as i64,
+        "expires at {at}, at most 200 ms after {after} µs"
+    );
 }

@@ -27,6 +27,12 @@ pub enum BuildError {
     /// A default tier that is not configured.
     #[error("default tier {0:?} is not one of the configured tiers")]
     UnknownDefaultTier(String),
+    /// A status for requests without a key that is not a client error (4xx).
+    #[error(
+        "the status for requests whose client left out the key must be a client error \
+         (4xx), not {0}"
+    )]
+    OmittedKeyStatus(http::StatusCode),
     /// A fleet share that leaves a rule nothing.
     #[error(
         "rule `{rule}` cannot be shared by {instances} instances: its {field} of {value} \

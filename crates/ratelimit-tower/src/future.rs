@@ -3,12 +3,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
+use crate::body::ResponseBody;
 use crate::headers::Fields;
 use crate::limiter::{CheckFuture, Pass, Verdict};
 
@@ -44,7 +44,7 @@ pin_project! {
             future: Fut,
         },
         Replied {
-            response: Option<Response<ResBody>>,
+            response: Option<Response<ResponseBody<ResBody>>>,
         },
     }
 }
@@ -60,7 +60,7 @@ where
         Self { state, fields }
     }
 
-    pub(crate) fn reply(response: Response<ResBody>) -> Self {
+    pub(crate) fn reply(response: Response<ResponseBody<ResBody>>) -> Self {
         Self {
             state: State::Replied {
                 response: Some(response),
@@ -113,9 +113,8 @@ pub(crate) fn take_ready<Svc: Clone>(ready: &mut Svc) -> Svc {
 impl<Svc, ReqBody, ResBody> Future for ResponseFuture<Svc, ReqBody, ResBody>
 where
     Svc: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
-    ResBody: From<Bytes>,
 {
-    type Output = Result<Response<ResBody>, Svc::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, Svc::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -128,7 +127,10 @@ where
                         this.state.set(state);
                         *this.fields = fields;
                     }
-                    Verdict::Refuse(refusal) => return Poll::Ready(Ok(refusal.into_response())),
+                    Verdict::Refuse(refusal) => {
+                        let pending = call.as_ref().expect("polled after completion");
+                        return Poll::Ready(Ok(refusal.into_response(pending.1.headers())));
+                    }
                 },
                 StateProj::Delaying { sleep, call } => {
                     ready!(sleep.as_mut().poll(cx));
@@ -142,7 +144,7 @@ where
                     if let Some(fields) = this.fields.take() {
                         fields.apply(response.headers_mut());
                     }
-                    return Poll::Ready(Ok(response));
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Replied { response } => {
                     return Poll::Ready(Ok(response.take().expect("polled after completion")))

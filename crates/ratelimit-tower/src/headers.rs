@@ -5,8 +5,8 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
-use ratelimit_core::util::period_parts;
-use ratelimit_core::{Decision, RuleOutcome, RuleSet};
+use ratelimit_core::util::{fnv1a, period_parts};
+use ratelimit_core::{Decision, Rule, RuleOutcome, RuleSet};
 use smallvec::SmallVec;
 
 /// `RateLimit-Policy: "name";q=<quota>;w=<window seconds>`, one item per rule.
@@ -71,9 +71,9 @@ pub(crate) fn retry_after_value(d: Duration) -> HeaderValue {
     HeaderValue::from(ceil_secs(d).max(1))
 }
 
-/// Rule names as they appear in the fields and metric labels: the rule's own name, or
+/// The names of a tier's rules in metric labels: the rule's own name, or
 /// `<limit>-per-<period>` (made unique within the set by a `-<index>` suffix).
-pub(crate) fn policy_names(rules: &RuleSet) -> Vec<String> {
+pub(crate) fn rule_names(rules: &RuleSet) -> Vec<String> {
     let mut names: Vec<String> = Vec::with_capacity(rules.len());
     for (i, rule) in rules.rules().iter().enumerate() {
         let mut name = match rule.name() {
@@ -91,53 +91,112 @@ pub(crate) fn policy_names(rules: &RuleSet) -> Vec<String> {
     names
 }
 
-/// Names are limited to `[A-Za-z0-9_.-]` by the core, so they need no escaping inside an
-/// sf-string.
-pub(crate) fn policy_value(rules: &RuleSet, names: &[String]) -> HeaderValue {
-    let mut out = String::new();
-    for (rule, name) in rules.rules().iter().zip(names) {
-        if !out.is_empty() {
-            out.push_str(", ");
-        }
-        let window = ceil_secs(rule.period()).max(1);
-        let _ = write!(out, "\"{name}\";q={};w={window}", rule.limit());
-    }
-    HeaderValue::try_from(out).expect("names and digits are valid header text")
+/// The names of a tier's rules in the fields: a named rule's name as written; an unnamed
+/// rule's `<limit>-per-<period>` with `@` and the layer's tag, so that stacked layers with
+/// the same rule text announce items a client can tell apart.
+fn item_names(rules: &RuleSet, namespace: &str) -> Vec<String> {
+    let tag = layer_tag(namespace);
+    rule_names(rules)
+        .into_iter()
+        .zip(rules.rules())
+        .map(|(name, rule)| match rule.name() {
+            Some(_) => name,
+            None => format!("{name}@{tag}"),
+        })
+        .collect()
 }
 
-/// The `RateLimit` field for a decision; `None` when the decision has no rule outcomes
-/// (a blocked key).
-pub(crate) fn ratelimit_value(decision: &Decision, names: &[String]) -> Option<HeaderValue> {
-    ratelimit_value_of(decision.rules(), names, Duration::ZERO)
+/// The namespace when it is short and plain (`api`, `login.v2`), else 8 hex digits of its
+/// FNV-1a hash (implicit namespaces, long or non-ASCII ones).
+fn layer_tag(namespace: &str) -> String {
+    let plain = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.');
+    if namespace.len() <= 32 && namespace.bytes().all(plain) {
+        namespace.to_owned()
+    } else {
+        format!("{:08x}", fnv1a(namespace.as_bytes()) >> 32)
+    }
 }
 
-/// As [`ratelimit_value`] for outcomes observed `elapsed` ago.
-pub(crate) fn ratelimit_value_of(
-    outcomes: &[RuleOutcome],
-    names: &[String],
-    elapsed: Duration,
-) -> Option<HeaderValue> {
-    if outcomes.is_empty() {
-        return None;
-    }
-    // Written by hand into a stack buffer rather than with `format!`: this runs on every
-    // admitted request, and copying the result into an exact-size value costs one
-    // allocation where a growable buffer would cost two.
-    let mut out: SmallVec<[u8; 256]> = SmallVec::new();
-    let mut digits = itoa::Buffer::new();
-    for (o, name) in outcomes.iter().zip(names) {
-        if !out.is_empty() {
-            out.extend_from_slice(b", ");
+/// The quota a rule announces: its limit, or what it admits at once when that is more
+/// (a token bucket's capacity, a shaper's burst): `r` never exceeds `q`.
+fn quota(rule: &Rule) -> u64 {
+    rule.limit().max(rule.capacity())
+}
+
+/// A tier's rate-limit fields as far as they are known when the layer is built: the whole
+/// `RateLimit-Policy` value, and per rule the start of its `RateLimit` item and its quota.
+pub(crate) struct Policy {
+    pub(crate) header: HeaderValue,
+    items: Box<[PolicyItem]>,
+}
+
+struct PolicyItem {
+    /// `"name";r=`
+    prefix: Box<[u8]>,
+    quota: u64,
+}
+
+impl Policy {
+    /// Names are limited to `[A-Za-z0-9_.-]` by the core and tags to the same plus `@`,
+    /// so they need no escaping inside an sf-string.
+    pub(crate) fn new(rules: &RuleSet, namespace: &str) -> Self {
+        let names = item_names(rules, namespace);
+        let mut header = String::new();
+        let mut items = Vec::with_capacity(rules.len());
+        for (rule, name) in rules.rules().iter().zip(&names) {
+            if !header.is_empty() {
+                header.push_str(", ");
+            }
+            let quota = quota(rule);
+            let _ = write!(header, "\"{name}\";q={quota}");
+            // The draft's window is whole seconds: a period that is not is announced
+            // without one (its name says it) rather than as a longer or shorter window.
+            if rule.period().subsec_nanos() == 0 {
+                let _ = write!(header, ";w={}", rule.period().as_secs());
+            }
+            items.push(PolicyItem {
+                prefix: format!("\"{name}\";r=").into_bytes().into(),
+                quota,
+            });
         }
-        out.push(b'"');
-        out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(b"\";r=");
-        out.extend_from_slice(digits.format(o.remaining).as_bytes());
-        out.extend_from_slice(b";t=");
-        let t = ceil_secs(o.reset_after.saturating_sub(elapsed));
-        out.extend_from_slice(digits.format(t).as_bytes());
+        Self {
+            header: HeaderValue::try_from(header).expect("names and digits are valid header text"),
+            items: items.into(),
+        }
     }
-    Some(HeaderValue::from_bytes(&out).expect("names and digits are valid header text"))
+
+    /// The `RateLimit` field for a decision; `None` when the decision has no rule
+    /// outcomes (a blocked key).
+    pub(crate) fn ratelimit(&self, decision: &Decision) -> Option<HeaderValue> {
+        self.ratelimit_of(decision.rules(), Duration::ZERO)
+    }
+
+    /// As [`Policy::ratelimit`] for outcomes observed `elapsed` ago.
+    pub(crate) fn ratelimit_of(
+        &self,
+        outcomes: &[RuleOutcome],
+        elapsed: Duration,
+    ) -> Option<HeaderValue> {
+        if outcomes.is_empty() {
+            return None;
+        }
+        // Written by hand into a stack buffer rather than with `format!`: this runs on
+        // every admitted request, and copying the result into an exact-size value costs
+        // one allocation where a growable buffer would cost two.
+        let mut out: SmallVec<[u8; 256]> = SmallVec::new();
+        let mut digits = itoa::Buffer::new();
+        for (o, item) in outcomes.iter().zip(self.items.iter()) {
+            if !out.is_empty() {
+                out.extend_from_slice(b", ");
+            }
+            out.extend_from_slice(&item.prefix);
+            out.extend_from_slice(digits.format(o.remaining.min(item.quota)).as_bytes());
+            out.extend_from_slice(b";t=");
+            let t = ceil_secs(o.reset_after.saturating_sub(elapsed));
+            out.extend_from_slice(digits.format(t).as_bytes());
+        }
+        Some(HeaderValue::from_bytes(&out).expect("names and digits are valid header text"))
+    }
 }
 
 #[cfg(test)]
@@ -149,15 +208,50 @@ mod tests {
         let rules: RuleSet = "10/min; 10/min fixed-window; 5/2s name=login; 1/500ms"
             .parse()
             .unwrap();
-        let names = policy_names(&rules);
         assert_eq!(
-            names,
+            rule_names(&rules),
             ["10-per-1min", "10-per-1min-1", "login", "1-per-500ms"]
         );
         assert_eq!(
-            policy_value(&rules, &names),
-            "\"10-per-1min\";q=10;w=60, \"10-per-1min-1\";q=10;w=60, \"login\";q=5;w=2, \
-             \"1-per-500ms\";q=1;w=1"
+            Policy::new(&rules, "api").header,
+            "\"10-per-1min@api\";q=10;w=60, \"10-per-1min-1@api\";q=10;w=60, \
+             \"login\";q=5;w=2, \"1-per-500ms@api\";q=1"
+        );
+    }
+
+    #[test]
+    fn layer_tags_are_plain_namespaces_or_a_short_hash() {
+        assert_eq!(layer_tag("login.v2"), "login.v2");
+        let implicit = layer_tag("@0123456789abcdef");
+        assert_eq!(implicit.len(), 8);
+        assert!(
+            implicit.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{implicit}"
+        );
+        assert_ne!(implicit, layer_tag("@0123456789abcdee"));
+        assert_eq!(layer_tag("Zürich").len(), 8);
+    }
+
+    #[test]
+    fn quotas_hold_what_a_rule_admits_at_once() {
+        let rules: RuleSet =
+            "2/s leaky-bucket mode=shaper burst=10 name=s; 4/s token-bucket capacity=9 name=t; 100/s gcra burst=6 name=g"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            Policy::new(&rules, "x").header,
+            "\"s\";q=11;w=1, \"t\";q=9;w=1, \"g\";q=100;w=1"
+        );
+    }
+
+    #[test]
+    fn sub_second_and_fractional_windows_are_announced_without_w() {
+        let rules: RuleSet = "3/1500ms name=a; 1/500ms name=b; 2/2s name=c"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            Policy::new(&rules, "x").header,
+            "\"a\";q=3, \"b\";q=1, \"c\";q=2;w=2"
         );
     }
 

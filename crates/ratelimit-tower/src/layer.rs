@@ -5,6 +5,7 @@ use std::panic::Location;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::StatusCode;
 use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{ConfigError, Rule, RuleSet, Store};
 use tower_layer::Layer;
@@ -91,6 +92,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             on_rejection: Arc::new(PlainText),
             failure_policy: FailurePolicy::default(),
             fallback: FallbackRules::Same,
+            omitted_key_status: StatusCode::BAD_REQUEST,
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
             admitted_headers: true,
@@ -236,6 +238,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     on_rejection: Arc<dyn OnRejection>,
     failure_policy: FailurePolicy,
     fallback: FallbackRules,
+    omitted_key_status: StatusCode,
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
     admitted_headers: bool,
@@ -276,6 +279,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,
             fallback: self.fallback,
+            omitted_key_status: self.omitted_key_status,
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
@@ -389,8 +393,19 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
-    /// What to do with a request in which no key is found ([`MissingKey::Refuse`] by
-    /// default).
+    /// The status for a request whose client left out what the key is made of
+    /// ([`Extraction::Omitted`](crate::key::Extraction::Omitted), e.g. the header of a
+    /// [`HeaderKey`](crate::HeaderKey)): 400 by default; 401 suits a missing API key.
+    /// Must be a client error (4xx). To key such requests another way instead, give the
+    /// extractor a fallback ([`or`](crate::KeyExtractorExt::or)).
+    pub fn omitted_key_status(mut self, status: StatusCode) -> Self {
+        self.omitted_key_status = status;
+        self
+    }
+
+    /// What to do with a request in which the server provided no key
+    /// ([`Extraction::Missing`](crate::key::Extraction::Missing), [`MissingKey::Refuse`]
+    /// by default).
     pub fn on_missing_key(mut self, policy: MissingKey) -> Self {
         self.missing_key = policy;
         self
@@ -412,7 +427,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// Shadow mode: decide, count and report, but never refuse or delay. A request that
     /// would have been refused or delayed passes with a `RateLimit-Shadow` field
     /// (`limited`, `blocked`, `delayed`, `cost-exceeded`, `store-unavailable`,
-    /// `missing-key`, `unknown-tier`) and an `INFO` event; no other rate-limit field is
+    /// `key-omitted`, `missing-key`, `unknown-tier`) and an `INFO` event; no other rate-limit field is
     /// sent. For trying new limits on real traffic before enforcing them.
     pub fn shadow(mut self, enabled: bool) -> Self {
         self.shadow = enabled;
@@ -454,6 +469,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
         let implicit = self.namespace.is_none();
         let namespace = namespace::resolve(self.namespace, self.location)?;
+        if !self.omitted_key_status.is_client_error() {
+            return Err(BuildError::OmittedKeyStatus(self.omitted_key_status));
+        }
         let rules = if !self.rules.is_empty() || self.tiers.is_empty() {
             Some(RuleSet::new(self.rules)?)
         } else {
@@ -486,6 +504,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             namespace: namespace.into(),
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,
+            omitted_key_status: self.omitted_key_status,
             missing_key: self.missing_key,
             missing_log: BoundedLog::new(),
             tier_log: BoundedLog::new(),

@@ -12,17 +12,40 @@
 //! | blocked key | 429 or 403 ([`BlockedStatus`]) | `Retry-After` (unless endless), `RateLimit-Policy` |
 //! | cost above a rule's capacity | 413 (waiting would not help) | `RateLimit-Policy` |
 //! | store failed | per [`FailurePolicy`]: pass, 503, or a local fallback store | |
-//! | no key found (misconfiguration) | 500 by default ([`MissingKey`]) | |
+//! | the client left out its key (a header) | 400 by default ([`omitted_key_status`](RateLimitLayerBuilder::omitted_key_status)) | |
+//! | no key found (server misconfiguration) | 500 by default ([`MissingKey`]) | |
+//!
+//! A gRPC call is refused with HTTP 200 and a `grpc-status` instead: see [gRPC](#grpc).
 //!
 //! A refusal has a short `text/plain` body (`rate limit exceeded, retry in 3 s`) by
 //! default; [`ProblemJson`] gives RFC 9457 `application/problem+json`, and
 //! [`on_rejection`](RateLimitLayerBuilder::on_rejection) takes any hook.
 //!
-//! The fields follow draft-ietf-httpapi-ratelimit-headers: one list item per rule, named
-//! by the rule's name or `<limit>-per-<period>`, e.g.
+//! The fields follow draft-ietf-httpapi-ratelimit-headers: one list item per rule, e.g.
 //! `RateLimit-Policy: "login";q=5;w=60` and `RateLimit: "login";r=2;t=41`. `Retry-After`
 //! is in whole seconds, rounded up, and never 0. Layers stack: a response passing
-//! through two layers carries both layers' items.
+//! through two layers carries both layers' items. In detail:
+//!
+//! * **Names.** A rule named with `name=` is announced by that name, as written. An
+//!   unnamed rule is `<limit>-per-<period>@<layer>`, where `<layer>` is the layer's
+//!   namespace when it is up to 32 characters of `A-Z a-z 0-9 _ - .`, else 8 hex digits
+//!   of its hash (so for implicit namespaces): `"10-per-1min@api"`. Two stacked layers
+//!   with the same rule text therefore announce two items a client can tell apart. Layers
+//!   that share a namespace share the budget of such a rule, and announce it by one name;
+//!   two rules named alike are the application's to rename.
+//! * **`q`** is the rule's limit, or what it admits at once when that is more (a token
+//!   bucket's capacity, a leaky shaper's burst + 1): `r` never exceeds `q`.
+//! * **`w`** is the rule's period in seconds. The draft's window is whole seconds, so a
+//!   rule whose period is not (`3/1500ms`, `1/500ms`) is announced without `w` rather
+//!   than with a longer or shorter window; its name states the period
+//!   (`"3-per-1500ms@api";q=3`).
+//! * **`t`** is the time, in whole seconds rounded up, until the rule's quota is whole
+//!   again: at most `w` for a fixed window and a sliding log; for a bucket (token bucket,
+//!   leaky bucket, GCRA) the time to refill `q` at the rule's rate, so at most `w` unless
+//!   `q` is above the limit. A sliding window counter keeps a request counted until the
+//!   sub-window it fell in has left the window, so its `t` can reach
+//!   `w + w / precision` (twice `w` with precision 1). These are the times the quota
+//!   takes, not rounded down to `w`; `r` grows back before then.
 //!
 //! ```
 //! use axum::{body::Body, extract::ConnectInfo, routing::{get, post}, Router};
@@ -35,7 +58,10 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = Arc::new(MemoryStore::new());
-//! let per_ip = RateLimitLayer::new(store.clone(), PeerIp::new(), "10/min sliding-window".parse()?);
+//! let per_ip = RateLimitLayer::builder(store.clone(), PeerIp::new())
+//!     .rules("10/min sliding-window")?
+//!     .namespace("per-ip")
+//!     .build()?;
 //! let login = RateLimitLayer::new(store, PeerIp::new(), "1/s name=login-burst; 5/min name=login".parse()?);
 //! let app = Router::new()
 //!     .route("/", get(|| async { "hello" }))
@@ -62,7 +88,7 @@
 //! assert_eq!(limited.headers()["retry-after"], "1");
 //! assert_eq!(limited.headers()["content-type"], "text/plain; charset=utf-8");
 //! let policies: Vec<_> = limited.headers().get_all("ratelimit-policy").iter().collect();
-//! assert_eq!(policies, [r#""login-burst";q=1;w=1, "login";q=5;w=60"#, r#""10-per-1min";q=10;w=60"#]);
+//! assert_eq!(policies, [r#""login-burst";q=1;w=1, "login";q=5;w=60"#, r#""10-per-1min@per-ip";q=10;w=60"#]);
 //! # Ok(())
 //! # }
 //! ```
@@ -76,17 +102,31 @@
 //!
 //! The key extractor ([`KeyExtractor`]) answers a key, a deliberate exemption
 //! ([`PeerIp::exempt`] / [`ClientIp::exempt`] for networks,
-//! [`exempt_if`](key::KeyExtractorExt::exempt_if) for anything else), or "no key found":
-//! a request without a peer address (the server was started without
-//! `into_make_service_with_connect_info`), without the header, or without the extension an
-//! authentication layer should have set. No key found is a misconfiguration: by default
-//! the request is answered 500 with a body that says what is missing
-//! ([`MissingKey`]), and the layer logs at `ERROR` at most every 10 seconds with the
-//! number of such requests. A closure extractor answering `None` is "no key found" too.
+//! [`exempt_if`](key::KeyExtractorExt::exempt_if) for anything else), or no key, for one
+//! of two reasons:
+//!
+//! * **The client left it out** ([`Extraction::Omitted`]): a request without the header a
+//!   [`HeaderKey`] reads. The client's mistake: answered 400 (or the status given to
+//!   [`omitted_key_status`](RateLimitLayerBuilder::omitted_key_status)) with a body that
+//!   says what is missing, logged at `DEBUG`. To key such requests another way, give the
+//!   extractor a fallback: `HeaderKey::new("x-api-key").or(PeerIp::new())` keys by the
+//!   API key when there is one, else by the peer address
+//!   ([`or`](key::KeyExtractorExt::or)).
+//! * **The server did not provide it** ([`Extraction::Missing`]): a request without a peer
+//!   address (the server was started without `into_make_service_with_connect_info`) or
+//!   without the extension an authentication layer should have set. A misconfiguration:
+//!   by default answered 500 with a body that says what is missing ([`MissingKey`]), and
+//!   logged at `ERROR` at most every 10 seconds with the number of such requests. A
+//!   closure extractor answering `None` is a missing key too.
+//!
+//! Logs above `TRACE` show a client key only as its digest
+//! ([`log_digest`](key::log_digest)): `key=#3fa2c91b`; `TRACE` events add the key itself
+//! (`client=`).
 //!
 //! # Budgets and namespaces
 //!
-//! A budget is (namespace, tier, client key, rule set). A layer's namespace is the one
+//! A budget is (namespace, tier, client key); inside it each rule keeps its state by its
+//! identity (see [Changing limits](#changing-limits)). A layer's namespace is the one
 //! given to [`namespace`](RateLimitLayerBuilder::namespace), or else derived from where
 //! [`RateLimitLayer::new`] / [`builder`](RateLimitLayer::builder) is called in the source
 //! (`@` and a hash of file, line and column). So:
@@ -106,8 +146,8 @@
 //! The store key is `[n] namespace [m] tier client-key`, where `n` and `m` are single
 //! bytes holding the lengths of the namespace and the tier name (`""` unless
 //! [tiers](#tiers-rules-per-request) are used), so no two (namespace, tier, key) triples
-//! produce the same bytes. The store then keeps one state per (key, rule set) and digests
-//! long keys itself. [`RateLimitLayer::store_key`] gives the key for a client;
+//! produce the same bytes. The store then keeps one state per key, each rule's inside it by
+//! the rule's identity, and digests long keys itself. [`RateLimitLayer::store_key`] gives the key for a client;
 //! [`RateLimitLayer::block`], [`unblock`](RateLimitLayer::unblock) and
 //! [`reset`](RateLimitLayer::reset) act on a client key in the layer's namespace.
 //!
@@ -203,6 +243,72 @@
 //! `RateLimit-Policy` a client sees is that of the instance that answered. Once every
 //! instance has reloaded, the fleet enforces the new limits, on usage that carried.
 //!
+//! # gRPC
+//!
+//! The layer goes on a tonic server as it goes on an axum router:
+//!
+//! ```no_run
+//! use ratelimit_core::MemoryStore;
+//! use ratelimit_tower::{PeerIp, RateLimitLayer};
+//! use std::sync::Arc;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = Arc::new(MemoryStore::new());
+//! let (_reporter, health) = tonic_health::server::health_reporter();
+//! tonic::transport::Server::builder()
+//!     .layer(RateLimitLayer::new(store, PeerIp::new(), "100/min".parse()?))
+//!     .add_service(health)
+//!     .serve("0.0.0.0:50051".parse()?)
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! * **Any body.** The service's response body is a [`ResponseBody`]: the inner
+//!   service's body, or the layer's own bytes for a refusal. So the inner service may
+//!   answer with any body type (tonic's does not convert from bytes), and axum's
+//!   `Router::layer` / `route_layer` take the service as before.
+//! * **The peer.** With the `tonic` feature, [`PeerIp`] (and [`ClientIp`], for the peer
+//!   it starts from) read tonic's `TcpConnectInfo`. Without it a tonic server gives no
+//!   peer address and every call is refused as misconfigured. (Behind TLS, tonic wraps it
+//!   in `TlsConnectInfo`: insert the peer's `SocketAddr` into the extensions in a layer of
+//!   your own.)
+//! * **Refusals a gRPC client understands.** A request with content type
+//!   `application/grpc` (or `application/grpc+proto`, `+json`, ...) is refused with a
+//!   trailers-only response: HTTP 200, `content-type: application/grpc`, no body, and the
+//!   status in the headers. An HTTP 429 would reach the client as UNAVAILABLE (grpcio,
+//!   which commonly retries it at once) or INTERNAL (tonic). The
+//!   [`on_rejection`](RateLimitLayerBuilder::on_rejection) hook is not asked: there is
+//!   no body to build.
+//!
+//! | refusal | `grpc-status` |
+//! |---|---|
+//! | limited, shaping delay above the maximum, cost above capacity | 8 `RESOURCE_EXHAUSTED` |
+//! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
+//! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
+//! | no key found, no tier (the server's misconfiguration) | 13 `INTERNAL` |
+//! | no key found where the policy blames the client (a 4xx status) | 3 `INVALID_ARGUMENT` |
+//!
+//! Besides `grpc-status`, a refusal carries `grpc-message` (the same sentence as the HTTP
+//! body, percent-encoded as the gRPC spec requires), `RateLimit-Policy` and `RateLimit`
+//! as metadata, and, when the call can succeed later, the delay twice:
+//!
+//! * `retry-after` metadata in whole seconds, as in HTTP: any client reads it with
+//!   nothing but its metadata API (tonic's `Status::metadata`, grpcio's trailing
+//!   metadata);
+//! * a `google.rpc.RetryInfo` in `grpc-status-details-bin` (a base64 `google.rpc.Status`),
+//!   exact to the nanosecond: the standard of Google's error model (AIP-193), which
+//!   `tonic-types` (`StatusExt::get_details_retry_info`), `grpcio-status` and the Google
+//!   client libraries decode and retry on.
+//!
+//! `grpc-retry-pushback-ms` is not sent: only gRPC's built-in retries read it, and only
+//! for the codes a client's retry policy lists.
+//!
+//! An admitted call gets the rate-limit fields as initial metadata, and a shaping rule
+//! delays a call as it delays any request (mind the client's deadline: a call delayed
+//! past it ends `DEADLINE_EXCEEDED` at the client).
+//!
 //! # Handlers see the decision
 //!
 //! An admitted request carries the store's [`Decision`](ratelimit_core::Decision) in its
@@ -280,7 +386,7 @@
 //!   store failures, with the policy applied, at most every 10 s with a count; `DEBUG` for refusals and delays; `TRACE`
 //!   for admissions), a `ratelimit_check` span (`DEBUG`) around each store round trip
 //!   that does not complete at once, and, with the `metrics` feature, counters labelled
-//!   by rule (see below).
+//!   by layer, tier and rule (see below).
 //!
 //! # Metrics
 //!
@@ -289,10 +395,13 @@
 //!
 //! | counter | labels |
 //! |---|---|
-//! | `ratelimit_admitted_total` | `rule` (each rule of the layer) |
-//! | `ratelimit_limited_total` | `rule` (each rule that denied) |
-//! | `ratelimit_blocked_total` | `rules` (the layer's rule names, comma-separated) |
-//! | `ratelimit_store_errors_total` | `rules`, `policy` (`fail_open`, `fail_closed`, `fallback`) |
+//! | `ratelimit_admitted_total` | `layer`, `tier`, `rule` (each rule of the tier) |
+//! | `ratelimit_limited_total` | `layer`, `tier`, `rule` (each rule that denied) |
+//! | `ratelimit_blocked_total` | `layer`, `tier` |
+//! | `ratelimit_store_errors_total` | `layer`, `tier`, `policy` (`fail_open`, `fail_closed`, `fallback`) |
+//!
+//! `layer` is the layer's namespace, `tier` the tier's name (`""` without tiers), `rule`
+//! the rule's name or `<limit>-per-<period>`.
 //!
 //! # Cost
 //!
@@ -310,11 +419,13 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod body;
 mod cost;
 mod deny_cache;
 mod error;
 mod fallback;
 mod future;
+mod grpc;
 pub mod headers;
 pub mod key;
 mod layer;
@@ -327,6 +438,7 @@ mod rejection;
 mod service;
 mod tier;
 
+pub use body::ResponseBody;
 pub use cost::{RequestCost, UnitCost};
 pub use deny_cache::DenyCacheConfig;
 pub use error::BuildError;

@@ -20,21 +20,40 @@ mod enabled {
     }
 
     impl Metrics {
-        pub(crate) fn new(names: &[String], policy: FailurePolicy) -> Self {
-            let all = names.join(",");
+        /// The counters of the tier `tier` of the layer `namespace`, with the names of
+        /// its rules.
+        pub(crate) fn new(
+            namespace: &str,
+            tier: &str,
+            rules: &[String],
+            policy: FailurePolicy,
+        ) -> Self {
+            let (layer, tier) = (namespace.to_owned(), tier.to_owned());
+            let per_rule = |name: &'static str| -> Box<[Counter]> {
+                rules
+                    .iter()
+                    .map(|rule| {
+                        counter!(
+                            name,
+                            "layer" => layer.clone(),
+                            "tier" => tier.clone(),
+                            "rule" => rule.clone()
+                        )
+                    })
+                    .collect()
+            };
             Self {
-                admitted: names
-                    .iter()
-                    .map(|n| counter!("ratelimit_admitted_total", "rule" => n.clone()))
-                    .collect(),
-                limited: names
-                    .iter()
-                    .map(|n| counter!("ratelimit_limited_total", "rule" => n.clone()))
-                    .collect(),
-                blocked: counter!("ratelimit_blocked_total", "rules" => all.clone()),
+                admitted: per_rule("ratelimit_admitted_total"),
+                limited: per_rule("ratelimit_limited_total"),
+                blocked: counter!(
+                    "ratelimit_blocked_total",
+                    "layer" => layer.clone(),
+                    "tier" => tier.clone()
+                ),
                 store_errors: counter!(
                     "ratelimit_store_errors_total",
-                    "rules" => all,
+                    "layer" => layer,
+                    "tier" => tier,
                     "policy" => policy.label()
                 ),
             }

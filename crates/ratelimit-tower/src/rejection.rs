@@ -6,10 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_TYPE};
+use http::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use http::{Response, StatusCode};
 use ratelimit_core::Decision;
 
+use crate::body::ResponseBody;
+use crate::grpc::{self, Code};
 use crate::headers::{ceil_secs, write_refusal};
 
 /// Why a request was refused.
@@ -32,6 +34,10 @@ pub enum RejectReason {
     DelayTooLong,
     /// The store failed and the failure policy is fail closed (503).
     StoreUnavailable,
+    /// The client left out what the key is made of, such as the header an API key is read
+    /// from (400 unless configured, see
+    /// [`omitted_key_status`](crate::RateLimitLayerBuilder::omitted_key_status)).
+    KeyOmitted,
     /// No key was found in the request and the [`MissingKey`](crate::MissingKey) policy
     /// refuses (500): the layer or the server is misconfigured.
     MissingKey,
@@ -104,6 +110,31 @@ impl Rejection {
         self.decision.as_ref()
     }
 
+    /// The status a gRPC client gets.
+    pub(crate) fn grpc_code(&self) -> Code {
+        match self.reason {
+            RejectReason::Blocked if self.status == StatusCode::FORBIDDEN => Code::PermissionDenied,
+            // gRPC itself answers RESOURCE_EXHAUSTED to a message above the receiver's
+            // size limit: the nearest thing to a cost above capacity (HTTP 413).
+            RejectReason::Limited
+            | RejectReason::Blocked
+            | RejectReason::DelayTooLong
+            | RejectReason::CostExceedsCapacity { .. } => Code::ResourceExhausted,
+            RejectReason::StoreUnavailable => Code::Unavailable,
+            // The client left out what its key is made of: its own mistake.
+            RejectReason::KeyOmitted => Code::InvalidArgument,
+            // The layer's policy says whose fault a missing key is by its status: a client
+            // error when the client left something out, else the server's configuration.
+            RejectReason::MissingKey | RejectReason::UnknownTier => {
+                if self.status.is_client_error() {
+                    Code::InvalidArgument
+                } else {
+                    Code::Internal
+                }
+            }
+        }
+    }
+
     /// A one-line explanation for people: "rate limit exceeded, retry in 3 s", or for a
     /// misconfiguration what is missing.
     pub fn message(&self) -> String {
@@ -122,6 +153,10 @@ impl Rejection {
                  it can never be admitted"
             ),
             (RejectReason::StoreUnavailable, _) => "rate limiter unavailable, retry later".into(),
+            (RejectReason::KeyOmitted, _) => format!(
+                "the request cannot be rate limited: {}",
+                self.detail.as_deref().unwrap_or("no key")
+            ),
             (RejectReason::MissingKey | RejectReason::UnknownTier, _) => format!(
                 "rate limiting is misconfigured: {}",
                 self.detail.as_deref().unwrap_or("no key")
@@ -235,16 +270,29 @@ pub(crate) struct Refusal {
 }
 
 impl Refusal {
-    pub(crate) fn into_response<B: From<Bytes>>(self) -> Response<B> {
-        let mut response = self.hook.rejection(&self.rejection).map(B::from);
-        *response.status_mut() = self.rejection.status;
+    /// The response to the request whose headers are `request`: trailers-only for a gRPC
+    /// call (the hook is not asked: such a response has no body), else the hook's with
+    /// the refusal's status.
+    pub(crate) fn into_response<B>(self, request: &HeaderMap) -> Response<ResponseBody<B>> {
+        let mut response = if grpc::is_grpc(request) {
+            let rejection = &self.rejection;
+            grpc::trailers_only(
+                rejection.grpc_code(),
+                &rejection.message(),
+                rejection.retry_after,
+            )
+        } else {
+            let mut response = self.hook.rejection(&self.rejection);
+            *response.status_mut() = self.rejection.status;
+            response
+        };
         write_refusal(
             response.headers_mut(),
             self.rejection.retry_after,
             self.policy,
             self.ratelimit,
         );
-        response
+        response.map(ResponseBody::own)
     }
 }
 
@@ -272,5 +320,55 @@ mod tests {
             json.body(),
             r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"rate limiting is misconfigured: no \"peer\" address"}"#
         );
+    }
+
+    #[test]
+    fn grpc_codes_by_reason_and_status() {
+        let code_of = |reason, status| Rejection::new(reason, status).grpc_code();
+        let cases = [
+            (
+                RejectReason::Limited,
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+            ),
+            (
+                RejectReason::DelayTooLong,
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+            ),
+            (
+                RejectReason::Blocked,
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+            ),
+            (
+                RejectReason::Blocked,
+                StatusCode::FORBIDDEN,
+                Code::PermissionDenied,
+            ),
+            (
+                RejectReason::StoreUnavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+            ),
+            (
+                RejectReason::MissingKey,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Code::Internal,
+            ),
+            (
+                RejectReason::MissingKey,
+                StatusCode::BAD_REQUEST,
+                Code::InvalidArgument,
+            ),
+            (
+                RejectReason::UnknownTier,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Code::Internal,
+            ),
+        ];
+        for (reason, status, want) in cases {
+            assert_eq!(code_of(reason, status), want, "{reason:?} {status}");
+        }
     }
 }

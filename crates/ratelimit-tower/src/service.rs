@@ -2,11 +2,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use ratelimit_core::Store;
 use tower_service::Service;
 
+use crate::body::ResponseBody;
 use crate::cost::{RequestCost, UnitCost};
 use crate::future::{take_ready, ResponseFuture};
 use crate::key::KeyExtractor;
@@ -68,9 +68,8 @@ where
     K: KeyExtractor<ReqBody>,
     C: RequestCost<ReqBody>,
     T: SelectTier<ReqBody>,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = Svc::Error;
     type Future = ResponseFuture<Svc, ReqBody, ResBody>;
 
@@ -82,7 +81,9 @@ where
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         match Limiter::begin(&self.limiter, &mut req) {
             Begin::Now(Verdict::Pass(pass)) => ResponseFuture::pass(pass, req, &mut self.inner),
-            Begin::Now(Verdict::Refuse(refusal)) => ResponseFuture::reply(refusal.into_response()),
+            Begin::Now(Verdict::Refuse(refusal)) => {
+                ResponseFuture::reply(refusal.into_response(req.headers()))
+            }
             Begin::Later(check) => {
                 ResponseFuture::checking(check, take_ready(&mut self.inner), req)
             }

@@ -1,9 +1,11 @@
 //! Rules chosen per request: tiers (plans) and the selector that picks one.
 
-use http::{HeaderValue, Request};
+use http::Request;
 use ratelimit_core::RuleSet;
 
-use crate::headers::{policy_names, policy_value};
+#[cfg(feature = "metrics")]
+use crate::headers::rule_names;
+use crate::headers::Policy;
 #[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
 use crate::namespace::key_prefix;
@@ -55,8 +57,8 @@ pub(crate) struct Tier {
     pub(crate) rules: RuleSet,
     /// The smallest capacity of the rules: a cost up to it fits every rule.
     pub(crate) min_capacity: u64,
-    pub(crate) names: Vec<String>,
-    pub(crate) policy_header: HeaderValue,
+    /// The tier's fields, rendered once.
+    pub(crate) policy: Policy,
     /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
     pub(crate) prefix: Box<[u8]>,
     pub(crate) fallback_rules: Option<RuleSet>,
@@ -77,13 +79,11 @@ impl Tier {
         // The failure policy only labels the store-error counter.
         #[cfg(not(feature = "metrics"))]
         let _ = failure_policy;
-        let names = policy_names(&rules);
         Self {
             name: name.into(),
-            policy_header: policy_value(&rules, &names),
+            policy: Policy::new(&rules, namespace),
             #[cfg(feature = "metrics")]
-            metrics: Metrics::new(&names, failure_policy),
-            names,
+            metrics: Metrics::new(namespace, name, &rule_names(&rules), failure_policy),
             prefix: key_prefix(namespace, name),
             min_capacity: rules
                 .rules()

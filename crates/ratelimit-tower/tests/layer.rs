@@ -116,6 +116,7 @@ async fn admitted_and_limited_fields_are_exact() {
     let layer = RateLimitLayer::builder(mem(&clock), PeerIp::new())
         .rules("2/10s fixed-window name=short; 100/h fixed-window")
         .unwrap()
+        .namespace("site")
         .build()
         .unwrap();
     let app = app(layer);
@@ -130,11 +131,11 @@ async fn admitted_and_limited_fields_are_exact() {
     assert_eq!(first.status(), StatusCode::OK);
     assert_eq!(
         header(&first, "ratelimit-policy"),
-        Some(r#""short";q=2;w=10, "100-per-1h";q=100;w=3600"#)
+        Some(r#""short";q=2;w=10, "100-per-1h@site";q=100;w=3600"#)
     );
     assert_eq!(
         header(&first, "ratelimit"),
-        Some(r#""short";r=1;t=7, "100-per-1h";r=99;t=3597"#)
+        Some(r#""short";r=1;t=7, "100-per-1h@site";r=99;t=3597"#)
     );
     assert_eq!(header(&first, "retry-after"), None);
     assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "ok");
@@ -153,7 +154,7 @@ async fn admitted_and_limited_fields_are_exact() {
     assert_eq!(header(&denied, "retry-after"), Some("7"));
     assert_eq!(
         header(&denied, "ratelimit"),
-        Some(r#""short";r=0;t=7, "100-per-1h";r=98;t=3597"#)
+        Some(r#""short";r=0;t=7, "100-per-1h@site";r=98;t=3597"#)
     );
     assert_eq!(
         header(&denied, "content-type"),
@@ -264,6 +265,7 @@ async fn cost_above_capacity_is_413_without_a_store_call() {
     let layer = RateLimitLayer::builder(store.clone(), GlobalKey)
         .rules("10/min fixed-window")
         .unwrap()
+        .namespace("units")
         .cost(|req: &Request<Body>| {
             req.headers()
                 .get("x-units")
@@ -286,14 +288,17 @@ async fn cost_above_capacity_is_413_without_a_store_call() {
     assert_eq!(store.calls(), 0);
     let res = app.clone().oneshot(req("10")).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
-    assert_eq!(header(&res, "ratelimit"), Some(r#""10-per-1min";r=0;t=60"#));
+    assert_eq!(
+        header(&res, "ratelimit"),
+        Some(r#""10-per-1min@units";r=0;t=60"#)
+    );
     let res = app.oneshot(req("1")).await.unwrap();
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(store.calls(), 2);
 }
 
 #[tokio::test]
-async fn no_key_is_refused_with_what_is_missing() {
+async fn a_request_without_the_key_header_is_a_client_error_that_says_what_is_missing() {
     let clock = clock();
     let layer = RateLimitLayer::builder(mem(&clock), HeaderKey::new("x-api-key"))
         .rules("1/min")
@@ -307,12 +312,12 @@ async fn no_key_is_refused_with_what_is_missing() {
             .oneshot(Request::get("/").body(Body::empty()).unwrap())
             .await
             .unwrap();
-        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST);
         assert!(res.headers().get("ratelimit").is_none());
         let body = res.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(
             body,
-            "rate limiting is misconfigured: the request has no `x-api-key` header to key the rate limit by\n"
+            "the request cannot be rate limited: the request has no `x-api-key` header\n"
         );
     }
     let keyed = || {
@@ -329,6 +334,70 @@ async fn no_key_is_refused_with_what_is_missing() {
         app.oneshot(keyed()).await.unwrap().status(),
         StatusCode::TOO_MANY_REQUESTS
     );
+}
+
+#[tokio::test]
+async fn the_status_for_an_omitted_key_is_configurable_and_a_client_error() {
+    let clock = clock();
+    let build = |status| {
+        RateLimitLayer::builder(mem(&clock), HeaderKey::new("x-api-key"))
+            .rules("1/min")
+            .unwrap()
+            .omitted_key_status(status)
+            .build()
+    };
+    let app = app(build(StatusCode::UNAUTHORIZED).unwrap());
+    let res = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    let err = build(StatusCode::INTERNAL_SERVER_ERROR).unwrap_err();
+    assert!(err.to_string().contains("client error (4xx)"), "{err}");
+}
+
+#[tokio::test]
+async fn a_key_header_falls_back_to_the_peer_address() {
+    let clock = clock();
+    let layer = RateLimitLayer::new(
+        mem(&clock),
+        HeaderKey::new("x-api-key").or(PeerIp::new()),
+        "2/min".parse().unwrap(),
+    );
+    let app = app(layer);
+    let with_key = |key: &str| {
+        let mut req = get_from("/", "192.0.2.1");
+        req.headers_mut().insert("x-api-key", key.parse().unwrap());
+        req
+    };
+    let status = |req: Request<Body>| {
+        let app = app.clone();
+        async move { app.oneshot(req).await.unwrap().status() }
+    };
+    // Anonymous requests from one address share its budget.
+    assert_eq!(status(get_from("/", "192.0.2.1")).await, StatusCode::OK);
+    assert_eq!(status(get_from("/", "192.0.2.1")).await, StatusCode::OK);
+    assert_eq!(
+        status(get_from("/", "192.0.2.1")).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // A key has a budget of its own, from the same address too, even a key that spells
+    // the address.
+    for key in ["k1", "192.0.2.1"] {
+        assert_eq!(status(with_key(key)).await, StatusCode::OK, "{key}");
+        assert_eq!(status(with_key(key)).await, StatusCode::OK, "{key}");
+        assert_eq!(
+            status(with_key(key)).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{key}"
+        );
+    }
+    // Neither a key nor a peer address: the server's configuration, still a 500.
+    let res = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
 }
 
 #[tokio::test]
@@ -567,6 +636,7 @@ async fn deny_cache_expires_with_the_retry_time() {
     let layer = RateLimitLayer::builder(store.clone(), GlobalKey)
         .rules("1/2s fixed-window")
         .unwrap()
+        .namespace("cache")
         .deny_cache(DenyCacheConfig::default().max_keys(100))
         .build()
         .unwrap();
@@ -583,7 +653,10 @@ async fn deny_cache_expires_with_the_retry_time() {
     assert_eq!(cached.status(), StatusCode::TOO_MANY_REQUESTS);
     // The cached answer counts down like the store's would.
     assert_eq!(header(&cached, "retry-after"), Some("1"));
-    assert_eq!(header(&cached, "ratelimit"), Some(r#""1-per-2s";r=0;t=1"#));
+    assert_eq!(
+        header(&cached, "ratelimit"),
+        Some(r#""1-per-2s@cache";r=0;t=1"#)
+    );
     assert_eq!(store.calls(), 2);
     clock.advance(Duration::from_millis(500));
     assert_eq!(app.oneshot(req()).await.unwrap().status(), StatusCode::OK);
@@ -597,6 +670,7 @@ async fn layers_stack_per_route() {
     let global = RateLimitLayer::builder(store.clone(), PeerIp::new())
         .rules("3/min fixed-window")
         .unwrap()
+        .namespace("global")
         .build()
         .unwrap();
     let login = RateLimitLayer::builder(store, PeerIp::new())
@@ -617,7 +691,7 @@ async fn layers_stack_per_route() {
     let policies: Vec<_> = ok.headers().get_all("ratelimit-policy").iter().collect();
     assert_eq!(
         policies,
-        [r#""login";q=1;w=60"#, r#""3-per-1min";q=3;w=60"#]
+        [r#""login";q=1;w=60"#, r#""3-per-1min@global";q=3;w=60"#]
     );
     let denied = app
         .clone()
@@ -632,7 +706,7 @@ async fn layers_stack_per_route() {
             .get_all("ratelimit")
             .iter()
             .collect::<Vec<_>>(),
-        [r#""login";r=0;t=60"#, r#""3-per-1min";r=1;t=60"#]
+        [r#""login";r=0;t=60"#, r#""3-per-1min@global";r=1;t=60"#]
     );
     assert_eq!(
         app.clone()

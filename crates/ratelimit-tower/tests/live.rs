@@ -44,9 +44,9 @@ where
     ))
 }
 
-async fn send<S>(svc: &mut S, req: Request<Body>) -> Response<Body>
+async fn send<S, B>(svc: &mut S, req: Request<Body>) -> Response<B>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible>,
 {
     svc.ready().await.unwrap().call(req).await.unwrap()
 }
@@ -55,7 +55,7 @@ fn get() -> Request<Body> {
     Request::get("/").body(Body::empty()).unwrap()
 }
 
-fn field<'r>(res: &'r Response<Body>, name: &str) -> &'r str {
+fn field<'r, B>(res: &'r Response<B>, name: &str) -> &'r str {
     res.headers()[name].to_str().unwrap()
 }
 
@@ -82,6 +82,51 @@ async fn a_replacement_reaches_every_clone_and_service_already_made() {
         r#""b";q=5;w=60"#,
         "the policy field follows the new rules"
     );
+}
+
+#[tokio::test]
+async fn a_changed_limit_keeps_what_the_client_used() {
+    let clock = ManualClock::new(T0);
+    let layer = RateLimitLayer::new(mem(&clock), GlobalKey, rules("5/h fixed-window"));
+    let mut svc = svc(&layer);
+    assert_eq!(admitted(&mut svc, 3).await, 3);
+
+    layer
+        .limits()
+        .replace(Limits::new(rules("10/h fixed-window")))
+        .unwrap();
+    assert_eq!(admitted(&mut svc, 10).await, 7, "3 of 10 already used");
+
+    layer
+        .limits()
+        .replace(Limits::new(rules("3/h fixed-window")))
+        .unwrap();
+    assert_eq!(admitted(&mut svc, 1).await, 0, "10 used, more than 3");
+
+    // A new rule starts empty beside the one that carries.
+    layer
+        .limits()
+        .replace(Limits::new(rules("20/h fixed-window; 2/min")))
+        .unwrap();
+    assert_eq!(
+        admitted(&mut svc, 5).await,
+        2,
+        "10 of 20 used; 2/min is new"
+    );
+}
+
+/// How many of `n` requests `svc` admits.
+async fn admitted<S, B>(svc: &mut S, n: usize) -> usize
+where
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible>,
+{
+    let mut ok = 0;
+    for _ in 0..n {
+        if send(svc, get()).await.status() == StatusCode::OK {
+            ok += 1;
+        }
+    }
+    ok
 }
 
 #[tokio::test]
@@ -152,13 +197,16 @@ async fn tiers_come_and_go_with_the_limits() {
 #[tokio::test]
 async fn a_denial_cached_under_old_limits_does_not_answer_under_new_ones() {
     let clock = ManualClock::new(T0);
-    let layer = RateLimitLayer::new(mem(&clock), GlobalKey, rules("1/h"));
+    let layer = RateLimitLayer::new(mem(&clock), GlobalKey, rules("1/h fixed-window"));
     let mut svc = svc(&layer);
     assert_eq!(send(&mut svc, get()).await.status(), StatusCode::OK);
     let denied = send(&mut svc, get()).await;
     assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
 
-    layer.limits().replace(Limits::new(rules("100/h"))).unwrap();
+    layer
+        .limits()
+        .replace(Limits::new(rules("100/h fixed-window")))
+        .unwrap();
     let res = send(&mut svc, get()).await;
     assert_eq!(
         res.status(),

@@ -32,6 +32,7 @@ impl Write for Captured {
 /// Runs `f` with a subscriber that keeps the events up to `level`; returns `f`'s result
 /// and what the subscriber wrote.
 fn with_log<R>(level: tracing::Level, f: impl FnOnce() -> R) -> (R, String) {
+    let _turn = one_at_a_time();
     let out = Captured::default();
     let writer = out.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -42,6 +43,15 @@ fn with_log<R>(level: tracing::Level, f: impl FnOnce() -> R) -> (R, String) {
     let result = tracing::subscriber::with_default(subscriber, f);
     let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
     (result, log)
+}
+
+/// The tests of this file that send requests take turns: `tracing` keeps one maximum
+/// level and one interest per callsite for the whole process, computed from the
+/// subscribers alive when a callsite is first hit, so a request sent on another thread
+/// (with no subscriber, or one at another level) can hide the events a test looks for.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn run<F: Future>(f: F) -> F::Output {
@@ -87,8 +97,11 @@ fn each_failure_policy_is_visible_in_tracing() {
 #[test]
 fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
     use ratelimit_core::{ManualClock, MemoryStore};
-    use ratelimit_tower::HeaderKey;
 
+    #[derive(Clone)]
+    struct User(String);
+    // Set by an authentication layer that, misplaced, runs after the limiter.
+    let by_user = |req: &Request<Body>| req.extensions().get::<User>().map(|u| u.0.clone());
     let clock = ManualClock::new(1_700_000_000_000_000);
     let store = MemoryStore::builder().clock(clock.clone()).build();
     let ((), log) = with_log(tracing::Level::ERROR, || {
@@ -96,7 +109,7 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
             .route("/", get(|| async { "ok" }))
             .layer(RateLimitLayer::new(
                 store,
-                HeaderKey::new("x-api-key"),
+                by_user,
                 "5/min".parse().unwrap(),
             ));
         let send = |n: usize| {
@@ -118,7 +131,7 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
         lines[0].contains("ERROR") && lines[0].contains("requests=1"),
         "{log}"
     );
-    assert!(lines[0].contains("x-api-key"), "{log}");
+    assert!(lines[0].contains("closure answered `None`"), "{log}");
     assert!(lines[1].contains("requests=100"), "{log}");
 }
 
@@ -144,6 +157,68 @@ fn an_unnamed_layer_on_a_shared_store_warns_once_at_build() {
     assert_eq!(log, "", "a named layer");
     let (_, log) = with_log(tracing::Level::WARN, || build(false, None));
     assert_eq!(log, "", "a store of this process alone");
+}
+
+#[test]
+fn client_keys_appear_in_logs_above_trace_only_as_a_digest() {
+    use ratelimit_core::{ManualClock, MemoryStore};
+    use ratelimit_tower::key::log_digest;
+    use ratelimit_tower::HeaderKey;
+
+    const SECRET: &str = "k-secret-4711";
+    let send = |app: &Router, n: usize| {
+        for _ in 0..n {
+            let req = Request::get("/")
+                .header("x-api-key", SECRET)
+                .body(Body::empty())
+                .unwrap();
+            run(app.clone().oneshot(req)).unwrap();
+        }
+    };
+    let app = |store| {
+        Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::builder(store, HeaderKey::new("x-api-key"))
+                .rules("1/min")
+                .unwrap()
+                .without_deny_cache()
+                .build()
+                .unwrap(),
+        )
+    };
+    let digest = log_digest(SECRET.as_bytes()).to_string();
+    // Refused (DEBUG) and, through a store that fails, reported (WARN).
+    let ((), log) = with_log(tracing::Level::DEBUG, || {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(1_700_000_000_000_000))
+            .build();
+        send(&app(store), 3);
+    });
+    assert!(log.contains("refusing request"), "{log}");
+    assert!(log.contains(&digest), "{log}");
+    assert!(!log.contains(SECRET), "{log}");
+    let ((), log) = with_log(tracing::Level::DEBUG, || {
+        let layer = RateLimitLayer::builder(Down::default(), HeaderKey::new("x-api-key"))
+            .rules("1/min")
+            .unwrap()
+            .build()
+            .unwrap();
+        send(
+            &Router::new()
+                .route("/", get(|| async { "ok" }))
+                .layer(layer),
+            1,
+        );
+    });
+    assert!(log.contains("WARN") && log.contains(&digest), "{log}");
+    assert!(!log.contains(SECRET), "{log}");
+    // TRACE shows the key itself, for debugging a single client.
+    let ((), log) = with_log(tracing::Level::TRACE, || {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(1_700_000_000_000_000))
+            .build();
+        send(&app(store), 1);
+    });
+    assert!(log.contains(SECRET), "{log}");
 }
 
 #[test]
@@ -238,27 +313,33 @@ mod counters {
     }
 
     #[test]
-    fn counters_labelled_by_rule() {
+    fn counters_labelled_by_layer_tier_and_rule() {
+        let _turn = super::one_at_a_time();
         let counters = Counters::default();
         let store = Arc::new(MemoryStore::new());
-        let (app, down, layer) = metrics::with_local_recorder(&counters, || {
-            let layer = RateLimitLayer::builder(store.clone(), |req: &Request<Body>| {
-                req.headers().get("x-key").map(|v| v.as_bytes().to_vec())
-            })
-            .rules("2/min fixed-window name=minute; 10/h fixed-window name=hour")
-            .unwrap()
-            .build()
-            .unwrap();
+        let by_header =
+            |req: &Request<Body>| req.headers().get("x-key").map(|v| v.as_bytes().to_vec());
+        let (app, twin, down, layer) = metrics::with_local_recorder(&counters, || {
+            let build = |namespace: &str| {
+                RateLimitLayer::builder(store.clone(), by_header)
+                    .rules("2/min fixed-window name=minute; 10/h fixed-window name=hour")
+                    .unwrap()
+                    .namespace(namespace)
+                    .build()
+                    .unwrap()
+            };
+            let layer = build("api");
             let down = RateLimitLayer::builder(Down::default(), GlobalKey)
                 .rules("2/min name=other")
                 .unwrap()
+                .namespace("down")
                 .build()
                 .unwrap();
+            let route = || Router::new().route("/", get(|| async { "ok" }));
             (
-                Router::new()
-                    .route("/", get(|| async { "ok" }))
-                    .layer(layer.clone()),
-                Router::new().route("/", get(|| async { "ok" })).layer(down),
+                route().layer(layer.clone()),
+                route().layer(build("api2")),
+                route().layer(down),
                 layer,
             )
         });
@@ -274,21 +355,25 @@ mod counters {
                 app.clone().oneshot(req("a")).await.unwrap();
             }
             app.clone().oneshot(req("blocked")).await.unwrap();
+            // The same rule names on another layer count apart.
+            twin.oneshot(req("a")).await.unwrap();
             down.oneshot(Request::get("/").body(Body::empty()).unwrap())
                 .await
                 .unwrap();
         });
-        assert_eq!(counters.get("ratelimit_admitted_total{rule=minute}"), 2);
-        assert_eq!(counters.get("ratelimit_admitted_total{rule=hour}"), 2);
-        // Only the rule that denied is counted as limiting (three denials, one cached).
-        assert_eq!(counters.get("ratelimit_limited_total{rule=minute}"), 3);
-        assert_eq!(counters.get("ratelimit_limited_total{rule=hour}"), 0);
+        let api = |name: &str, rule: &str| format!("{name}{{layer=api,tier=,rule={rule}}}");
+        assert_eq!(counters.get(&api("ratelimit_admitted_total", "minute")), 2);
+        assert_eq!(counters.get(&api("ratelimit_admitted_total", "hour")), 2);
         assert_eq!(
-            counters.get("ratelimit_blocked_total{rules=minute,hour}"),
+            counters.get("ratelimit_admitted_total{layer=api2,tier=,rule=minute}"),
             1
         );
+        // Only the rule that denied is counted as limiting (three denials, one cached).
+        assert_eq!(counters.get(&api("ratelimit_limited_total", "minute")), 3);
+        assert_eq!(counters.get(&api("ratelimit_limited_total", "hour")), 0);
+        assert_eq!(counters.get("ratelimit_blocked_total{layer=api,tier=}"), 1);
         assert_eq!(
-            counters.get("ratelimit_store_errors_total{rules=other,policy=fail_open}"),
+            counters.get("ratelimit_store_errors_total{layer=down,tier=,policy=fail_open}"),
             1
         );
     }

@@ -75,3 +75,25 @@ pub(super) fn expires_at(state: &RuleState) -> u64 {
         _ => 0,
     }
 }
+
+/// The state of a rule of the same algorithm and period changed from `old` to `rule`, at
+/// `now` (GCRA, or either leaky bucket mode): `Fresh` once the TAT has passed; else the
+/// TAT, a point in time whatever the rate, rounded up to a whole microsecond when the
+/// limit (the unit of its fraction) changed. A TAT further ahead than the new capacity
+/// is kept: the new rule denies until it is within it, as a window whose count is above
+/// a lowered limit does.
+pub(super) fn carry(old: &Rule, rule: &Rule, state: &RuleState, now: u64) -> RuleState {
+    let RuleState::Tat { us, frac } = *state else {
+        return RuleState::Fresh;
+    };
+    if !(us > now || (us == now && frac > 0)) {
+        return RuleState::Fresh;
+    }
+    if old.limit() != rule.limit() && frac > 0 {
+        return RuleState::Tat {
+            us: us + 1,
+            frac: 0,
+        };
+    }
+    RuleState::Tat { us, frac }
+}

@@ -14,6 +14,42 @@
 //! Divisions by a rule's limit, period or sub-window go through multipliers computed when
 //! the rule is built; they give exactly the quotients a division gives.
 //!
+//! # Changing rules
+//!
+//! A key's state is named by the key alone; inside it each rule's state is named by the
+//! rule's identity ([`RuleSet::rule_ids`]: its name, else its algorithm and period).
+//! When a key's state was last written under another rule set, [`carry`] gives the
+//! states the new rules start from, at the first check under them:
+//!
+//! * a rule of a new identity (a new rule, a new algorithm, a new period, a new
+//!   sliding window precision) starts empty, and the state of a rule that is gone is
+//!   dropped when the check commits (a denied check or a peek writes nothing, so the
+//!   state stays as it was);
+//! * fixed window and sliding window counter: the counts carry as they are, so a client
+//!   who spent 3 of `5/h` has 7 left under `10/h` and none under `3/h`;
+//! * token bucket: the tokens as of the last check, clamped to the new capacity and
+//!   refilled from then on at the new rate (a raised capacity fills by refilling); a
+//!   bucket the old rule has refilled completely by now starts full;
+//! * GCRA and leaky bucket (meter and shaper alike: the mode is a limit, the level is
+//!   the same): the theoretical arrival time, which is a point in time whatever the rate
+//!   (rounded up to a whole microsecond when the limit changed: its fraction counts in
+//!   1/limit µs). What is owed carries, so a raised burst gives room at once (3 spent of
+//!   a burst of 5 leave 7 of a burst of 10), and a TAT further ahead than a lowered
+//!   capacity is not cut back: the new rule denies until it has drained within it, as a
+//!   window denies until its count is under a lowered limit. Cutting it back would be a
+//!   write on a check that consumes nothing, and a retry time the next check would not
+//!   keep;
+//! * sliding log: one log of admitted timestamps per key, shared by every sliding-log
+//!   rule, carries as it stands (a timestamp means the same under any limit or period) as
+//!   long as some sliding-log rule wrote it and its longest sliding-log period has not
+//!   run out since; it holds at most the largest sliding-log limit of the rules that
+//!   wrote it. It is dropped when a rule set without a sliding log commits.
+//!
+//! A state written under the same rule set is used as it is: [`carry`] under unchanged
+//! rules decides exactly as the state it was given. Carrying writes nothing by itself,
+//! and what it gives depends on the time only through states that expire, so until a
+//! check under the new rules commits, each check carries the same state again.
+//!
 //! ```
 //! use ratelimit_core::algo::{decide, RuleState};
 //! use ratelimit_core::RuleSet;
@@ -135,6 +171,48 @@ pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) ->
         return decide_one(rule, state, rules.log_limit(), now, cost);
     }
     decide_many(rules, states, now, cost)
+}
+
+/// The states the rules of `to` start from at `now`, for a key whose `states` were written
+/// under `from`: each rule's state by its identity, carried as the [module
+/// docs](self#changing-rules) say; a rule without one starts `Fresh`. `states` is left
+/// as it is: a store replaces it with the result only when the check commits.
+pub fn carry(
+    from: &RuleSet,
+    states: &[RuleState],
+    to: &RuleSet,
+    now: u64,
+) -> SmallVec<[RuleState; 1]> {
+    debug_assert_eq!(states.len(), from.len());
+    let log = shared_log(states).filter(|log| {
+        log.front()
+            .is_some_and(|newest| newest.saturating_add(from.log_period_us()) > now)
+    });
+    let mut log = log.map(|log| RuleState::Log(Box::new(log.clone())));
+    let mut out = SmallVec::with_capacity(to.len());
+    for (rule, id) in to.rules().iter().zip(to.rule_ids()) {
+        if rule.algorithm() == Algorithm::SlidingLog {
+            // The shared log, in the first sliding-log rule's slot.
+            out.push(log.take().unwrap_or_default());
+            continue;
+        }
+        let Some(at) = from.rule_ids().iter().position(|i| i == id) else {
+            out.push(RuleState::Fresh);
+            continue;
+        };
+        let (old, state) = (&from.rules()[at], &states[at]);
+        out.push(match old.algorithm() {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => state.clone(),
+            Algorithm::TokenBucket { capacity } => {
+                token_bucket::carry(old, capacity, rule, state, now)
+            }
+            Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
+                gcra::carry(old, rule, state, now)
+            }
+            Algorithm::SlidingLog => unreachable!("identities keep the algorithm"),
+        });
+    }
+    out
 }
 
 /// [`decide`] for several rules, all or nothing.

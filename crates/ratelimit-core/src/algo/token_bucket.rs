@@ -65,3 +65,27 @@ pub(super) fn expires_at(rule: &Rule, capacity: u64, state: &RuleState) -> u64 {
     let full = capacity * rule.period_us();
     last + rule.limit_div().div_ceil(full - level.min(full))
 }
+
+/// The state of a bucket of the same period whose rule changed from `old` to `rule`, at
+/// `now`: `Fresh` when the old rule has refilled the bucket by now; else the tokens as of
+/// the last check, at most the new capacity, refilled from then on at the new rate. It
+/// does not depend on `now` until the old bucket is full, so a check that writes nothing
+/// (a denial, a peek) leaves nothing to write: the next one carries the same state.
+pub(super) fn carry(
+    old: &Rule,
+    old_capacity: u64,
+    rule: &Rule,
+    state: &RuleState,
+    now: u64,
+) -> RuleState {
+    let RuleState::Tokens { level, last } = *state else {
+        return RuleState::Fresh;
+    };
+    if level_at(old, old_capacity, state, now) >= old_capacity * old.period_us() {
+        return RuleState::Fresh;
+    }
+    RuleState::Tokens {
+        level: level.min(rule.capacity() * rule.period_us()),
+        last,
+    }
+}

@@ -333,12 +333,54 @@ impl Rule {
     }
 }
 
+/// Rule identities and layout fingerprints are kept below 2^52, so that Lua's doubles
+/// hold them exactly.
+const ID_MASK: u64 = (1 << 52) - 1;
+
+impl Rule {
+    /// What the rule's state is made of: the algorithm without its limits, and the period.
+    /// Two rules of one class keep state of the same meaning; a leaky bucket's mode is a
+    /// limit (both modes keep the same level), a sliding window's precision is not (it
+    /// cuts the period into other sub-windows).
+    fn state_class(&self) -> String {
+        let kind = match self.algorithm {
+            Algorithm::FixedWindow => "fixed-window".to_owned(),
+            Algorithm::SlidingWindow { precision } => format!("sliding-window/{precision}"),
+            Algorithm::SlidingLog => "sliding-log".to_owned(),
+            Algorithm::TokenBucket { .. } => "token-bucket".to_owned(),
+            Algorithm::LeakyBucket(_) => "leaky-bucket".to_owned(),
+            Algorithm::Gcra { .. } => "gcra".to_owned(),
+        };
+        format!("{kind}/{}us", self.period_us)
+    }
+}
+
+/// The identity of each rule's state; see [`RuleSet::rule_ids`].
+fn rule_ids(rules: &[Rule]) -> Box<[u64]> {
+    let mut seen: Vec<String> = Vec::with_capacity(rules.len());
+    rules
+        .iter()
+        .map(|rule| {
+            let base = match &rule.name {
+                Some(name) => format!("name={name};{}", rule.state_class()),
+                None => rule.state_class(),
+            };
+            let ordinal = seen.iter().filter(|s| **s == base).count();
+            let id = fnv1a(format!("{base}#{ordinal}").as_bytes()) & ID_MASK;
+            seen.push(base);
+            // 0 names no rule: a store may use it for state shared by the whole set.
+            id.max(1)
+        })
+        .collect()
+}
+
 /// The rules checked together on one key: a request is admitted only if every rule admits
 /// it, and a denied request consumes nothing.
 ///
-/// A key's state belongs to the pair (key, rule set): two layers with different rule sets
-/// keep separate counts for the same client, two routes sharing one rule set share one
-/// budget. Cheap to clone.
+/// A key's state belongs to the key; inside it, each rule's state belongs to the rule's
+/// identity ([`RuleSet::rule_ids`]), so a rule set that replaces another on the same key
+/// carries each client's usage over rule by rule (see [`algo`](crate::algo#changing-rules)
+/// for what carries). Cheap to clone.
 ///
 /// ```
 /// use ratelimit_core::RuleSet;
@@ -358,6 +400,7 @@ struct RuleSetInner {
     rules: Box<[Rule]>,
     id: String,
     fingerprint: u64,
+    rule_ids: Box<[u64]>,
     log_limit: u64,
     log_period_us: u64,
     /// The smallest capacity over the rules: the largest cost every rule can grant.
@@ -400,6 +443,7 @@ impl RuleSet {
         let max_cost = rules.iter().map(Rule::capacity).min().unwrap_or(0);
         Ok(Self {
             inner: Arc::new(RuleSetInner {
+                rule_ids: rule_ids(&rules),
                 rules,
                 id,
                 fingerprint,
@@ -433,7 +477,7 @@ impl RuleSet {
         false
     }
 
-    /// The canonical text of the whole set; identifies its state in a store.
+    /// The canonical text of the whole set; two sets of one text are the same set.
     pub fn id(&self) -> &str {
         &self.inner.id
     }
@@ -442,6 +486,39 @@ impl RuleSet {
     #[inline]
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
+    }
+
+    /// Whether `other` is this rule set (the same one, or one with the same text).
+    #[inline]
+    pub fn same_as(&self, other: &RuleSet) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+            || (self.inner.fingerprint == other.inner.fingerprint && self == other)
+    }
+
+    /// The identity of each rule's state, in rule order: what a store names a rule's
+    /// state by inside a key's state, so that a rule keeps its state when the rules
+    /// around it change.
+    ///
+    /// A rule is identified by its name when it has one, else by its algorithm and
+    /// period (the sliding window counter's precision included; a leaky bucket's mode
+    /// not), the position among the rules of the set with the same name or algorithm and
+    /// period breaking ties; limits, capacities and bursts are not part of it. Each
+    /// identity is a 52-bit FNV-1a hash of that text, never 0, stable across versions
+    /// and processes. Two rules of one identity always share algorithm and period, so
+    /// their state means the same thing; how it carries is in
+    /// [`algo`](crate::algo#changing-rules).
+    ///
+    /// ```
+    /// use ratelimit_core::RuleSet;
+    ///
+    /// let before: RuleSet = "5/h fixed-window; 1/s gcra burst=2 name=api".parse().unwrap();
+    /// let after: RuleSet = "10/s gcra burst=20 name=api; 10/h fixed-window".parse().unwrap();
+    /// assert_eq!(before.rule_ids()[0], after.rule_ids()[1]);
+    /// assert_eq!(before.rule_ids()[1], after.rule_ids()[0]);
+    /// ```
+    #[inline]
+    pub fn rule_ids(&self) -> &[u64] {
+        &self.inner.rule_ids
     }
 
     /// Entries the shared sliding log keeps (the largest sliding-log limit), 0 if none.

@@ -8,8 +8,11 @@ use http::Request;
 use super::{Extraction, Key, KeyExtractor};
 
 /// Keys requests by the value of a header, such as an API key. A request without the
-/// header (or with an empty one) is "no key found" ([`Extraction::Missing`]): refused by
-/// default, see [`MissingKey`](crate::MissingKey).
+/// header (or with an empty one) is the client's omission ([`Extraction::Omitted`]):
+/// answered 400 by default (see
+/// [`omitted_key_status`](crate::RateLimitLayerBuilder::omitted_key_status)), or keyed
+/// another way with [`or`](super::KeyExtractorExt::or), e.g.
+/// `HeaderKey::new("x-api-key").or(PeerIp::new())`.
 ///
 /// ```
 /// use axum::body::Body;
@@ -19,7 +22,7 @@ use super::{Extraction, Key, KeyExtractor};
 /// let key = HeaderKey::new("x-api-key");
 /// let req = Request::builder().header("x-api-key", "k-123").body(Body::empty()).unwrap();
 /// assert_eq!(key.extract(&req), Extraction::Key("k-123".into()));
-/// assert!(matches!(key.extract(&Request::new(Body::empty())), Extraction::Missing(_)));
+/// assert!(matches!(key.extract(&Request::new(Body::empty())), Extraction::Omitted(_)));
 /// ```
 #[derive(Debug, Clone)]
 pub struct HeaderKey {
@@ -40,7 +43,7 @@ impl HeaderKey {
 
     /// Keys by the header `name`.
     pub fn from_name(name: HeaderName) -> Self {
-        let missing = format!("the request has no `{name}` header to key the rate limit by");
+        let missing = format!("the request has no `{name}` header");
         Self {
             name,
             missing: Cow::Owned(missing),
@@ -54,7 +57,7 @@ impl<B> KeyExtractor<B> for HeaderKey {
     fn extract(&self, req: &Request<B>) -> Extraction<Key> {
         match req.headers().get(&self.name).map(|v| v.as_bytes()) {
             Some(value) if !value.is_empty() => Extraction::Key(value.into()),
-            _ => Extraction::Missing(self.missing.clone()),
+            _ => Extraction::Omitted(self.missing.clone()),
         }
     }
 }

@@ -239,10 +239,12 @@ fn parse_net(text: &str) -> Option<IpNet> {
 
 const NO_PEER: &str =
     "rate limiting by IP, but the request carries no peer address; serve the app with \
-     `into_make_service_with_connect_info::<SocketAddr>()` (axum) or insert the peer's \
-     `SocketAddr` into the request extensions";
+     `into_make_service_with_connect_info::<SocketAddr>()` (axum), enable the `tonic` \
+     feature of ratelimit-tower (tonic servers), or insert the peer's `SocketAddr` into \
+     the request extensions";
 
-/// The peer address of `req`: axum's `ConnectInfo<SocketAddr>`, or a bare `SocketAddr`.
+/// The peer address of `req`: axum's `ConnectInfo<SocketAddr>`, tonic's
+/// `TcpConnectInfo`, or a bare `SocketAddr`.
 pub(crate) fn peer_ip<B>(req: &Request<B>) -> Option<IpAddr> {
     #[cfg(feature = "axum")]
     if let Some(info) = req
@@ -251,6 +253,14 @@ pub(crate) fn peer_ip<B>(req: &Request<B>) -> Option<IpAddr> {
     {
         return Some(info.0.ip());
     }
+    #[cfg(feature = "tonic")]
+    if let Some(addr) = req
+        .extensions()
+        .get::<tonic::transport::server::TcpConnectInfo>()
+        .and_then(tonic::transport::server::TcpConnectInfo::remote_addr)
+    {
+        return Some(addr.ip());
+    }
     req.extensions().get::<SocketAddr>().map(SocketAddr::ip)
 }
 
@@ -258,8 +268,9 @@ pub(crate) fn peer_ip<B>(req: &Request<B>) -> Option<IpAddr> {
 /// by /64.
 ///
 /// With axum, serve the router with
-/// `into_make_service_with_connect_info::<SocketAddr>()`; other servers insert the peer's
-/// `SocketAddr` into the request extensions. A request with neither is "no key found"
+/// `into_make_service_with_connect_info::<SocketAddr>()`; with tonic, enable this crate's
+/// `tonic` feature (the peer is read from tonic's `TcpConnectInfo`); other servers insert
+/// the peer's `SocketAddr` into the request extensions. A request with none of these is "no key found"
 /// ([`Extraction::Missing`]): refused with a 500 that says so unless the layer's
 /// [`MissingKey`](crate::MissingKey) policy says otherwise. Behind a reverse proxy every
 /// client has the proxy's address: use [`ClientIp`](super::ClientIp) there.

@@ -2,9 +2,14 @@
 //! ([`Extraction`]: a key, a deliberate exemption, or no key found), and ready-made
 //! extractors (peer IP, client IP behind trusted proxies, a header value, one global key).
 //!
-//! A request is always limited, exempt, or refused. "No key found" (a missing peer
-//! address, header or extension) is a misconfiguration, not an exemption: the layer
-//! follows its [`MissingKey`](crate::MissingKey) policy, which refuses by default.
+//! A request is always limited, exempt, or refused. A request without what the client
+//! should send (a header) is the client's mistake: refused with 400 by default, or keyed
+//! another way with [`or`](KeyExtractorExt::or). A request without what the server should
+//! provide (a peer address, an extension an authentication layer sets) is a
+//! misconfiguration: the layer follows its [`MissingKey`](crate::MissingKey) policy,
+//! which refuses with 500 by default.
+//!
+//! Logs above `TRACE` never show a client key, only its [`log_digest`].
 
 use std::borrow::Cow;
 use std::fmt::{self, Write as _};
@@ -13,13 +18,13 @@ use http::Request;
 use smallvec::SmallVec;
 
 mod client_ip;
-mod exempt;
+mod combinators;
 mod forwarded;
 mod header;
 mod ip;
 
 pub use client_ip::{ClientIp, ForwardedHeader};
-pub use exempt::{ExemptIf, KeyExtractorExt};
+pub use combinators::{ExemptIf, KeyExtractorExt, Or};
 pub use header::{GlobalKey, HeaderKey};
 pub use ip::{KeyConfigError, PeerIp};
 
@@ -31,9 +36,14 @@ pub enum Extraction<K> {
     /// Deliberately not limited (an allow-listed network, a health check): passes without
     /// a store call and without rate-limit fields.
     Exempt,
-    /// The key should be there and is not: a misconfiguration (the app is served without
-    /// peer addresses, a header is missing, an authentication layer runs after this one).
-    /// The text says what is missing; it goes into the log and the 500 body.
+    /// The client left out what the key is made of (a header): the client's mistake,
+    /// answered with a client error (400 by default, see
+    /// [`omitted_key_status`](crate::RateLimitLayerBuilder::omitted_key_status)). The text
+    /// says what is missing; it goes into the response body.
+    Omitted(Cow<'static, str>),
+    /// The server did not provide what the key is made of: a misconfiguration (the app is
+    /// served without peer addresses, an authentication layer runs after this one). The
+    /// text says what is missing; it goes into the log and the 500 body.
     Missing(Cow<'static, str>),
 }
 
@@ -168,6 +178,36 @@ impl fmt::Display for Key {
 impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Key({:?})", KeyDisplay(&self.0).to_string())
+    }
+}
+
+/// What the layer's logs above `TRACE` show for the client key `client` (as the key
+/// extractor gives it): `#` and 8 hex digits of its digest. The same key gives the same
+/// text in every process, so an operator who knows a client's key can find its lines.
+///
+/// ```
+/// use ratelimit_tower::key::log_digest;
+///
+/// let shown = log_digest(b"k-secret-123").to_string();
+/// assert_eq!(shown.len(), 9);
+/// assert!(!shown.contains("secret"));
+/// ```
+pub fn log_digest(client: &[u8]) -> impl fmt::Display + '_ {
+    KeyDigest(client)
+}
+
+/// A client key in logs above `TRACE`: a short digest, computed only when the event is
+/// recorded.
+pub(crate) struct KeyDigest<'a>(pub(crate) &'a [u8]);
+
+impl fmt::Display for KeyDigest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let digest = ratelimit_core::key::digest(self.0);
+        f.write_char('#')?;
+        for b in &digest[..4] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
     }
 }
 

@@ -10,8 +10,8 @@ use ratelimit_core::{Decision, Outcome, Store};
 use super::state::Limiter;
 use super::verdict::{Begin, Pass, Verdict};
 use crate::cost::RequestCost;
-use crate::headers::{ratelimit_value, ratelimit_value_of, Fields};
-use crate::key::{Extraction, KeyDisplay, KeyExtractor};
+use crate::headers::Fields;
+use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
 use crate::limits::Version;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
@@ -29,6 +29,7 @@ const SHADOW_BLOCKED: &str = "blocked";
 const SHADOW_DELAYED: &str = "delayed";
 const SHADOW_COST: &str = "cost-exceeded";
 const SHADOW_STORE: &str = "store-unavailable";
+const SHADOW_OMITTED: &str = "key-omitted";
 const SHADOW_MISSING: &str = "missing-key";
 const SHADOW_TIER: &str = "unknown-tier";
 
@@ -88,6 +89,7 @@ where
                 tracing::trace!("rate limit: exempt request");
                 return Err(Verdict::UNCHECKED);
             }
+            Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
         };
         let tier_index = self.select_tier(version, req)?;
@@ -116,7 +118,7 @@ where
         let tier = &version.tiers[check.tier];
         let span = tracing::debug_span!(
             "ratelimit_check",
-            key = %KeyDisplay(tier.client_key(&check.key)),
+            key = %KeyDigest(tier.client_key(&check.key)),
             cost = check.cost
         );
         let future = async move {
@@ -154,10 +156,11 @@ where
             .deny_cache
             .as_ref()?
             .get(key, tier.generation, cost, || self.store.now_us())?;
-        tracing::trace!(key = %KeyDisplay(tier.client_key(key)), "rate limit: denied from the local deny cache");
+        let client = tier.client_key(key);
+        tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: denied from the local deny cache");
         #[cfg(feature = "metrics")]
         tier.metrics.decision(&hit.decision);
-        let ratelimit = ratelimit_value_of(hit.decision.rules(), &tier.names, hit.elapsed);
+        let ratelimit = tier.policy.ratelimit_of(hit.decision.rules(), hit.elapsed);
         Some(self.denial(tier, key, hit.decision, hit.retry_after, ratelimit))
     }
 
@@ -216,7 +219,7 @@ where
         if let Some(cache) = &self.deny_cache {
             cache.insert(key, tier.generation, cost, &decision, self.store.now_us());
         }
-        let ratelimit = ratelimit_value(&decision, &tier.names);
+        let ratelimit = tier.policy.ratelimit(&decision);
         let retry_after = decision.retry_after();
         self.denial(tier, key, decision, retry_after, ratelimit)
     }
@@ -234,16 +237,17 @@ where
         }
         if !delay.is_zero() {
             tracing::debug!(
-                key = %KeyDisplay(tier.client_key(key)),
+                key = %KeyDigest(tier.client_key(key)),
                 delay_ms = delay.as_millis() as u64,
                 "rate limit: delaying request"
             );
         } else {
-            tracing::trace!(key = %KeyDisplay(tier.client_key(key)), "rate limit: admitted");
+            let client = tier.client_key(key);
+            tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: admitted");
         }
         let fields = self.admitted_headers.then(|| Fields {
-            policy: Some(tier.policy_header.clone()),
-            ratelimit: ratelimit_value(&decision, &tier.names),
+            policy: Some(tier.policy.header.clone()),
+            ratelimit: tier.policy.ratelimit(&decision),
             shadow: None,
         });
         let decision = match extensions {
@@ -303,12 +307,23 @@ where
                 policy = self.failure_policy.label(),
                 error,
                 requests = count,
-                key = %KeyDisplay(tier.client_key(key)),
+                key = %KeyDigest(tier.client_key(key)),
                 action,
                 "rate-limit store failed \
                  (reported at most every 10 s, with the requests since the last report)"
             );
         }
+    }
+
+    /// The client's mistake, not the server's: refused at `DEBUG`, like a limited request.
+    fn omitted(&self, why: Cow<'static, str>) -> Verdict {
+        tracing::debug!(
+            error = %why,
+            namespace = &*self.namespace,
+            status = self.omitted_key_status.as_u16(),
+            "rate limit: the request has no key; refusing"
+        );
+        self.key_omitted(why)
     }
 
     fn missing(&self, why: Cow<'static, str>) -> Verdict {
@@ -349,6 +364,7 @@ where
                 RejectReason::DelayTooLong => SHADOW_DELAYED,
                 RejectReason::CostExceedsCapacity { .. } => SHADOW_COST,
                 RejectReason::StoreUnavailable => SHADOW_STORE,
+                RejectReason::KeyOmitted => SHADOW_OMITTED,
                 RejectReason::MissingKey => SHADOW_MISSING,
                 RejectReason::UnknownTier => SHADOW_TIER,
             },

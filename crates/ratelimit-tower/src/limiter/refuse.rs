@@ -9,8 +9,7 @@ use ratelimit_core::{CapacityError, Decision, Outcome, Store};
 
 use super::state::Limiter;
 use super::verdict::Verdict;
-use crate::headers::ratelimit_value;
-use crate::key::KeyDisplay;
+use crate::key::KeyDigest;
 use crate::rejection::{Refusal, RejectReason, Rejection};
 use crate::tier::Tier;
 
@@ -26,7 +25,7 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
     ) -> Verdict {
         let blocked = decision.outcome() == Outcome::Blocked;
         tracing::debug!(
-            key = %KeyDisplay(tier.client_key(key)),
+            key = %KeyDigest(tier.client_key(key)),
             outcome = if blocked { "blocked" } else { "limited" },
             retry_after_ms = retry_after.map(|d| d.as_millis() as u64),
             "rate limit: refusing request"
@@ -48,12 +47,12 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
     pub(super) fn delay_too_long(&self, tier: &Tier, key: &[u8], decision: Decision) -> Verdict {
         let delay = decision.delay();
         tracing::debug!(
-            key = %KeyDisplay(tier.client_key(key)),
+            key = %KeyDigest(tier.client_key(key)),
             delay_ms = delay.as_millis() as u64,
             max_delay_ms = self.max_delay.as_millis() as u64,
             "rate limit: shaping delay above the maximum; refusing"
         );
-        let ratelimit = ratelimit_value(&decision, &tier.names);
+        let ratelimit = tier.policy.ratelimit(&decision);
         let rejection = Rejection {
             retry_after: Some(delay),
             decision: Some(decision),
@@ -64,7 +63,7 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
 
     /// The request costs more than a rule can ever grant.
     pub(super) fn cost_exceeded(&self, tier: &Tier, key: &[u8], e: &CapacityError) -> Verdict {
-        tracing::debug!(key = %KeyDisplay(tier.client_key(key)), error = %e, "rate limit: cost above capacity");
+        tracing::debug!(key = %KeyDigest(tier.client_key(key)), error = %e, "rate limit: cost above capacity");
         let reason = RejectReason::CostExceedsCapacity {
             cost: e.cost,
             capacity: e.capacity,
@@ -79,6 +78,15 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
             RejectReason::StoreUnavailable,
             StatusCode::SERVICE_UNAVAILABLE,
         );
+        self.refusal(rejection, None)
+    }
+
+    /// The client left out what the key is made of.
+    pub(super) fn key_omitted(&self, why: Cow<'static, str>) -> Verdict {
+        let rejection = Rejection {
+            detail: Some(why),
+            ..Rejection::new(RejectReason::KeyOmitted, self.omitted_key_status)
+        };
         self.refusal(rejection, None)
     }
 
@@ -108,7 +116,7 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
         fields: Option<(&Tier, Option<HeaderValue>)>,
     ) -> Verdict {
         let (policy, ratelimit) = match fields {
-            Some((tier, ratelimit)) => (Some(tier.policy_header.clone()), ratelimit),
+            Some((tier, ratelimit)) => (Some(tier.policy.header.clone()), ratelimit),
             None => (None, None),
         };
         Verdict::Refuse(Box::new(Refusal {

@@ -1,6 +1,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::StatusCode;
+
 use ratelimit_core::util::BoundedLog;
 
 use crate::deny_cache::DenyCache;
@@ -22,6 +24,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) on_rejection: Arc<dyn OnRejection>,
     pub(crate) failure_policy: FailurePolicy,
     pub(crate) fallback: Option<FallbackStore>,
+    /// The status for requests whose client left out the key.
+    pub(crate) omitted_key_status: StatusCode,
     pub(crate) missing_key: MissingKey,
     pub(crate) missing_log: BoundedLog,
     pub(crate) tier_log: BoundedLog,
