@@ -68,8 +68,8 @@ impl LimitsHandle {
     /// cannot use them (the checks of [`build`](crate::RateLimitLayerBuilder::build)),
     /// says what to change and keeps the limits in force.
     ///
-    /// What a client has used carries over to the new limits per rule, as far as the
-    /// store names state by rule (see [Changing limits](crate#changing-limits)).
+    /// What each client has used carries over to the new limits rule by rule (see
+    /// [Changing limits](crate#changing-limits)).
     pub fn replace(&self, limits: Limits) -> Result<Limits, BuildError> {
         let version = self.live.settings.version(limits)?;
         let old = self.live.current.swap(Arc::new(version));
