@@ -288,7 +288,7 @@
 //! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
 //! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
 //! | no key found, no tier (the server's misconfiguration) | 13 `INTERNAL` |
-//! | no key found where the policy blames the client (a 4xx status) | 3 `INVALID_ARGUMENT` |
+//! | the client left out its key (a header) | 3 `INVALID_ARGUMENT` |
 //!
 //! Besides `grpc-status`, a refusal carries `grpc-message` (the same sentence as the HTTP
 //! body, percent-encoded as the gRPC spec requires), `RateLimit-Policy` and `RateLimit`
@@ -409,7 +409,9 @@
 //! (or an `Arc` of one) the check runs synchronously inside `call` without a future;
 //! other stores' checks are boxed futures (one allocation per request, small next to a
 //! network round trip). An admitted request costs two allocations of the layer's own:
-//! the `RateLimit` field and the decision placed in the request's extensions.
+//! the `RateLimit` field and the decision placed in the request's extensions. Under
+//! axum's `Router::layer` / `route_layer`, axum boxes the [`ResponseBody`] into its own
+//! `Body`: one allocation more, the price of serving any inner body type.
 
 // docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.
 #![cfg_attr(docsrs, feature(doc_cfg))]
