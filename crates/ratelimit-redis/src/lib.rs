@@ -1,6 +1,6 @@
-//! Redis store for [`ratelimit_core`]: a fleet of app servers sharing limits, one atomic
-//! Lua script call per decision, on one server, a Redis Cluster, or the primary of a
-//! Sentinel-managed service.
+//! Redis store for [`ratelimit_core`]: a fleet of app servers sharing limits, each
+//! decision atomic in a Lua function and many decisions per call under load, on one
+//! server, a Redis Cluster, or the primary of a Sentinel-managed service.
 //!
 //! [`RedisStore`] implements the core [`Store`](ratelimit_core::Store) trait and makes
 //! exactly the decisions [`MemoryStore`](ratelimit_core::MemoryStore) makes: the Lua is an
@@ -52,7 +52,7 @@
 //! [`RedisStore::is_connected`] and [`RedisStore::connected`] tell whether a connection
 //! is up, for readiness probes.
 //!
-//! # One round trip per check
+//! # One round trip per check, many checks per round trip
 //!
 //! A check is one call of `lua/check.lua`, however many rules: the key's block marker and
 //! every rule's state are read with one `MGET`, decided and written inside Redis, all or
@@ -64,6 +64,22 @@
 //! functions) each check is one `EVALSHA`. When Redis forgets the library or the script
 //! (`FUNCTION FLUSH`, `SCRIPT FLUSH`, a restart, a failover) the store loads it again
 //! once and resends the call.
+//!
+//! Checks that queue while the store's calls are in flight (one per connection) leave
+//! together as one call of the library's batch function, which decides them in order,
+//! each exactly as it would be decided alone (the whole call is atomic), with one read of
+//! `TIME` and one `MGET` of block markers and states for all, and answers with one packed
+//! string. There is no timer: a lone check leaves at once, as the plain one-check call,
+//! so latency at low concurrency does not grow; under load, batches form by themselves
+//! and Redis and the app spend less per decision.
+//! [`max_batch`](RedisStoreBuilder::max_batch) bounds a batch (default 64; 1 turns
+//! batching off) and [`batch_wait`](RedisStoreBuilder::batch_wait) optionally holds a
+//! batch open to fill it. One check's failure (a value the store did not write, a
+//! deadline passed, an error raised while deciding it) fails that check only; a reply
+//! that cannot be divided into one answer per check fails the checks of that call, none
+//! charged twice. Caller deadlines hold per check. Batching applies to one server and to
+//! the primary Sentinel names; on a Cluster each check is one call (the keys of one
+//! batch would live on several nodes).
 //!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
 //! O(precision) for the sliding window counter, and a few `LINDEX` for the sliding log
@@ -150,6 +166,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod batch;
 mod error;
 mod keys;
 mod options;

@@ -10,21 +10,28 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::Value;
 
-use crate::error::{classify, RedisStoreError};
+use crate::batch::{self, Batcher};
+use crate::error::RedisStoreError;
 use crate::options::Options;
 use crate::script::{CheckArgs, Request, Shared};
-use crate::transport::{Failure, Link, Pooled, Source, Transport};
+use crate::transport::{failure, Link, Pooled, Source, Transport};
 
 /// Connections to one server when none is configured. Each is multiplexed (many
 /// requests in flight on one socket), so a few are plenty.
-pub(crate) const DEFAULT_POOL_SIZE: u32 = 4;
+pub(crate) const DEFAULT_POOL_SIZE: u32 = 1;
+/// The most checks in one call when none is configured.
+pub(crate) const DEFAULT_MAX_BATCH: usize = 64;
+/// The most checks one call may carry: the batch function unpacks two key names per check
+/// onto Lua's stack at once.
+const MAX_BATCH: usize = 1024;
 
 /// The rate-limit [`Store`] over Redis: one server, a Redis Cluster, or the primary of a
 /// Sentinel-managed service.
 ///
 /// Every check is one `FCALL` of the decision function (one `EVALSHA` of the decision
-/// script before Redis 7), whatever the number of rules; a
-/// clone shares the connections. See the [crate docs](crate) for the key layout, time
+/// script before Redis 7), whatever the number of rules, and checks that queue while a
+/// call is in flight share one call (see the crate docs); a clone shares the connections
+/// and the queue. See the [crate docs](crate) for the key layout, time
 /// source, TTLs and how to run Redis for a limiter.
 ///
 /// ```no_run
@@ -59,8 +66,10 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    transport: Transport,
+    transport: Arc<Transport>,
     shared: Arc<Shared>,
+    /// The queue that batches checks; `None` when every check is its own call.
+    batcher: Option<Batcher>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
 }
@@ -81,6 +90,8 @@ impl std::fmt::Debug for RedisStore {
 pub struct RedisStoreBuilder {
     options: Options,
     pool_size: u32,
+    max_batch: usize,
+    batch_wait: Option<Duration>,
 }
 
 impl RedisStoreBuilder {
@@ -130,9 +141,31 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connections a single-server store keeps open (default 4, at least 1).
-    /// Connections are multiplexed, so more only help when one socket's throughput is
-    /// the limit. Cluster and Sentinel stores keep one multiplexed connection per server.
+    /// The most checks one Redis call decides (default 64, at most 1024; 1 sends every
+    /// check as a call of its own). Checks that queue while the store's calls are in flight (one per
+    /// connection) leave together as one call that decides them in order, each as
+    /// atomically as alone, with one read of Redis `TIME` for all; a lone check leaves at
+    /// once. Batching applies to one server and to the primary Sentinel names; a
+    /// Cluster's checks go one call each.
+    pub fn max_batch(mut self, checks: usize) -> Self {
+        self.max_batch = checks.clamp(1, MAX_BATCH);
+        self
+    }
+
+    /// Holds each batch open up to `wait` after its first check for more to join (none by
+    /// default: a batch is what queued while the previous call was in flight). Trades
+    /// latency for Redis and app CPU under moderate load; the wait counts against each
+    /// check's timeout.
+    pub fn batch_wait(mut self, wait: Duration) -> Self {
+        self.batch_wait = (!wait.is_zero()).then_some(wait);
+        self
+    }
+
+    /// Connections a single-server store keeps open (default 1, at least 1), and so the
+    /// batched calls it has in flight at once. Connections are multiplexed, so more only
+    /// help when one socket's throughput is the limit: with one, more checks share each
+    /// call, which costs both Redis and the app less per decision (see BENCHMARKS.md).
+    /// Cluster and Sentinel stores keep one multiplexed connection per server.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -250,10 +283,11 @@ impl RedisStoreBuilder {
     /// # Panics
     ///
     /// If the configured prefix contains `{` or `}` or the timeout is zero (the errors
-    /// [`build`](Self::build) returns).
+    /// [`build`](Self::build) returns), or outside a Tokio runtime (the store starts the
+    /// task that sends batched checks).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
-        RedisStore::new(Transport::Pool(Pooled::new(pool)), shared)
+        self.store(Transport::Pool(Pooled::new(pool)), shared)
     }
 
     /// A Cluster store over a cluster connection the application already has. The
@@ -264,7 +298,7 @@ impl RedisStoreBuilder {
     /// As [`build_with_pool`](Self::build_with_pool).
     pub fn build_with_cluster_connection(self, conn: ClusterConnection) -> RedisStore {
         let shared = self.shared_or_panic("build_with_cluster_connection");
-        RedisStore::new(Transport::Link(Link::given(conn, shared.clone())), shared)
+        self.store(Transport::Link(Link::given(conn, shared.clone())), shared)
     }
 
     fn shared_or_panic(&self, what: &str) -> Arc<Shared> {
@@ -286,20 +320,33 @@ impl RedisStoreBuilder {
                 return Err(e);
             }
         }
-        Ok(RedisStore::new(Transport::Link(link), shared))
+        Ok(self.store(Transport::Link(link), shared))
     }
-}
 
-fn failure(e: Failure, timeout: Duration) -> RedisStoreError {
-    match e {
-        Failure::Redis(e) => classify(e, timeout),
-        Failure::PoolTimedOut => RedisStoreError::Timeout(timeout),
+    fn store(&self, transport: Transport, shared: Arc<Shared>) -> RedisStore {
+        let transport = Arc::new(transport);
+        let batcher = (self.max_batch > 1 && transport.batches()).then(|| {
+            let settings = batch::Settings {
+                max: self.max_batch,
+                wait: self.batch_wait,
+                in_flight: usize::try_from(self.pool_size).unwrap_or(1),
+            };
+            Batcher::start(transport.clone(), shared.clone(), settings)
+        });
+        RedisStore {
+            inner: Arc::new(Inner {
+                transport,
+                shared,
+                batcher,
+                heal_log: BoundedLog::new(),
+            }),
+        }
     }
 }
 
 impl RedisStore {
     /// A store for the Redis server at `url` with the defaults: prefix `"ratelimit"`,
-    /// Redis `TIME`, a 50 ms per-call timeout and 4 multiplexed connections. As
+    /// Redis `TIME`, a 50 ms per-call timeout and one multiplexed connection. As
     /// [`RedisStoreBuilder::build`], fails only on configuration errors, never because
     /// Redis is unreachable.
     pub async fn connect(url: &str) -> Result<Self, RedisStoreError> {
@@ -311,23 +358,15 @@ impl RedisStore {
         RedisStoreBuilder {
             options: Options::default(),
             pool_size: DEFAULT_POOL_SIZE,
-        }
-    }
-
-    fn new(transport: Transport, shared: Arc<Shared>) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                transport,
-                shared,
-                heal_log: BoundedLog::new(),
-            }),
+            max_batch: DEFAULT_MAX_BATCH,
+            batch_wait: None,
         }
     }
 
     /// The connection pool of a store built over one
     /// ([`build_with_pool`](RedisStoreBuilder::build_with_pool)); `None` otherwise.
     pub fn pool(&self) -> Option<&Pool<RedisConnectionManager>> {
-        match &self.inner.transport {
+        match &*self.inner.transport {
             Transport::Pool(pooled) => Some(&pooled.pool),
             Transport::Link(_) => None,
         }
@@ -367,10 +406,32 @@ impl RedisStore {
 
     /// Sends `request` within the store's timeout.
     async fn run(&self, request: Request<'_>) -> Result<Value, RedisStoreError> {
-        let timeout = self.inner.shared.timeout;
-        match tokio::time::timeout(timeout, self.inner.transport.send(&request)).await {
-            Ok(reply) => reply.map_err(|e| failure(e, timeout)),
-            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+        self.inner
+            .transport
+            .call(&request, self.inner.shared.timeout)
+            .await
+    }
+
+    /// One check's reply, through the batch queue or as a call of its own.
+    async fn decide(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
+        let shared = &self.inner.shared;
+        match &self.inner.batcher {
+            Some(batcher) => {
+                let job = shared.check_job(key, rules, cost);
+                let bytes = batcher.decide(job, shared.timeout).await?;
+                CheckArgs::decision_from(rules, &bytes)
+            }
+            None => {
+                let reply = self
+                    .run(Request::Call(shared.check_call(key, rules, cost)))
+                    .await?;
+                CheckArgs::decision(rules, &reply)
+            }
         }
     }
 }
@@ -385,9 +446,7 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        let call = self.inner.shared.check_call(key, rules, cost);
-        let reply = self.run(Request::Call(call)).await?;
-        let (decision, healed) = match CheckArgs::decision(rules, &reply)? {
+        let (decision, healed) = match self.decide(key, rules, cost).await? {
             Ok(decided) => decided,
             Err(redis_now) => {
                 // Redis got to the check after its deadline (the reply outran our timer,
