@@ -133,7 +133,9 @@ local function decode(raw, width, shape)
     end
   end
   for j = 1, width do
-    if not whole(t[j]) then
+    local x = t[j]
+    -- whole(x), without the call: the loop runs over every stored value.
+    if not (x >= 0 and x < 9007199254740992 and x % 1 == 0) then
       return nil
     end
   end
@@ -690,8 +692,9 @@ local function decide(KEYS, v, now, raw, status, c)
   -- Sized for one rule, the common case, so that it does not grow.
   local out = {status, 0, 0, 0, 0, 0}
   -- The next state at new[1 .. width], each rule's expiry at new[width + i]; `off` is
-  -- where the values of the rule at hand start, past its entry's header.
-  local new = {layout}
+  -- where the values of the rule at hand start, past its entry's header. Sized for one
+  -- rule (state and expiry), so that it does not grow: each growth is a rehash.
+  local new = {layout, 0, 0, 0, 0, 0, 0, 0}
   local all_ok, delay, off = true, 0, 1
   for i = 1, n do
     local o = HEADER + PER_RULE * i - 5

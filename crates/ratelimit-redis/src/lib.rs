@@ -86,8 +86,8 @@
 //!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
 //! O(precision) for the sliding window counter, and a few `LINDEX` for the sliding log
-//! (one list per key and rule set, trimmed to the largest sliding-log limit and read by
-//! binary search). No sorted sets, no scans.
+//! (one list per client key, trimmed to the largest sliding-log limit and read by binary
+//! search). No sorted sets, no scans.
 //!
 //! # Time
 //!
@@ -97,11 +97,10 @@
 //!
 //! # Keys and TTLs
 //!
-//! Keys are `<prefix>:{<tag>}:b` (block marker), `<prefix>:{<tag>}:s:<rule set>` (a
-//! string: the rules' state as little-endian doubles holding integers, written with its
-//! expiry in one `SET`) and `<prefix>:{<tag>}:l:<rule set>` (a list: the sliding log),
-//! where `<rule set>` is [`RuleSet::fingerprint`](ratelimit_core::RuleSet::fingerprint) in
-//! hex and `<tag>` stands for the client key as the core holds it
+//! Keys are `<prefix>:{<tag>}:b` (block marker), `<prefix>:{<tag>}:s` (a string: the
+//! state of every rule, as little-endian doubles holding integers, written with its
+//! expiry in one `SET`) and `<prefix>:{<tag>}:l` (a list: the sliding log shared by every
+//! sliding-log rule), where `<tag>` stands for the client key as the core holds it
 //! ([`StoredKey`](ratelimit_core::key::StoredKey)): `k` and the key in hex for a key of
 //! at most 64 bytes, `d` and its 32-byte BLAKE3 digest in hex for a longer one. Client
 //! keys are data, never syntax: any bytes (braces, colons, CRLF, non-UTF-8) map to
@@ -110,10 +109,35 @@
 //! and all keys of one client share one hash tag, hence one Cluster slot. A long key maps
 //! to the same state in [`MemoryStore`](ratelimit_core::MemoryStore) and here.
 //!
+//! The names carry no rules: a client's state belongs to the client key (the middleware
+//! puts its namespace and tier in it), and inside the state string each rule's entry is
+//! tagged with the rule's identity
+//! ([`RuleSet::rule_ids`](ratelimit_core::RuleSet::rule_ids): its name, else its
+//! algorithm and period). A check under changed rules (a new limit, a new rule, app
+//! servers of a fleet on two versions at once) reads each rule's entry by identity and
+//! carries it exactly as [`MemoryStore`](ratelimit_core::MemoryStore) does (the core's
+//! [`algo`](ratelimit_core::algo#changing-rules) says what carries: counts and log
+//! entries as they are, token bucket levels clamped, a new rule, algorithm or period
+//! fresh); the state is rewritten in the new rules' layout only when that check commits,
+//! so entries of rules the new set lacks are dropped then. The string starts with the
+//! writer's layout, so a check under the same rules reads it in place; token bucket,
+//! leaky bucket and GCRA entries also keep the limit and capacity they were written
+//! under, which the carry needs. The state stays O(rules): a few doubles per rule.
+//!
 //! Every key expires when its state becomes equivalent to a fresh one (the core's
-//! `expires_at`, rounded up to the millisecond): no cleanup job exists or is needed. Block
-//! markers expire with the block; a block without end has no TTL. Under an injected clock,
-//! TTLs are relative and never shorter than [`RedisStoreBuilder::ttl_floor`].
+//! `expires_at`, rounded up to the millisecond): no cleanup job exists or is needed. The
+//! state string expires with the longest-lived of the rules that last wrote it (a rule
+//! dropped from the set stops counting at the next commit, which sets the TTL anew); the
+//! sliding log with the longest sliding-log period, and the state says until when the
+//! log counts, so a log left by rules that no longer have one is ignored and dropped.
+//! Block markers expire with the block; a block without end has no TTL. Under an
+//! injected clock, TTLs are relative and never shorter than
+//! [`RedisStoreBuilder::ttl_floor`]. [`reset`](ratelimit_core::Store::reset) deletes the
+//! client's state and log, whatever rules it names; a block stays.
+//!
+//! Upgrading from a version that named state by rule set: the old keys
+//! (`...:s:<fingerprint>`, `...:l:<fingerprint>`) are no longer read and expire on their
+//! own; each client starts from a fresh state once.
 //!
 //! # Running Redis for a limiter
 //!
