@@ -1106,6 +1106,26 @@ pub mod cases {
             "[{}] a log whose writers' period ran out starts empty",
             c.name
         );
+        // Reading such a log as empty writes nothing: a peek under other rules leaves it
+        // to its writers, whose next commit adds to it, and a reader is vouched for again.
+        c.at(10 * S);
+        c.allowed(b"kept", &c.rules("2/s sliding-log"), 1, "2/s")
+            .await;
+        c.at(13 * S);
+        assert_eq!(
+            remaining(&c, b"kept", &c.rules("2/h sliding-log")).await,
+            [2],
+            "[{}] the writers' period ran out",
+            c.name
+        );
+        c.allowed(b"kept", &c.rules("2/s sliding-log"), 1, "2/s again")
+            .await;
+        assert_eq!(
+            remaining(&c, b"kept", &c.rules("2/h sliding-log")).await,
+            [0],
+            "[{}] the peek under other rules left the log to its writers",
+            c.name
+        );
     }
 }
 

@@ -667,11 +667,13 @@ local function decide(KEYS, v, now, raw, status, c)
     end
   end
 
-  local key3, log_len, newest = KEYS[3], 0, nil
+  local key3, log_len, newest, drop_log = KEYS[3], 0, nil, false
   if log_limit > 0 then
     if not log_counts then
-      -- A log the state does not vouch for is no one's: drop it before it is added to.
-      redis.call('DEL', key3)
+      -- A log the state does not vouch for is no one's: read as empty, and dropped before
+      -- it is added to. Only a commit drops it: a peek or a denial writes nothing, so the
+      -- rules that wrote the log still find it (as MemoryStore keeps it).
+      drop_log = true
     else
       log_len = redis.pcall('LLEN', key3)
       if type(log_len) == 'table' then
@@ -803,6 +805,9 @@ local function decide(KEYS, v, now, raw, status, c)
   redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
 
   if log_limit > 0 then
+    if drop_log then
+      redis.call('DEL', key3)
+    end
     -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
     local stamp = fmt('%d', now)
     local left = cost
