@@ -152,6 +152,7 @@ struct ReadmeDoctests;
 
 mod error;
 mod keys;
+mod lease;
 mod options;
 mod script;
 mod store;

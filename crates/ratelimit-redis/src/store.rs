@@ -11,6 +11,7 @@ use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::Value;
 
 use crate::error::{classify, RedisStoreError};
+use crate::lease::{self, Leases};
 use crate::options::Options;
 use crate::script::{CheckArgs, Request, Shared};
 use crate::transport::{Failure, Link, Pooled, Source, Transport};
@@ -63,6 +64,8 @@ struct Inner {
     shared: Arc<Shared>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
+    /// Lease mode's table, when the store was built with a lease length.
+    leases: Option<Leases>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -81,6 +84,7 @@ impl std::fmt::Debug for RedisStore {
 pub struct RedisStoreBuilder {
     options: Options,
     pool_size: u32,
+    lease: Option<Duration>,
 }
 
 impl RedisStoreBuilder {
@@ -135,6 +139,17 @@ impl RedisStoreBuilder {
     /// the limit. Cluster and Sentinel stores keep one multiplexed connection per server.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
+        self
+    }
+
+    /// Lease mode (off by default): for a hot key, the store reserves a block of units in
+    /// one call and spends it locally for up to `length`, giving back what it did not
+    /// spend. Over any interval the fleet admits no more than the exact limiter admits
+    /// over that interval extended by `length`; see the crate docs ("Lease mode") for
+    /// the promise, the algorithms it serves and how soon a block takes effect. A zero
+    /// length keeps exact mode.
+    pub fn lease(mut self, length: Duration) -> Self {
+        self.lease = (!length.is_zero()).then_some(length);
         self
     }
 
@@ -253,7 +268,7 @@ impl RedisStoreBuilder {
     /// [`build`](Self::build) returns).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
-        RedisStore::new(Transport::Pool(Pooled::new(pool)), shared)
+        RedisStore::new(Transport::Pool(Pooled::new(pool)), shared, self.lease)
     }
 
     /// A Cluster store over a cluster connection the application already has. The
@@ -264,7 +279,11 @@ impl RedisStoreBuilder {
     /// As [`build_with_pool`](Self::build_with_pool).
     pub fn build_with_cluster_connection(self, conn: ClusterConnection) -> RedisStore {
         let shared = self.shared_or_panic("build_with_cluster_connection");
-        RedisStore::new(Transport::Link(Link::given(conn, shared.clone())), shared)
+        RedisStore::new(
+            Transport::Link(Link::given(conn, shared.clone())),
+            shared,
+            self.lease,
+        )
     }
 
     fn shared_or_panic(&self, what: &str) -> Arc<Shared> {
@@ -286,7 +305,7 @@ impl RedisStoreBuilder {
                 return Err(e);
             }
         }
-        Ok(RedisStore::new(Transport::Link(link), shared))
+        Ok(RedisStore::new(Transport::Link(link), shared, self.lease))
     }
 }
 
@@ -311,16 +330,39 @@ impl RedisStore {
         RedisStoreBuilder {
             options: Options::default(),
             pool_size: DEFAULT_POOL_SIZE,
+            lease: None,
         }
     }
 
-    fn new(transport: Transport, shared: Arc<Shared>) -> Self {
-        Self {
+    fn new(transport: Transport, shared: Arc<Shared>, lease: Option<Duration>) -> Self {
+        let store = Self {
             inner: Arc::new(Inner {
                 transport,
                 shared,
                 heal_log: BoundedLog::new(),
+                leases: lease.map(Leases::new),
             }),
+        };
+        if let Some(length) = lease {
+            let weak = Arc::downgrade(&store.inner);
+            lease::spawn_sweep(
+                move || weak.upgrade().map(|inner| Self { inner }),
+                length / 2,
+            );
+        }
+        store
+    }
+
+    /// The lease length of a store in lease mode; `None` in exact mode (the default).
+    pub fn lease_length(&self) -> Option<Duration> {
+        self.inner.leases.as_ref().map(Leases::length)
+    }
+
+    /// Gives back now the units of every lease that has ended (the store's sweep does so
+    /// every half lease length on its own); nothing in exact mode.
+    pub async fn sweep_leases(&self) {
+        if let Some(leases) = &self.inner.leases {
+            lease::sweep(self, leases).await;
         }
     }
 
@@ -385,6 +427,56 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
+        if let Some(leases) = &self.inner.leases {
+            if let Some(decided) = lease::check(self, leases, key, rules, cost).await {
+                return decided;
+            }
+        }
+        self.exact(key, rules, cost).await
+    }
+
+    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
+        let call = self.inner.shared.block_call(key, duration);
+        self.run(Request::Call(call)).await?;
+        self.forget_leases(key);
+        Ok(())
+    }
+
+    async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {
+        let cmd = self.inner.shared.unblock_cmd(key);
+        self.run(Request::Cmd(cmd)).await.map(drop)
+    }
+
+    /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
+    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
+        let _ = rules;
+        let cmd = self.inner.shared.reset_cmd(key);
+        self.run(Request::Cmd(cmd)).await?;
+        self.forget_leases(key);
+        Ok(())
+    }
+
+    /// The injected clock's time when one is set; otherwise this host's clock, the best
+    /// local reading of the Redis server's `TIME`.
+    fn now_us(&self) -> u64 {
+        self.inner.shared.now_us()
+    }
+}
+
+impl RedisStore {
+    fn forget_leases(&self, key: &[u8]) {
+        if let Some(leases) = &self.inner.leases {
+            leases.forget(&lease::state_name(&self.inner.shared, key));
+        }
+    }
+
+    /// One check decided by Redis, as in exact mode.
+    async fn exact(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Decision, RedisStoreError> {
         let call = self.inner.shared.check_call(key, rules, cost);
         let reply = self.run(Request::Call(call)).await?;
         let (decision, healed) = match CheckArgs::decision(rules, &reply)? {
@@ -413,27 +505,34 @@ impl Store for RedisStore {
         }
         Ok(decision)
     }
+}
 
-    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
-        let call = self.inner.shared.block_call(key, duration);
-        self.run(Request::Call(call)).await.map(drop)
-    }
-
-    async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {
-        let cmd = self.inner.shared.unblock_cmd(key);
-        self.run(Request::Cmd(cmd)).await.map(drop)
-    }
-
-    /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
-    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
-        let _ = rules;
-        let cmd = self.inner.shared.reset_cmd(key);
-        self.run(Request::Cmd(cmd)).await.map(drop)
-    }
-
-    /// The injected clock's time when one is set; otherwise this host's clock, the best
-    /// local reading of the Redis server's `TIME`.
+impl lease::Backend for RedisStore {
     fn now_us(&self) -> u64 {
         self.inner.shared.now_us()
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.inner.shared
+    }
+
+    fn leases(&self) -> Option<&Leases> {
+        self.inner.leases.as_ref()
+    }
+
+    fn exact(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl std::future::Future<Output = Result<Decision, RedisStoreError>> + Send {
+        RedisStore::exact(self, key, rules, cost)
+    }
+
+    fn run(
+        &self,
+        request: Request<'_>,
+    ) -> impl std::future::Future<Output = Result<Value, RedisStoreError>> + Send {
+        RedisStore::run(self, request)
     }
 }
