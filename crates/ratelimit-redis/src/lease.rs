@@ -62,6 +62,9 @@ struct Slot {
     seen_cur: u64,
     seen_prev: u64,
     last_us: u64,
+    /// Set when Redis refused a block: until it has a block to spare again, checks ask
+    /// for their own cost, one call each, instead of a block first.
+    starved: bool,
     /// Set while one check reserves for this slot; the others wait for its outcome.
     pending: Option<Arc<Notify>>,
 }
@@ -113,6 +116,7 @@ impl Slot {
             seen_cur: 0,
             seen_prev: 0,
             last_us: now,
+            starved: false,
             pending: None,
         }
     }
@@ -131,8 +135,9 @@ impl Slot {
         self.last_us = now;
     }
 
-    /// The units to reserve: the rate seen per lease length, at least 2, at most the share;
-    /// `None` decides exactly (a key seen once or rarely, a cost as large as a block).
+    /// The units to reserve: the rate seen per lease length, at least 2, at most the share,
+    /// or only the check's cost while starved; `None` decides exactly (a key seen once or
+    /// rarely, a cost as large as a block).
     fn block_size(&self, cost: u64) -> Option<u64> {
         let seen = self.seen_cur.max(self.seen_prev);
         let share = self
@@ -146,6 +151,9 @@ impl Slot {
             return None;
         }
         let b = seen.clamp(2, share);
+        if self.starved {
+            return Some(cost);
+        }
         (b > cost).then_some(b)
     }
 
@@ -294,7 +302,9 @@ impl Leases {
         }
     }
 
-    /// Records the outcome of a reservation of `b` units for a check of `cost`.
+    /// Records the outcome of a reservation of `b` units for a check of `cost`, and
+    /// returns the answer to the check.
+    #[allow(clippy::too_many_arguments)]
     fn settle(
         &self,
         name: &str,
@@ -302,10 +312,12 @@ impl Leases {
         now: u64,
         b: u64,
         cost: u64,
-        decision: &Decision,
-    ) {
+        decision: Decision,
+        starved: bool,
+    ) -> Decision {
         let length = self.length_us;
         self.with_slot(name, rules, |slot| {
+            slot.starved = starved;
             if decision.is_allowed() {
                 let mut ends = now.saturating_add(length);
                 let windows = rules
@@ -322,7 +334,7 @@ impl Leases {
                         index
                     })
                     .collect();
-                slot.lease = Some(Lease {
+                let lease = Lease {
                     units: b - cost,
                     granted: b,
                     ends_us: ends,
@@ -333,12 +345,19 @@ impl Leases {
                         .map(|r| (r.limit, r.reset_after))
                         .collect(),
                     windows,
-                });
-            } else if let Some(retry) = decision.retry_after() {
-                let retry = u64::try_from(retry.as_micros()).unwrap_or(u64::MAX);
-                slot.refused = Some((now.saturating_add(retry.max(1)), decision.clone()));
+                };
+                let answer = lease.decision(now);
+                slot.lease = Some(lease);
+                answer
+            } else {
+                if let Some(retry) = decision.retry_after() {
+                    let retry = u64::try_from(retry.as_micros()).unwrap_or(u64::MAX);
+                    slot.refused = Some((now.saturating_add(retry.max(1)), decision.clone()));
+                }
+                decision.clone()
             }
-        });
+        })
+        .unwrap_or(decision)
     }
 
     /// Takes every lease that has ended with units left, and forgets idle slots.
@@ -475,36 +494,23 @@ async fn reserve(
 ) -> Result<Decision, RedisStoreError> {
     let now = store.now_us();
     let decision = store.exact(key, rules, b).await?;
-    if decision.is_allowed() {
-        leases.settle(name, rules, now, b, cost, &decision);
-        return Ok(leases
-            .with_slot(name, rules, |s| s.lease.as_ref().map(|l| l.decision(now)))
-            .flatten()
-            .unwrap_or(decision));
-    }
-    if decision.outcome() == Outcome::Blocked {
-        leases.settle(name, rules, now, b, cost, &decision);
-        return Ok(decision);
-    }
-    // What Redis said is left now; take it if it covers the check, else ask for the
-    // check's own cost, exactly.
     let left = decision
         .rules()
         .iter()
         .map(|r| r.remaining)
         .min()
         .unwrap_or(0);
+    if decision.is_allowed() || decision.outcome() == Outcome::Blocked || b == cost {
+        // Starved until Redis has room for a block of 2 past this check again.
+        let starved = !decision.is_allowed() || (b == cost && left < 2);
+        return Ok(leases.settle(name, rules, now, b, cost, decision, starved));
+    }
+    // What Redis said is left now; take it if it covers the check, else ask for the
+    // check's own cost, exactly.
     let again = cost.max(left.min(b));
     let now = store.now_us();
     let decision = store.exact(key, rules, again).await?;
-    leases.settle(name, rules, now, again, cost, &decision);
-    if decision.is_allowed() {
-        return Ok(leases
-            .with_slot(name, rules, |s| s.lease.as_ref().map(|l| l.decision(now)))
-            .flatten()
-            .unwrap_or(decision));
-    }
-    Ok(decision)
+    Ok(leases.settle(name, rules, now, again, cost, decision, true))
 }
 
 /// Gives back the units of leases that ended, every half lease length, for as long as the
