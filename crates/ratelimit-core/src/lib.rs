@@ -4,7 +4,9 @@
 //! Every algorithm is a function `(state, now, rules, cost) -> (decision, state)` in
 //! [`algo`], computed with integers only, so that the Redis store's Lua translation makes
 //! the very same decisions. A check evaluates several rules on one key atomically: it is
-//! admitted only if every rule admits it, and a denied check consumes nothing.
+//! admitted only if every rule admits it, and a denied check consumes nothing. A key's
+//! state belongs to the key, each rule's to the rule's identity, so rules that change
+//! keep every client's usage (see [`algo`](algo#changing-rules)).
 //!
 //! | algorithm | memory per key | strictness |
 //! |---|---|---|

@@ -1135,7 +1135,7 @@ pub enum Step {
         /// Key number.
         key: u8,
     },
-    /// Forget a key's state under rule set number `rules`.
+    /// Forget a key's state (every rule's; `rules` is passed to [`Store::reset`]).
     Reset {
         /// Key number.
         key: u8,

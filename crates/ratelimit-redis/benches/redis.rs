@@ -18,10 +18,15 @@
 //! 3. Long client keys: time and Redis CPU per check for a 16-byte key and a 1 MiB key
 //!    (held as its digest), one check at a time.
 //!
+//! 4. Batching: app CPU and Redis CPU per decision, 64 tasks over 10,000 uniform keys,
+//!    one check per call against batched calls, beside the floor of one PING per
+//!    decision through one multiplexed connection; and latency at one task, one
+//!    connection.
+//!
 //! CPU figures are the best of 3 runs (the machine may be shared).
 //!
 //! Environment: `BENCH_DECISIONS` (default 200000) decisions per throughput round;
-//! `BENCH_ONLY=seed`, `throughput`, `cpu` or `keys` runs one part; `BENCH_POOL` (default 4)
+//! `BENCH_ONLY=seed`, `throughput`, `cpu`, `keys` or `batch` runs one part; `BENCH_POOL` (default 4, the store's default until batching)
 //! sets the store's pool size.
 
 use std::process::Command;
@@ -237,6 +242,9 @@ async fn main() {
     }
     if only.is_empty() || only == "keys" {
         long_keys(&url, &con).await;
+    }
+    if only.is_empty() || only == "batch" {
+        batching(&url, &con).await;
     }
 }
 
@@ -765,5 +773,212 @@ async fn long_keys(url: &str, con: &MultiplexedConnection) {
             best = (best.0.min(wall), best.1.min(s.usec / s.calls as f64));
         }
         println!("| {name} | {:.1} | {:.2} |", best.0, best.1);
+    }
+}
+
+/// Tasks and keys of the batching measurement.
+const BATCH_TASKS: usize = 64;
+const BATCH_KEYS: u64 = 10_000;
+/// Decisions per batching round.
+const BATCH_DECISIONS: u64 = 100_000;
+
+/// This process's CPU time (user + system), µs, from `/proc/self/stat` (clock ticks of
+/// 10 ms: rounds of 100,000 decisions make that under 2 %).
+fn own_cpu_us() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat (Linux)");
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')').expect("stat format") + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks * 10_000.0
+}
+
+/// App and Redis CPU per decision (µs) and decisions per second of `total` calls of
+/// `one(task, key)` from `BATCH_TASKS` tasks over `BATCH_KEYS` uniform keys.
+async fn cpu_of<F, Fut>(con: &mut MultiplexedConnection, total: u64, one: F) -> (f64, f64, f64)
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let one = Arc::new(one);
+    let done = Arc::new(AtomicU64::new(0));
+    let redis_before = process_cpu_us(con).await;
+    let app_before = own_cpu_us();
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..BATCH_TASKS)
+        .map(|t| {
+            let (one, done) = (one.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut seed = 0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1);
+                while done.fetch_add(1, Ordering::Relaxed) < total {
+                    one(next_key(&mut seed) % BATCH_KEYS).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let app = (own_cpu_us() - app_before) / total as f64;
+    let redis = (process_cpu_us(con).await - redis_before) / total as f64;
+    (app, redis, total as f64 / elapsed)
+}
+
+/// Latency percentiles (µs) of `n` checks one after another.
+async fn latency(store: &RedisStore, rules: &RuleSet, n: usize) -> (f64, f64) {
+    let mut took = Vec::with_capacity(n);
+    let mut seed = 7;
+    for _ in 0..n {
+        let key = format!("{:012}", next_key(&mut seed) % BATCH_KEYS);
+        let started = Instant::now();
+        store.check(key.as_bytes(), rules, 1).await.unwrap();
+        took.push(started.elapsed().as_secs_f64() * 1e6);
+    }
+    took.sort_by(f64::total_cmp);
+    (took[n / 2], took[n * 99 / 100])
+}
+
+async fn batching(url: &str, con: &MultiplexedConnection) {
+    let mut con = con.clone();
+    let total = std::env::var("BENCH_BATCH_DECISIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(BATCH_DECISIONS);
+    println!(
+        "\n## Batching: {BATCH_TASKS} tasks, {BATCH_KEYS} uniform keys, {total} decisions per \
+         round, Redis TIME, best of {ROUNDS} rounds (app CPU: this whole process)"
+    );
+    let ping = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let build = |max_batch: usize, pool: u32, wait: Option<Duration>| {
+        let url = url.to_owned();
+        async move {
+            let builder = RedisStore::builder()
+                .prefix("batch")
+                .timeout(Duration::from_secs(5))
+                .pool_size(pool)
+                .max_batch(max_batch);
+            let builder = match wait {
+                Some(wait) => builder.batch_wait(wait),
+                None => builder,
+            };
+            builder.build(&url).await.unwrap()
+        }
+    };
+    type Row = (String, Option<RedisStore>, RuleSet);
+    let one_rule: RuleSet = THROUGHPUT_RULES.parse().unwrap();
+    let four: RuleSet = SEED_RULES[2].parse().unwrap();
+    let rows: Vec<Row> = vec![
+        (
+            "PING, one multiplexed connection (the floor)".into(),
+            None,
+            one_rule.clone(),
+        ),
+        (
+            format!("`{THROUGHPUT_RULES}`, one call per check, 4 connections (before batching)"),
+            Some(build(1, 4, None).await),
+            one_rule.clone(),
+        ),
+        (
+            format!("`{THROUGHPUT_RULES}`, one call per check, 1 connection"),
+            Some(build(1, 1, None).await),
+            one_rule.clone(),
+        ),
+        (
+            format!("`{THROUGHPUT_RULES}`, batched, 4 connections"),
+            Some(build(64, 4, None).await),
+            one_rule.clone(),
+        ),
+        (
+            format!("`{THROUGHPUT_RULES}`, batched (default: up to 64, 1 connection)"),
+            Some(build(64, 1, None).await),
+            one_rule.clone(),
+        ),
+        (
+            format!("`{THROUGHPUT_RULES}`, batched, 1 connection, batch_wait 200 µs"),
+            Some(build(64, 1, Some(Duration::from_micros(200))).await),
+            one_rule.clone(),
+        ),
+        (
+            "4 rules (gcra, sliding p=1, fixed, token), one call per check, 4 connections".into(),
+            Some(build(1, 4, None).await),
+            four.clone(),
+        ),
+        (
+            "4 rules (gcra, sliding p=1, fixed, token), batched (default)".into(),
+            Some(build(64, 1, None).await),
+            four.clone(),
+        ),
+    ];
+    println!("\n| client | app CPU µs/decision | × PING | Redis CPU µs/decision | × PING | decisions/s |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut floor = (0.0, 0.0);
+    for (name, store, rules) in rows {
+        let mut best = (f64::MAX, f64::MAX, 0.0);
+        for _ in 0..ROUNDS {
+            flush(&mut con).await;
+            let measured = match &store {
+                None => {
+                    let ping = ping.clone();
+                    cpu_of(&mut con, total, move |_| {
+                        let mut ping = ping.clone();
+                        async move {
+                            let _: String =
+                                redis::cmd("PING").query_async(&mut ping).await.unwrap();
+                        }
+                    })
+                    .await
+                }
+                Some(store) => {
+                    let (store, rules) = (store.clone(), rules.clone());
+                    cpu_of(&mut con, total, move |key| {
+                        let (store, rules) = (store.clone(), rules.clone());
+                        async move {
+                            let key = format!("{key:012}");
+                            store.check(key.as_bytes(), &rules, 1).await.unwrap();
+                        }
+                    })
+                    .await
+                }
+            };
+            best = (
+                best.0.min(measured.0),
+                best.1.min(measured.1),
+                f64::max(best.2, measured.2),
+            );
+        }
+        if store.is_none() {
+            floor = (best.0, best.1);
+        }
+        println!(
+            "| {name} | {:.2} | {:.2}x | {:.2} | {:.2}x | {:.0} |",
+            best.0,
+            best.0 / floor.0,
+            best.1,
+            best.1 / floor.1,
+            best.2
+        );
+    }
+
+    println!(
+        "\n| one task, one connection, `{THROUGHPUT_RULES}`, 20,000 checks | p50 µs | p99 µs |"
+    );
+    println!("|---|---:|---:|");
+    for (name, max_batch) in [
+        ("one call per check (max_batch 1)", 1),
+        ("batched (default)", 64),
+    ] {
+        let store = build(max_batch, 1, None).await;
+        let mut best = (f64::MAX, f64::MAX);
+        for _ in 0..ROUNDS {
+            let (p50, p99) = latency(&store, &one_rule, 20_000).await;
+            best = (best.0.min(p50), best.1.min(p99));
+        }
+        println!("| {name} | {:.1} | {:.1} |", best.0, best.1);
     }
 }

@@ -1,4 +1,5 @@
--- check.lua: one rate-limit decision for one client key, all rules at once.
+-- check.lua: one rate-limit decision for one client key, all rules at once (`check`), or
+-- many such decisions in one call (`check_many`, at the end of the file).
 --
 -- An integer translation of the core's algorithms: one local function per algorithm,
 -- named and ordered as the core's files (algo/fixed_window.rs, sliding_window.rs,
@@ -132,7 +133,9 @@ local function decode(raw, width, shape)
     end
   end
   for j = 1, width do
-    if not whole(t[j]) then
+    local x = t[j]
+    -- whole(x), without the call: the loop runs over every stored value.
+    if not (x >= 0 and x < 9007199254740992 and x % 1 == 0) then
       return nil
     end
   end
@@ -570,22 +573,30 @@ end
 -- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
 -- or nil and the reply when the key is blocked or the check came past the caller's
 -- deadline. Blocks come first: a blocked key consults no rule.
-local function begin(KEYS, injected, now_or_deadline, cost)
+-- In a batch, `redis_now` is the Redis time read once for all, and when `at` is set,
+-- got[at] and got[at + 1] are the block marker and state as read for all (alone: nil,
+-- nil, nil, read here).
+local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   local now
   if injected then
     now = now_or_deadline
   else
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    now = redis_now
+    if not now then
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    end
     if now_or_deadline > 0 and now > now_or_deadline then
       -- The caller stopped waiting before Redis got to this check (a slow command, a
       -- fork, DEBUG SLEEP): decide nothing and charge nothing.
       return nil, struct.pack('<dd', 3, now)
     end
   end
-  local got = redis.call('MGET', KEYS[1], KEYS[2])
+  if not at then
+    got, at = redis.call('MGET', KEYS[1], KEYS[2]), 1
+  end
   local status = 0
-  local block = got[1]
+  local block = got[at]
   if block then
     if block == 'inf' then
       return nil, struct.pack('<dd', 1, -1)
@@ -603,7 +614,7 @@ local function begin(KEYS, injected, now_or_deadline, cost)
   if c < 1 then
     c = 1
   end
-  return now, got[2], status, c
+  return now, got[at + 1], status, c
 end
 
 -- The reply `out` as one string of doubles.
@@ -681,8 +692,9 @@ local function decide(KEYS, v, now, raw, status, c)
   -- Sized for one rule, the common case, so that it does not grow.
   local out = {status, 0, 0, 0, 0, 0}
   -- The next state at new[1 .. width], each rule's expiry at new[width + i]; `off` is
-  -- where the values of the rule at hand start, past its entry's header.
-  local new = {layout}
+  -- where the values of the rule at hand start, past its entry's header. Sized for one
+  -- rule (state and expiry), so that it does not grow: each growth is a rehash.
+  local new = {layout, 0, 0, 0, 0, 0, 0, 0}
   local all_ok, delay, off = true, 0, 1
   for i = 1, n do
     local o = HEADER + PER_RULE * i - 5
@@ -847,8 +859,9 @@ end
 -- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst):
 -- state {layout, id, 4, limit, cap, tat_us, tat_frac}.
 local function gcra_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
-    limit, period, cap)
-  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
+    limit, period, cap, redis_now, got, at)
+  local now, raw, status, c =
+    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -880,8 +893,9 @@ end
 -- admitted check) are worked out here; a denial or a clock that went back goes through
 -- sliding_window.
 local function sliding_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
-    limit, sub)
-  local now, raw, status, c = begin(KEYS, injected, now_or_deadline, cost)
+    limit, sub, redis_now, got, at)
+  local now, raw, status, c =
+    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -944,28 +958,25 @@ local function sliding_one(KEYS, packed, injected, now_or_deadline, cost, ttl_fl
   return out
 end
 
--- One decision. The file defines `check` and nothing else runs at load: the store loads
--- it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so the functions
--- above are created once per server, not once per call) or, on Redis 6.2, runs it with
--- EVALSHA followed by `return check(KEYS, ARGV)`.
-local function check(KEYS, ARGV)
+local VERSION_SKEW = ' values; the store and the script are from different versions'
+
+-- One check on its keys and packed values; in a batch with the batch's Redis time and
+-- reads (see `begin`).
+local function check_one(KEYS, packed, redis_now, got, at)
   local fmt = string.format
 
   -- One C call reads every argument (no text to parse); the last value is unpack's next
   -- position.
-  local VERSION_SKEW = ' values; the store and the script are from different versions'
-  if #ARGV ~= 1 then
-    return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
-  end
-  local packed = ARGV[1]
   if #packed == 8 * (HEADER + PER_RULE) then
     local inj, t, cost, ttl_floor, n, width, log_limit, _, layout, code, limit, period, a, b, id =
       struct.unpack(ONE_RULE, packed)
     if n == 1 and log_limit == 0 then
       if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
-        return gcra_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, period, a)
+        return gcra_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, period, a,
+          redis_now, got, at)
       elseif code == SLIDING_WINDOW and a == 1 and width == 6 then
-        return sliding_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, b)
+        return sliding_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, b,
+          redis_now, got, at)
       end
     end
   end
@@ -980,9 +991,79 @@ local function check(KEYS, ARGV)
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
       HEADER + PER_RULE * n, n, #v - 1) .. VERSION_SKEW)
   end
-  local now, raw, status, c = begin(KEYS, v[1] == 1, v[2], v[3])
+  local now, raw, status, c = begin(KEYS, v[1] == 1, v[2], v[3], redis_now, got, at)
   if not now then
     return raw
   end
   return decide(KEYS, v, now, raw, status, c)
+end
+
+-- One decision. The file defines `check` and `check_many` and nothing else runs at load:
+-- the store loads it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so
+-- the functions above are created once per server, not once per call) or, on Redis 6.2,
+-- runs it with EVALSHA followed by `return check(KEYS, ARGV)` (or check_many).
+local function check(KEYS, ARGV)
+  if #ARGV ~= 1 then
+    return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
+  end
+  return check_one(KEYS, ARGV[1], nil, nil, nil)
+end
+
+-- Many decisions in one call, in order, each decided as `check` decides it alone but for
+-- one TIME read and one MGET of block markers and states for all (a check whose keys an
+-- earlier check of the batch touched reads them again itself). The store sends what
+-- queued while its previous call was in flight.
+--
+-- KEYS     the keys of each check in turn, as for `check` (2, or 3 with a sliding log)
+-- ARGV[1]  one character per check: its number of keys, '2' or '3'
+-- ARGV[1 + i]  check i's packed values, as ARGV[1] of `check`
+--
+-- Returns one string: each check's reply in turn, as `check` returns it; a check that
+-- failed (an error reply or an error raised) as the doubles {-1, length} and that many
+-- bytes of message. One check's failure never touches another's decision.
+local function check_many(KEYS, ARGV)
+  local counts = ARGV[1]
+  local n = #counts
+  if #ARGV ~= n + 1 then
+    return redis.error_reply('RLARGS check_many expects 1 + ' .. n .. ' arguments, got '
+      .. #ARGV .. VERSION_SKEW)
+  end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local byte, pcall, type, pack = string.byte, pcall, type, struct.pack
+  local names, k = {}, 0
+  for i = 1, n do
+    names[2 * i - 1], names[2 * i] = KEYS[k + 1], KEYS[k + 2]
+    k = k + byte(counts, i) - 48
+  end
+  local got = redis.call('MGET', unpack(names))
+  local out, touched = {}, {}
+  k = 0
+  for i = 1, n do
+    local m = byte(counts, i) - 48
+    local b, s = KEYS[k + 1], KEYS[k + 2]
+    local keys = {b, s}
+    if m == 3 then
+      keys[3] = KEYS[k + 3]
+    end
+    k = k + m
+    local at = nil
+    if not (touched[b] or touched[s]) then
+      at = 2 * i - 1
+    end
+    touched[b], touched[s] = true, true
+    local ok, r = pcall(check_one, keys, ARGV[i + 1], now, got, at)
+    if ok and type(r) == 'string' then
+      out[i] = r
+    else
+      local msg
+      if type(r) == 'table' and r.err then
+        msg = r.err
+      else
+        msg = tostring(r)
+      end
+      out[i] = pack('<dd', -1, #msg) .. msg
+    end
+  end
+  return table.concat(out)
 end

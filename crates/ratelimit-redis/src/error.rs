@@ -8,7 +8,7 @@ use redis::{ErrorKind, RedisError, ServerErrorKind};
 /// A store error never means "denied": it means no decision could be made. What to do
 /// then (fail open, fail closed, fall back to a local store) is the caller's policy, e.g.
 /// the tower layer's.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum RedisStoreError {
     /// Redis could not be reached or the connection failed (refused, reset, closed,

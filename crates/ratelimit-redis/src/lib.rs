@@ -1,6 +1,6 @@
-//! Redis store for [`ratelimit_core`]: a fleet of app servers sharing limits, one atomic
-//! Lua script call per decision, on one server, a Redis Cluster, or the primary of a
-//! Sentinel-managed service.
+//! Redis store for [`ratelimit_core`]: a fleet of app servers sharing limits, each
+//! decision atomic in a Lua function and many decisions per call under load, on one
+//! server, a Redis Cluster, or the primary of a Sentinel-managed service.
 //!
 //! [`RedisStore`] implements the core [`Store`](ratelimit_core::Store) trait and makes
 //! exactly the decisions [`MemoryStore`](ratelimit_core::MemoryStore) makes: the Lua is an
@@ -52,7 +52,7 @@
 //! [`RedisStore::is_connected`] and [`RedisStore::connected`] tell whether a connection
 //! is up, for readiness probes.
 //!
-//! # One round trip per check
+//! # One round trip per check, many checks per round trip
 //!
 //! A check is one call of `lua/check.lua`, however many rules: the key's block marker and
 //! every rule's state are read with one `MGET`, decided and written inside Redis, all or
@@ -65,10 +65,26 @@
 //! (`FUNCTION FLUSH`, `SCRIPT FLUSH`, a restart, a failover) the store loads it again
 //! once and resends the call.
 //!
+//! Checks that queue while the store's calls are in flight (one per connection) leave
+//! together as one call of the library's batch function, which decides them in order,
+//! each exactly as it would be decided alone (the whole call is atomic), with one read of
+//! `TIME` and one `MGET` of block markers and states for all, and answers with one packed
+//! string. There is no timer: a lone check leaves at once, as the plain one-check call,
+//! so latency at low concurrency does not grow; under load, batches form by themselves
+//! and Redis and the app spend less per decision.
+//! [`max_batch`](RedisStoreBuilder::max_batch) bounds a batch (default 64; 1 turns
+//! batching off) and [`batch_wait`](RedisStoreBuilder::batch_wait) optionally holds a
+//! batch open to fill it. One check's failure (a value the store did not write, a
+//! deadline passed, an error raised while deciding it) fails that check only; a reply
+//! that cannot be divided into one answer per check fails the checks of that call, none
+//! charged twice. Caller deadlines hold per check. Batching applies to one server and to
+//! the primary Sentinel names; on a Cluster each check is one call (the keys of one
+//! batch would live on several nodes).
+//!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
 //! O(precision) for the sliding window counter, and a few `LINDEX` for the sliding log
-//! (one list per key and rule set, trimmed to the largest sliding-log limit and read by
-//! binary search). No sorted sets, no scans.
+//! (one list per client key, trimmed to the largest sliding-log limit and read by binary
+//! search). No sorted sets, no scans.
 //!
 //! # Lease mode
 //!
@@ -141,11 +157,10 @@
 //!
 //! # Keys and TTLs
 //!
-//! Keys are `<prefix>:{<tag>}:b` (block marker), `<prefix>:{<tag>}:s:<rule set>` (a
-//! string: the rules' state as little-endian doubles holding integers, written with its
-//! expiry in one `SET`) and `<prefix>:{<tag>}:l:<rule set>` (a list: the sliding log),
-//! where `<rule set>` is [`RuleSet::fingerprint`](ratelimit_core::RuleSet::fingerprint) in
-//! hex and `<tag>` stands for the client key as the core holds it
+//! Keys are `<prefix>:{<tag>}:b` (block marker), `<prefix>:{<tag>}:s` (a string: the
+//! state of every rule, as little-endian doubles holding integers, written with its
+//! expiry in one `SET`) and `<prefix>:{<tag>}:l` (a list: the sliding log shared by every
+//! sliding-log rule), where `<tag>` stands for the client key as the core holds it
 //! ([`StoredKey`](ratelimit_core::key::StoredKey)): `k` and the key in hex for a key of
 //! at most 64 bytes, `d` and its 32-byte BLAKE3 digest in hex for a longer one. Client
 //! keys are data, never syntax: any bytes (braces, colons, CRLF, non-UTF-8) map to
@@ -154,10 +169,35 @@
 //! and all keys of one client share one hash tag, hence one Cluster slot. A long key maps
 //! to the same state in [`MemoryStore`](ratelimit_core::MemoryStore) and here.
 //!
+//! The names carry no rules: a client's state belongs to the client key (the middleware
+//! puts its namespace and tier in it), and inside the state string each rule's entry is
+//! tagged with the rule's identity
+//! ([`RuleSet::rule_ids`](ratelimit_core::RuleSet::rule_ids): its name, else its
+//! algorithm and period). A check under changed rules (a new limit, a new rule, app
+//! servers of a fleet on two versions at once) reads each rule's entry by identity and
+//! carries it exactly as [`MemoryStore`](ratelimit_core::MemoryStore) does (the core's
+//! [`algo`](ratelimit_core::algo#changing-rules) says what carries: counts and log
+//! entries as they are, token bucket levels clamped, a new rule, algorithm or period
+//! fresh); the state is rewritten in the new rules' layout only when that check commits,
+//! so entries of rules the new set lacks are dropped then. The string starts with the
+//! writer's layout, so a check under the same rules reads it in place; token bucket,
+//! leaky bucket and GCRA entries also keep the limit and capacity they were written
+//! under, which the carry needs. The state stays O(rules): a few doubles per rule.
+//!
 //! Every key expires when its state becomes equivalent to a fresh one (the core's
-//! `expires_at`, rounded up to the millisecond): no cleanup job exists or is needed. Block
-//! markers expire with the block; a block without end has no TTL. Under an injected clock,
-//! TTLs are relative and never shorter than [`RedisStoreBuilder::ttl_floor`].
+//! `expires_at`, rounded up to the millisecond): no cleanup job exists or is needed. The
+//! state string expires with the longest-lived of the rules that last wrote it (a rule
+//! dropped from the set stops counting at the next commit, which sets the TTL anew); the
+//! sliding log with the longest sliding-log period, and the state says until when the
+//! log counts, so a log left by rules that no longer have one is ignored and dropped.
+//! Block markers expire with the block; a block without end has no TTL. Under an
+//! injected clock, TTLs are relative and never shorter than
+//! [`RedisStoreBuilder::ttl_floor`]. [`reset`](ratelimit_core::Store::reset) deletes the
+//! client's state and log, whatever rules it names; a block stays.
+//!
+//! Upgrading from a version that named state by rule set: the old keys
+//! (`...:s:<fingerprint>`, `...:l:<fingerprint>`) are no longer read and expire on their
+//! own; each client starts from a fresh state once.
 //!
 //! # Running Redis for a limiter
 //!
@@ -213,6 +253,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod batch;
 mod error;
 mod keys;
 mod lease;

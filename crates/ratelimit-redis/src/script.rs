@@ -29,26 +29,48 @@ struct Function {
     name: String,
 }
 
+fn sha1(body: &str) -> String {
+    redis::Script::new(body).get_hash().to_owned()
+}
+
 impl Script {
-    fn new(body: String, function: bool) -> Self {
-        let sha = redis::Script::new(&body).get_hash().to_owned();
-        let function = function.then(|| {
-            let tag = &sha[..16];
-            // The library defines `check`; without the trailing `return` line of the
-            // script form.
-            let code = body.trim_end().trim_end_matches(EVAL_TAIL.trim());
-            Function {
-                library: format!(
-                    "#!lua name=ratelimit_{tag}\n{code}\nredis.register_function('ratelimit_check_{tag}', check)\n"
-                ),
-                name: format!("ratelimit_check_{tag}"),
-            }
-        });
+    fn new(body: String) -> Self {
+        let sha = sha1(&body);
         Self {
             body,
             sha,
-            function,
+            function: None,
         }
+    }
+
+    /// check.lua as two scripts, `check` and `check_many`, and one function library
+    /// registering both under names tagged with the SHA1 of the first.
+    fn decision_scripts() -> (Self, Self) {
+        let code = include_str!("../lua/check.lua");
+        let one = format!("{code}{EVAL_TAIL}");
+        let sha = sha1(&one);
+        let tag = &sha[..16];
+        let library = format!(
+            "#!lua name=ratelimit_{tag}\n{code}\n\
+             redis.register_function('ratelimit_check_{tag}', check)\n\
+             redis.register_function('ratelimit_batch_{tag}', check_many)\n"
+        );
+        let many = Self {
+            function: Some(Function {
+                library: library.clone(),
+                name: format!("ratelimit_batch_{tag}"),
+            }),
+            ..Self::new(format!("{code}{BATCH_TAIL}"))
+        };
+        let one = Self {
+            function: Some(Function {
+                library,
+                name: format!("ratelimit_check_{tag}"),
+            }),
+            body: one,
+            sha,
+        };
+        (one, many)
     }
 
     /// The `SCRIPT LOAD` command for this script.
@@ -98,33 +120,41 @@ impl Script {
 
 /// What the script form of check.lua appends to the file.
 const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
+/// What the batch script form of check.lua appends to the file.
+const BATCH_TAIL: &str = "\nreturn check_many(KEYS, ARGV)\n";
 
-/// The decision script; see `lua/check.lua` for its contract.
-pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        format!("{}{EVAL_TAIL}", include_str!("../lua/check.lua")),
-        true,
-    )
-});
+/// The decision script and the batch script; see `lua/check.lua` for their contracts.
+static DECISIONS: LazyLock<(Script, Script)> = LazyLock::new(Script::decision_scripts);
+/// The decision script: one check.
+pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.0);
+/// The batch script: many checks in one call.
+pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.1);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/block.lua").to_owned(), false));
+    LazyLock::new(|| Script::new(include_str!("../lua/block.lua").to_owned()));
 
 /// The refund script of lease mode; see `lua/refund.lua` for its contract.
 pub(crate) static REFUND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/refund.lua").to_owned(), false));
+    LazyLock::new(|| Script::new(include_str!("../lua/refund.lua").to_owned()));
 
 /// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
-/// library and the function's name.
+/// library, the function's name and the batch function's name.
 #[cfg(feature = "testing")]
-pub(crate) fn check_forms() -> [&'static str; 4] {
+pub(crate) fn check_forms() -> [&'static str; 5] {
     let function = CHECK.function.as_ref().expect("check.lua is a library");
-    [&CHECK.body, &CHECK.sha, &function.library, &function.name]
+    let batch = BATCH.function.as_ref().expect("check.lua is a library");
+    [
+        &CHECK.body,
+        &CHECK.sha,
+        &function.library,
+        &function.name,
+        &batch.name,
+    ]
 }
 
 /// The scripts a store loads when it connects.
 pub(crate) fn scripts() -> [&'static Script; 3] {
-    [&CHECK, &BLOCK, &REFUND]
+    [*CHECK, &BLOCK, &REFUND]
 }
 
 /// Whether the server answered that it has no such function (a restart, `FUNCTION
@@ -405,15 +435,47 @@ impl CheckArgs {
         )
     }
 
-    /// Appends the arguments of a check to `cmd`.
-    fn write(cmd: &mut Cmd, time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
+    /// The one argument of a check: its values packed.
+    fn pack(time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) -> Vec<u8> {
         let count = Self::HEADER + Self::PER_RULE * rules.len();
         let mut packed = Vec::with_capacity(8 * count);
         for value in Self::values(time, cost, ttl_floor_ms, rules) {
             // Exact: rules, costs and times stay below 2^53 (see the tests).
             packed.extend_from_slice(&(value as f64).to_le_bytes());
         }
-        cmd.arg(packed);
+        packed
+    }
+
+    /// Appends the arguments of a check to `cmd`.
+    fn write(cmd: &mut Cmd, time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) {
+        cmd.arg(Self::pack(time, cost, ttl_floor_ms, rules));
+    }
+
+    /// The length in bytes of the reply at the start of `bytes` in a batch reply, for a
+    /// check of `rules` rules: `Ok` for a decision, `Err` with the message's range for a
+    /// check that failed; `None` when `bytes` cannot hold one.
+    pub(crate) fn reply_len(
+        rules: usize,
+        bytes: &[u8],
+    ) -> Option<Result<usize, std::ops::Range<usize>>> {
+        let value = |i: usize| {
+            let chunk = bytes.get(8 * i..8 * i + 8)?;
+            Some(f64::from_le_bytes(chunk.try_into().ok()?))
+        };
+        let len = match value(0)? {
+            -1.0 => {
+                let n = value(1)?;
+                if !(n >= 0.0 && n.fract() == 0.0 && n <= bytes.len() as f64) {
+                    return None;
+                }
+                let range = 16..16 + n as usize;
+                return (range.end <= bytes.len()).then_some(Err(range));
+            }
+            1.0 | 3.0 => 16,
+            0.0 | 2.0 => 16 + 32 * rules,
+            _ => return None,
+        };
+        (len <= bytes.len()).then_some(Ok(len))
     }
 
     /// The arguments of a check, for tools that send the script by hand.
@@ -444,8 +506,17 @@ impl CheckArgs {
         let Value::BulkString(bytes) = reply else {
             return Err(unexpected("the check script should return a string", reply));
         };
+        Self::decision_from(rules, bytes)
+    }
+
+    /// As [`decision`](Self::decision), from the reply's bytes.
+    pub(crate) fn decision_from(
+        rules: &RuleSet,
+        bytes: &[u8],
+    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
+        let reply = &Bytes(bytes);
         let mut ints = [0i64; 2 + 4 * ratelimit_core::MAX_RULES];
-        if bytes.len() % 8 != 0 {
+        if !bytes.len().is_multiple_of(8) {
             return Err(unexpected("the reply should be whole doubles", reply));
         }
         if bytes.len() / 8 > ints.len() {
@@ -501,6 +572,29 @@ impl CheckArgs {
                 reply,
             )),
         }
+    }
+}
+
+/// One check as a batch carries it: its key names, its packed values, its number of rules.
+#[derive(Debug)]
+pub(crate) struct CheckJob {
+    /// The key names one after the other; each ends at `ends[i]`.
+    names: String,
+    ends: [usize; 3],
+    keys: usize,
+    packed: Vec<u8>,
+    /// Rules of the check, which the length of its reply depends on.
+    pub(crate) rules: usize,
+}
+
+impl CheckJob {
+    fn key_names(&self) -> impl Iterator<Item = &str> {
+        let mut start = 0;
+        self.ends[..self.keys].iter().map(move |&end| {
+            let name = &self.names[start..end];
+            start = end;
+            name
+        })
     }
 }
 
@@ -577,6 +671,61 @@ impl Shared {
         call
     }
 
+    /// One check as a batch carries it.
+    pub(crate) fn check_job(&self, key: &[u8], rules: &RuleSet, cost: u64) -> CheckJob {
+        let has_log = rules.log_limit() > 0;
+        let mut names = KeyNames::new(&self.prefix, key);
+        let mut all = String::with_capacity(3 * (self.prefix.len() + 48));
+        let mut ends = [0; 3];
+        all.push_str(names.block());
+        ends[0] = all.len();
+        all.push_str(names.state());
+        ends[1] = all.len();
+        if has_log {
+            all.push_str(names.log());
+        }
+        ends[2] = all.len();
+        CheckJob {
+            names: all,
+            ends,
+            keys: 2 + usize::from(has_log),
+            packed: CheckArgs::pack(self.time(), cost, self.ttl_floor_ms, rules),
+            rules: rules.len(),
+        }
+    }
+
+    /// The call that decides `job` alone: the same as [`check_call`](Self::check_call).
+    pub(crate) fn single_call(&self, job: &CheckJob) -> Call<'_> {
+        let mut call = CHECK.call(&self.functions, job.keys, job.keys + 1);
+        for name in job.key_names() {
+            call.cmd.arg(name);
+        }
+        call.cmd.arg(&job.packed[..]);
+        call
+    }
+
+    /// The call that decides `jobs` in order, in one run of `check_many`.
+    pub(crate) fn batch_call<'a, 'j>(
+        &'a self,
+        jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+    ) -> Call<'a> {
+        let (count, keys) = jobs
+            .clone()
+            .fold((0, 0), |(n, keys), job| (n + 1, keys + job.keys));
+        let mut call = BATCH.call(&self.functions, keys, keys + 1 + count);
+        for job in jobs.clone() {
+            for name in job.key_names() {
+                call.cmd.arg(name);
+            }
+        }
+        let counts: Vec<u8> = jobs.clone().map(|job| b'0' + job.keys as u8).collect();
+        call.cmd.arg(counts);
+        for job in jobs {
+            call.cmd.arg(&job.packed[..]);
+        }
+        call
+    }
+
     pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {
         let mut call = BLOCK.call(&self.functions, 1, 4);
         call.cmd.arg(KeyNames::new(&self.prefix, key).block());
@@ -610,8 +759,24 @@ impl Shared {
     }
 }
 
-fn unexpected(what: &str, reply: &Value) -> RedisStoreError {
+fn unexpected(what: &str, reply: &dyn std::fmt::Debug) -> RedisStoreError {
     RedisStoreError::UnexpectedReply(format!("{what}, got {reply:?}"))
+}
+
+/// A reply's bytes as the error messages show them: the doubles they pack.
+struct Bytes<'a>(&'a [u8]);
+
+impl std::fmt::Debug for Bytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut list = f.debug_list();
+        for chunk in self.0.chunks(8) {
+            match <[u8; 8]>::try_from(chunk) {
+                Ok(bytes) => list.entry(&f64::from_le_bytes(bytes)),
+                Err(_) => list.entry(&chunk),
+            };
+        }
+        list.finish()
+    }
 }
 
 #[cfg(test)]
@@ -658,6 +823,35 @@ mod tests {
             CheckArgs::decision(&r, &ints(&[3, 1_763_683_200_000_000])).unwrap(),
             Err(1_763_683_200_000_000)
         );
+    }
+
+    #[test]
+    fn a_batch_reply_divides_into_one_reply_per_check() {
+        let bytes = |v: &[f64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        // A decision of 2 rules, a block, a check too late, then an error entry.
+        let decided = bytes(&[0.0, 0.0, 1.0, 9.0, 1.0, 0.0, 1.0, 3.0, 1.0, 0.0]);
+        assert_eq!(CheckArgs::reply_len(2, &decided), Some(Ok(80)));
+        assert_eq!(
+            CheckArgs::reply_len(3, &decided),
+            None,
+            "too short for 3 rules"
+        );
+        assert_eq!(CheckArgs::reply_len(5, &bytes(&[1.0, -1.0])), Some(Ok(16)));
+        assert_eq!(CheckArgs::reply_len(5, &bytes(&[3.0, 1e15])), Some(Ok(16)));
+        let mut failed = bytes(&[-1.0, 7.0]);
+        failed.extend_from_slice(b"RLSTATE and more");
+        assert_eq!(CheckArgs::reply_len(1, &failed), Some(Err(16..23)));
+        for bad in [
+            bytes(&[-1.0, 99.0]),
+            bytes(&[-1.0, 0.5]),
+            bytes(&[-1.0, -3.0]),
+            bytes(&[4.0, 0.0]),
+            bytes(&[f64::NAN, 0.0]),
+            bytes(&[1.0]),
+            vec![0; 7],
+        ] {
+            assert_eq!(CheckArgs::reply_len(1, &bad), None, "{bad:?}");
+        }
     }
 
     #[test]

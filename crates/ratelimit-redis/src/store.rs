@@ -10,22 +10,29 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::Value;
 
-use crate::error::{classify, RedisStoreError};
+use crate::batch::{self, Batcher};
+use crate::error::RedisStoreError;
 use crate::lease::{self, Leases};
 use crate::options::Options;
 use crate::script::{CheckArgs, Request, Shared};
-use crate::transport::{Failure, Link, Pooled, Source, Transport};
+use crate::transport::{failure, Link, Pooled, Source, Transport};
 
 /// Connections to one server when none is configured. Each is multiplexed (many
 /// requests in flight on one socket), so a few are plenty.
-pub(crate) const DEFAULT_POOL_SIZE: u32 = 4;
+pub(crate) const DEFAULT_POOL_SIZE: u32 = 1;
+/// The most checks in one call when none is configured.
+pub(crate) const DEFAULT_MAX_BATCH: usize = 64;
+/// The most checks one call may carry: the batch function unpacks two key names per check
+/// onto Lua's stack at once.
+const MAX_BATCH: usize = 1024;
 
 /// The rate-limit [`Store`] over Redis: one server, a Redis Cluster, or the primary of a
 /// Sentinel-managed service.
 ///
 /// Every check is one `FCALL` of the decision function (one `EVALSHA` of the decision
-/// script before Redis 7), whatever the number of rules; a
-/// clone shares the connections. See the [crate docs](crate) for the key layout, time
+/// script before Redis 7), whatever the number of rules, and checks that queue while a
+/// call is in flight share one call (see the crate docs); a clone shares the connections
+/// and the queue. See the [crate docs](crate) for the key layout, time
 /// source, TTLs and how to run Redis for a limiter.
 ///
 /// ```no_run
@@ -60,8 +67,10 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    transport: Transport,
+    transport: Arc<Transport>,
     shared: Arc<Shared>,
+    /// The queue that batches checks; `None` when every check is its own call.
+    batcher: Option<Batcher>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
     /// Lease mode's table, when the store was built with a lease length.
@@ -84,6 +93,8 @@ impl std::fmt::Debug for RedisStore {
 pub struct RedisStoreBuilder {
     options: Options,
     pool_size: u32,
+    max_batch: usize,
+    batch_wait: Option<Duration>,
     lease: Option<Duration>,
 }
 
@@ -134,9 +145,31 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connections a single-server store keeps open (default 4, at least 1).
-    /// Connections are multiplexed, so more only help when one socket's throughput is
-    /// the limit. Cluster and Sentinel stores keep one multiplexed connection per server.
+    /// The most checks one Redis call decides (default 64, at most 1024; 1 sends every
+    /// check as a call of its own). Checks that queue while the store's calls are in flight (one per
+    /// connection) leave together as one call that decides them in order, each as
+    /// atomically as alone, with one read of Redis `TIME` for all; a lone check leaves at
+    /// once. Batching applies to one server and to the primary Sentinel names; a
+    /// Cluster's checks go one call each.
+    pub fn max_batch(mut self, checks: usize) -> Self {
+        self.max_batch = checks.clamp(1, MAX_BATCH);
+        self
+    }
+
+    /// Holds each batch open up to `wait` after its first check for more to join (none by
+    /// default: a batch is what queued while the previous call was in flight). Trades
+    /// latency for Redis and app CPU under moderate load; the wait counts against each
+    /// check's timeout.
+    pub fn batch_wait(mut self, wait: Duration) -> Self {
+        self.batch_wait = (!wait.is_zero()).then_some(wait);
+        self
+    }
+
+    /// Connections a single-server store keeps open (default 1, at least 1), and so the
+    /// batched calls it has in flight at once. Connections are multiplexed, so more only
+    /// help when one socket's throughput is the limit: with one, more checks share each
+    /// call, which costs both Redis and the app less per decision (see BENCHMARKS.md).
+    /// Cluster and Sentinel stores keep one multiplexed connection per server.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -265,10 +298,11 @@ impl RedisStoreBuilder {
     /// # Panics
     ///
     /// If the configured prefix contains `{` or `}` or the timeout is zero (the errors
-    /// [`build`](Self::build) returns).
+    /// [`build`](Self::build) returns), or outside a Tokio runtime (the store starts the
+    /// task that sends batched checks).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
-        RedisStore::new(Transport::Pool(Pooled::new(pool)), shared, self.lease)
+        self.store(Transport::Pool(Pooled::new(pool)), shared)
     }
 
     /// A Cluster store over a cluster connection the application already has. The
@@ -279,11 +313,7 @@ impl RedisStoreBuilder {
     /// As [`build_with_pool`](Self::build_with_pool).
     pub fn build_with_cluster_connection(self, conn: ClusterConnection) -> RedisStore {
         let shared = self.shared_or_panic("build_with_cluster_connection");
-        RedisStore::new(
-            Transport::Link(Link::given(conn, shared.clone())),
-            shared,
-            self.lease,
-        )
+        self.store(Transport::Link(Link::given(conn, shared.clone())), shared)
     }
 
     fn shared_or_panic(&self, what: &str) -> Arc<Shared> {
@@ -305,20 +335,42 @@ impl RedisStoreBuilder {
                 return Err(e);
             }
         }
-        Ok(RedisStore::new(Transport::Link(link), shared, self.lease))
+        Ok(self.store(Transport::Link(link), shared))
     }
-}
 
-fn failure(e: Failure, timeout: Duration) -> RedisStoreError {
-    match e {
-        Failure::Redis(e) => classify(e, timeout),
-        Failure::PoolTimedOut => RedisStoreError::Timeout(timeout),
+    fn store(&self, transport: Transport, shared: Arc<Shared>) -> RedisStore {
+        let transport = Arc::new(transport);
+        let batcher = (self.max_batch > 1 && transport.batches()).then(|| {
+            let settings = batch::Settings {
+                max: self.max_batch,
+                wait: self.batch_wait,
+                in_flight: usize::try_from(self.pool_size).unwrap_or(1),
+            };
+            Batcher::start(transport.clone(), shared.clone(), settings)
+        });
+        let store = RedisStore {
+            inner: Arc::new(Inner {
+                transport,
+                shared,
+                batcher,
+                heal_log: BoundedLog::new(),
+                leases: self.lease.map(Leases::new),
+            }),
+        };
+        if let Some(length) = self.lease {
+            let weak = Arc::downgrade(&store.inner);
+            lease::spawn_sweep(
+                move || weak.upgrade().map(|inner| RedisStore { inner }),
+                length / 2,
+            );
+        }
+        store
     }
 }
 
 impl RedisStore {
     /// A store for the Redis server at `url` with the defaults: prefix `"ratelimit"`,
-    /// Redis `TIME`, a 50 ms per-call timeout and 4 multiplexed connections. As
+    /// Redis `TIME`, a 50 ms per-call timeout and one multiplexed connection. As
     /// [`RedisStoreBuilder::build`], fails only on configuration errors, never because
     /// Redis is unreachable.
     pub async fn connect(url: &str) -> Result<Self, RedisStoreError> {
@@ -330,27 +382,10 @@ impl RedisStore {
         RedisStoreBuilder {
             options: Options::default(),
             pool_size: DEFAULT_POOL_SIZE,
+            max_batch: DEFAULT_MAX_BATCH,
+            batch_wait: None,
             lease: None,
         }
-    }
-
-    fn new(transport: Transport, shared: Arc<Shared>, lease: Option<Duration>) -> Self {
-        let store = Self {
-            inner: Arc::new(Inner {
-                transport,
-                shared,
-                heal_log: BoundedLog::new(),
-                leases: lease.map(Leases::new),
-            }),
-        };
-        if let Some(length) = lease {
-            let weak = Arc::downgrade(&store.inner);
-            lease::spawn_sweep(
-                move || weak.upgrade().map(|inner| Self { inner }),
-                length / 2,
-            );
-        }
-        store
     }
 
     /// The lease length of a store in lease mode; `None` in exact mode (the default).
@@ -369,7 +404,7 @@ impl RedisStore {
     /// The connection pool of a store built over one
     /// ([`build_with_pool`](RedisStoreBuilder::build_with_pool)); `None` otherwise.
     pub fn pool(&self) -> Option<&Pool<RedisConnectionManager>> {
-        match &self.inner.transport {
+        match &*self.inner.transport {
             Transport::Pool(pooled) => Some(&pooled.pool),
             Transport::Link(_) => None,
         }
@@ -409,10 +444,32 @@ impl RedisStore {
 
     /// Sends `request` within the store's timeout.
     async fn run(&self, request: Request<'_>) -> Result<Value, RedisStoreError> {
-        let timeout = self.inner.shared.timeout;
-        match tokio::time::timeout(timeout, self.inner.transport.send(&request)).await {
-            Ok(reply) => reply.map_err(|e| failure(e, timeout)),
-            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+        self.inner
+            .transport
+            .call(&request, self.inner.shared.timeout)
+            .await
+    }
+
+    /// One check's reply, through the batch queue or as a call of its own.
+    async fn decide(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
+        let shared = &self.inner.shared;
+        match &self.inner.batcher {
+            Some(batcher) => {
+                let job = shared.check_job(key, rules, cost);
+                let bytes = batcher.decide(job, shared.timeout).await?;
+                CheckArgs::decision_from(rules, &bytes)
+            }
+            None => {
+                let reply = self
+                    .run(Request::Call(shared.check_call(key, rules, cost)))
+                    .await?;
+                CheckArgs::decision(rules, &reply)
+            }
         }
     }
 }
@@ -477,9 +534,7 @@ impl RedisStore {
         rules: &RuleSet,
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
-        let call = self.inner.shared.check_call(key, rules, cost);
-        let reply = self.run(Request::Call(call)).await?;
-        let (decision, healed) = match CheckArgs::decision(rules, &reply)? {
+        let (decision, healed) = match self.decide(key, rules, cost).await? {
             Ok(decided) => decided,
             Err(redis_now) => {
                 // Redis got to the check after its deadline (the reply outran our timer,

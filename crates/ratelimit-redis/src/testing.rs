@@ -400,16 +400,21 @@ pub struct CheckScript {
     pub library: &'static str,
     /// The function's name, for `FCALL`.
     pub function: &'static str,
+    /// The batch function's name, for `FCALL`: the keys of every check in turn, then
+    /// one argument with each check's number of keys as a digit, then each check's
+    /// arguments (see `lua/check.lua`).
+    pub batch_function: &'static str,
 }
 
 /// The decision script's forms; see [`CheckScript`].
 pub fn check_script() -> CheckScript {
-    let [body, sha, library, function] = crate::script::check_forms();
+    let [body, sha, library, function, batch_function] = crate::script::check_forms();
     CheckScript {
         body,
         sha,
         library,
         function,
+        batch_function,
     }
 }
 

@@ -16,7 +16,7 @@ use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErr
 
 use ratelimit_core::util::BoundedLog;
 
-use crate::error::is_connection_error;
+use crate::error::{classify, is_connection_error, RedisStoreError};
 use crate::script::{self, Request, Shared};
 
 /// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
@@ -58,6 +58,27 @@ impl Transport {
         }
     }
 
+    /// Sends `request` within `timeout`, with the failure sorted into the store's errors.
+    pub(crate) async fn call(
+        &self,
+        request: &Request<'_>,
+        timeout: Duration,
+    ) -> Result<Value, RedisStoreError> {
+        match tokio::time::timeout(timeout, self.send(request)).await {
+            Ok(reply) => reply.map_err(|e| failure(e, timeout)),
+            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+        }
+    }
+
+    /// Whether the store has a batched path: one server (or its Sentinel-named primary).
+    /// A Cluster's checks go one call each.
+    pub(crate) fn batches(&self) -> bool {
+        match self {
+            Transport::Link(link) => !matches!(link.source, Source::Cluster(_) | Source::Given),
+            Transport::Pool(_) => true,
+        }
+    }
+
     /// Whether the store holds a working connection (always true over a pool, whose
     /// connections the application manages).
     pub(crate) fn is_connected(&self) -> bool {
@@ -72,6 +93,14 @@ impl Transport {
         if let Transport::Link(link) = self {
             link.connected().await;
         }
+    }
+}
+
+/// The store's error for a failed request.
+pub(crate) fn failure(e: Failure, timeout: Duration) -> RedisStoreError {
+    match e {
+        Failure::Redis(e) => classify(e, timeout),
+        Failure::PoolTimedOut => RedisStoreError::Timeout(timeout),
     }
 }
 

@@ -7,7 +7,6 @@ use std::time::Duration;
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use ratelimit_core::util::{fnv1a, period_parts};
 use ratelimit_core::{Decision, Rule, RuleOutcome, RuleSet};
-use smallvec::SmallVec;
 
 /// `RateLimit-Policy: "name";q=<quota>;w=<window seconds>`, one item per rule.
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -128,6 +127,8 @@ fn quota(rule: &Rule) -> u64 {
 pub(crate) struct Policy {
     pub(crate) header: HeaderValue,
     items: Box<[PolicyItem]>,
+    /// The longest `RateLimit` value the items can make.
+    max_len: usize,
 }
 
 struct PolicyItem {
@@ -135,6 +136,12 @@ struct PolicyItem {
     prefix: Box<[u8]>,
     quota: u64,
 }
+
+/// `RateLimit` values up to this long are written on the stack.
+const STACK_VALUE: usize = 256;
+
+/// The most a `u64` takes in decimal.
+const U64_DIGITS: usize = 20;
 
 impl Policy {
     /// Names are limited to `[A-Za-z0-9_.-]` by the core and tags to the same plus `@`,
@@ -159,9 +166,14 @@ impl Policy {
                 quota,
             });
         }
+        let max_len = items
+            .iter()
+            .map(|i| ", ".len() + i.prefix.len() + U64_DIGITS + ";t=".len() + U64_DIGITS)
+            .sum();
         Self {
             header: HeaderValue::try_from(header).expect("names and digits are valid header text"),
             items: items.into(),
+            max_len,
         }
     }
 
@@ -180,22 +192,43 @@ impl Policy {
         if outcomes.is_empty() {
             return None;
         }
-        // Written by hand into a stack buffer rather than with `format!`: this runs on
-        // every admitted request, and copying the result into an exact-size value costs
-        // one allocation where a growable buffer would cost two.
-        let mut out: SmallVec<[u8; 256]> = SmallVec::new();
+        // Written by hand into a buffer of the longest value's size rather than with
+        // `format!` or a growable buffer: this runs on every admitted request, and an
+        // exact-size copy costs one allocation where a growable buffer costs two, and no
+        // capacity check per piece.
+        let value = if self.max_len <= STACK_VALUE {
+            let mut buf = [0; STACK_VALUE];
+            let len = self.write(outcomes, elapsed, &mut buf);
+            HeaderValue::from_bytes(&buf[..len])
+        } else {
+            let mut buf = vec![0; self.max_len];
+            let len = self.write(outcomes, elapsed, &mut buf);
+            buf.truncate(len);
+            HeaderValue::try_from(buf)
+        };
+        Some(value.expect("names and digits are valid header text"))
+    }
+
+    /// Writes the `RateLimit` value into `out` (at least `max_len` long); its length.
+    fn write(&self, outcomes: &[RuleOutcome], elapsed: Duration, out: &mut [u8]) -> usize {
+        let mut len = 0;
+        let mut put = |bytes: &[u8]| {
+            out[len..len + bytes.len()].copy_from_slice(bytes);
+            len += bytes.len();
+        };
         let mut digits = itoa::Buffer::new();
-        for (o, item) in outcomes.iter().zip(self.items.iter()) {
-            if !out.is_empty() {
-                out.extend_from_slice(b", ");
+        for (i, (o, item)) in outcomes.iter().zip(self.items.iter()).enumerate() {
+            if i > 0 {
+                put(b", ");
             }
-            out.extend_from_slice(&item.prefix);
-            out.extend_from_slice(digits.format(o.remaining.min(item.quota)).as_bytes());
-            out.extend_from_slice(b";t=");
-            let t = ceil_secs(o.reset_after.saturating_sub(elapsed));
-            out.extend_from_slice(digits.format(t).as_bytes());
+            put(&item.prefix);
+            put(digits.format(o.remaining.min(item.quota)).as_bytes());
+            put(b";t=");
+            put(digits
+                .format(ceil_secs(o.reset_after.saturating_sub(elapsed)))
+                .as_bytes());
         }
-        Some(HeaderValue::from_bytes(&out).expect("names and digits are valid header text"))
+        len
     }
 }
 
@@ -252,6 +285,34 @@ mod tests {
         assert_eq!(
             Policy::new(&rules, "x").header,
             "\"a\";q=3, \"b\";q=1, \"c\";q=2;w=2"
+        );
+    }
+
+    #[test]
+    fn long_ratelimit_values_are_written_whole() {
+        let text: Vec<String> = (1..=8)
+            .map(|i| format!("{i}/h name={}", "n".repeat(60) + &i.to_string()))
+            .collect();
+        let rules: RuleSet = text.join("; ").parse().unwrap();
+        let policy = Policy::new(&rules, "x");
+        assert!(policy.max_len > STACK_VALUE);
+        let outcomes: Vec<RuleOutcome> = rules
+            .rules()
+            .iter()
+            .map(|r| RuleOutcome {
+                allowed: true,
+                limit: r.limit(),
+                remaining: u64::MAX,
+                reset_after: Duration::from_secs(u64::MAX / 2),
+                retry_after: None,
+            })
+            .collect();
+        let value = policy.ratelimit_of(&outcomes, Duration::ZERO).unwrap();
+        let value = value.to_str().unwrap();
+        assert_eq!(value.matches(";r=").count(), 8, "{value}");
+        assert!(
+            value.ends_with(&format!("\";r=8;t={}", u64::MAX / 2)),
+            "{value}"
         );
     }
 

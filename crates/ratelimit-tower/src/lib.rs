@@ -125,7 +125,7 @@
 //!
 //! # Budgets and namespaces
 //!
-//! A budget is (namespace, tier, client key, rule set). A layer's namespace is the one
+//! A budget is (namespace, tier, client key). A layer's namespace is the one
 //! given to [`namespace`](RateLimitLayerBuilder::namespace), or else derived from where
 //! [`RateLimitLayer::new`] / [`builder`](RateLimitLayer::builder) is called in the source
 //! (`@` and a hash of file, line and column). So:
@@ -143,8 +143,9 @@
 //! The store key is `[n] namespace [m] tier client-key`, where `n` and `m` are single
 //! bytes holding the lengths of the namespace and the tier name (`""` unless
 //! [tiers](#tiers-rules-per-request) are used), so no two (namespace, tier, key) triples
-//! produce the same bytes. The store then keeps one state per (key, rule set) and digests
-//! long keys itself. [`RateLimitLayer::store_key`] gives the key for a client;
+//! produce the same bytes. The store then keeps one state per key (each rule's inside it
+//! by the rule's identity, so changed limits keep each client's usage) and digests long
+//! keys itself. [`RateLimitLayer::store_key`] gives the key for a client;
 //! [`RateLimitLayer::block`], [`unblock`](RateLimitLayer::unblock) and
 //! [`reset`](RateLimitLayer::reset) act on a client key in the layer's namespace.
 //!
@@ -221,7 +222,7 @@
 //! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
 //! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
 //! | no key found, no tier (the server's misconfiguration) | 13 `INTERNAL` |
-//! | no key found where the policy blames the client (a 4xx status) | 3 `INVALID_ARGUMENT` |
+//! | the client left out its key (a header) | 3 `INVALID_ARGUMENT` |
 //!
 //! Besides `grpc-status`, a refusal carries `grpc-message` (the same sentence as the HTTP
 //! body, percent-encoded as the gRPC spec requires), `RateLimit-Policy` and `RateLimit`
@@ -342,7 +343,9 @@
 //! (or an `Arc` of one) the check runs synchronously inside `call` without a future;
 //! other stores' checks are boxed futures (one allocation per request, small next to a
 //! network round trip). An admitted request costs two allocations of the layer's own:
-//! the `RateLimit` field and the decision placed in the request's extensions.
+//! the `RateLimit` field and the decision placed in the request's extensions. Under
+//! axum's `Router::layer` / `route_layer`, axum boxes the [`ResponseBody`] into its own
+//! `Body`: one allocation more, the price of serving any inner body type.
 
 // docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.
 #![cfg_attr(docsrs, feature(doc_cfg))]

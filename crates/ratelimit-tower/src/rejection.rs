@@ -123,15 +123,8 @@ impl Rejection {
             RejectReason::StoreUnavailable => Code::Unavailable,
             // The client left out what its key is made of: its own mistake.
             RejectReason::KeyOmitted => Code::InvalidArgument,
-            // The layer's policy says whose fault a missing key is by its status: a client
-            // error when the client left something out, else the server's configuration.
-            RejectReason::MissingKey | RejectReason::UnknownTier => {
-                if self.status.is_client_error() {
-                    Code::InvalidArgument
-                } else {
-                    Code::Internal
-                }
-            }
+            // The server's configuration, not the client's fault.
+            RejectReason::MissingKey | RejectReason::UnknownTier => Code::Internal,
         }
     }
 
@@ -357,8 +350,13 @@ mod tests {
                 Code::Internal,
             ),
             (
-                RejectReason::MissingKey,
+                RejectReason::KeyOmitted,
                 StatusCode::BAD_REQUEST,
+                Code::InvalidArgument,
+            ),
+            (
+                RejectReason::KeyOmitted,
+                StatusCode::UNAUTHORIZED,
                 Code::InvalidArgument,
             ),
             (

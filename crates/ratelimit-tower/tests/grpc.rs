@@ -237,3 +237,30 @@ async fn shaping_delays_grpc_calls() {
     let retry = status.get_details_retry_info().expect("a RetryInfo detail");
     assert_eq!(retry.retry_delay, Some(Duration::from_millis(500)));
 }
+
+#[tokio::test]
+async fn a_call_without_its_key_header_is_invalid_argument() {
+    let svc = RateLimitLayer::new(
+        MemoryStore::new(),
+        ratelimit_tower::HeaderKey::new("x-api-key"),
+        "2/min".parse().unwrap(),
+    )
+    .layer(ok_service());
+    let res = send(&svc, call("application/grpc", None)).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.body().is_end_stream());
+    let status = tonic::Status::from_header_map(res.headers()).unwrap();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("x-api-key"),
+        "{}",
+        status.message()
+    );
+
+    let mut with_key = call("application/grpc", None);
+    with_key
+        .headers_mut()
+        .insert("x-api-key", "k-1".parse().unwrap());
+    let res = send(&svc, with_key).await;
+    assert_eq!(res.headers()["grpc-status"], "0");
+}

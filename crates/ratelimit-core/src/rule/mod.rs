@@ -379,8 +379,8 @@ fn rule_ids(rules: &[Rule]) -> Box<[u64]> {
 ///
 /// A key's state belongs to the key; inside it, each rule's state belongs to the rule's
 /// identity ([`RuleSet::rule_ids`]), so a rule set that replaces another on the same key
-/// carries each client's usage over rule by rule (see [`algo`](crate::algo#changing-rules)
-/// for what carries). Cheap to clone.
+/// carries each client's usage over rule by rule (the `algo` module's docs, "Changing
+/// rules", say what carries). Cheap to clone.
 ///
 /// ```
 /// use ratelimit_core::RuleSet;
@@ -505,8 +505,8 @@ impl RuleSet {
     /// period breaking ties; limits, capacities and bursts are not part of it. Each
     /// identity is a 52-bit FNV-1a hash of that text, never 0, stable across versions
     /// and processes. Two rules of one identity always share algorithm and period, so
-    /// their state means the same thing; how it carries is in
-    /// [`algo`](crate::algo#changing-rules).
+    /// their state means the same thing; how it carries is in the `algo` module's
+    /// docs, "Changing rules".
     ///
     /// ```
     /// use ratelimit_core::RuleSet;

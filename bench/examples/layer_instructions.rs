@@ -1,0 +1,67 @@
+//! Requests sent through a router in process (no sockets), for counting instructions per
+//! request with callgrind: the difference between two request counts, divided by the
+//! difference, leaves out the set-up.
+//!
+//! ```sh
+//! cargo build --release -p ratelimit-bench --example layer_instructions
+//! for n in 2000 12000; do
+//!   valgrind --tool=callgrind --callgrind-out-file=cg.$n target/release/examples/layer_instructions fields $n
+//! done
+//! # (total of cg.12000 - total of cg.2000) / 10000; routers: plain, governor, quiet, fields
+//! ```
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::routing::get;
+use axum::Router;
+use ratelimit_core::MemoryStore;
+use ratelimit_tower::{PeerIp, RateLimitLayer};
+use tower::ServiceExt;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::GovernorLayer;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let which = args.next().unwrap_or_else(|| "fields".into());
+    let n: usize = args.next().map_or(Ok(10_000), |s| s.parse())?;
+    let hello = || Router::new().route("/", get(|| async { "Hello, World!" }));
+    let layer = |fields: bool| {
+        RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
+            .rules("100000000/s")
+            .unwrap()
+            .admitted_headers(fields)
+            .build()
+            .unwrap()
+    };
+    let app = match which.as_str() {
+        "plain" => hello(),
+        "governor" => {
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(10)
+                .burst_size(u32::MAX)
+                .finish()
+                .ok_or("tower_governor configuration")?;
+            hello().layer(GovernorLayer::new(Arc::new(config)))
+        }
+        "quiet" => hello().layer(layer(false)),
+        "fields" => hello().layer(layer(true)),
+        other => return Err(format!("no router {other:?}").into()),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    let peer: SocketAddr = "192.0.2.1:40000".parse()?;
+    let mut headers = 0;
+    rt.block_on(async {
+        for _ in 0..n {
+            let mut req = axum::http::Request::get("/").body(Body::empty()).unwrap();
+            req.extensions_mut().insert(ConnectInfo(peer));
+            let res = app.clone().oneshot(req).await.unwrap();
+            assert!(res.status().is_success());
+            headers += res.headers().len();
+        }
+    });
+    println!("{which}: {n} requests, {headers} response headers");
+    Ok(())
+}

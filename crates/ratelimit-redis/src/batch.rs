@@ -1,0 +1,254 @@
+//! Many checks per Redis call: checks that queue while a call is in flight leave
+//! together as one call of `check_many`, which decides them in order, each as atomically
+//! as alone.
+//!
+//! No timer by default: a batch is whatever queued, so a lone check leaves at once (as
+//! one plain `check` call, exactly what an unbatched store sends, straight from the
+//! caller's task when no call is in flight) and latency at low concurrency does not
+//! grow. Under load, the calls in flight are bounded (one per
+//! connection) and checks arriving meanwhile wait in the queue for the next call, up to
+//! the batch size; `batch_wait` optionally holds a batch open a little longer to fill it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::Value;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::error::{classify, RedisStoreError};
+use crate::script::{CheckArgs, CheckJob, Request, Shared};
+use crate::transport::Transport;
+
+/// How a store batches.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    /// The most checks in one call.
+    pub(crate) max: usize,
+    /// How long a batch waits for more checks once its first arrived (none by default).
+    pub(crate) wait: Option<Duration>,
+    /// Calls in flight at once.
+    pub(crate) in_flight: usize,
+}
+
+/// A check waiting for its batch.
+struct Job {
+    check: CheckJob,
+    reply: oneshot::Sender<Result<Vec<u8>, RedisStoreError>>,
+}
+
+/// The queue of a store's checks and the task that sends them.
+#[derive(Debug)]
+pub(crate) struct Batcher {
+    queue: mpsc::UnboundedSender<Job>,
+    /// One permit per call that may be in flight.
+    slots: Arc<Semaphore>,
+    transport: Arc<Transport>,
+    shared: Arc<Shared>,
+    /// Every check waits in the queue (a batch wait is set), none goes alone at once.
+    always_queue: bool,
+}
+
+impl Batcher {
+    /// Starts the sending task; it ends when the batcher is dropped.
+    pub(crate) fn start(
+        transport: Arc<Transport>,
+        shared: Arc<Shared>,
+        settings: Settings,
+    ) -> Self {
+        let (queue, jobs) = mpsc::unbounded_channel();
+        let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+        tokio::spawn(dispatch(
+            transport.clone(),
+            shared.clone(),
+            jobs,
+            slots.clone(),
+            settings,
+        ));
+        Self {
+            queue,
+            slots,
+            transport,
+            shared,
+            always_queue: settings.wait.is_some(),
+        }
+    }
+
+    /// Queues `check` and waits for its reply (the bytes `check` would have answered
+    /// alone), at most until `timeout`.
+    pub(crate) async fn decide(
+        &self,
+        check: CheckJob,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, RedisStoreError> {
+        // A free slot means no call is in flight and no batch waits for one: the check
+        // goes at once from here, as a call of its own, without a hop through the
+        // sending task. (Semaphore permits go to waiters first, so this never overtakes
+        // a batch that waits.) With a batch wait, checks wait for company instead.
+        let free = (!self.always_queue)
+            .then(|| self.slots.clone().try_acquire_owned().ok())
+            .flatten();
+        if let Some(slot) = free {
+            let reply = single(&self.transport, &self.shared, &check).await;
+            drop(slot);
+            return reply;
+        }
+        let (reply, answer) = oneshot::channel();
+        if self.queue.send(Job { check, reply }).is_err() {
+            return Err(RedisStoreError::UnexpectedReply(
+                "the store's sending task has stopped".into(),
+            ));
+        }
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(RedisStoreError::UnexpectedReply(
+                "the store's sending task dropped a check".into(),
+            )),
+            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+        }
+    }
+}
+
+async fn dispatch(
+    transport: Arc<Transport>,
+    shared: Arc<Shared>,
+    mut queue: mpsc::UnboundedReceiver<Job>,
+    slots: Arc<Semaphore>,
+    settings: Settings,
+) {
+    let max = settings.max.max(1);
+    let mut jobs = Vec::with_capacity(max);
+    loop {
+        let Some(first) = queue.recv().await else {
+            return;
+        };
+        // Then wait for a free slot: what queues meanwhile leaves together.
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        jobs.push(first);
+        while jobs.len() < max {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        if let Some(wait) = settings.wait {
+            let until = tokio::time::Instant::now() + wait;
+            while jobs.len() < max {
+                match tokio::time::timeout_at(until, queue.recv()).await {
+                    Ok(Some(job)) => jobs.push(job),
+                    _ => break,
+                }
+            }
+        }
+        let batch = std::mem::replace(&mut jobs, Vec::with_capacity(max));
+        let (transport, shared) = (transport.clone(), shared.clone());
+        tokio::spawn(async move {
+            send(&transport, &shared, batch).await;
+            drop(slot);
+        });
+    }
+}
+
+/// Sends one batch and hands each check its reply.
+async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
+    // A caller that stopped waiting is not charged.
+    batch.retain(|job| !job.reply.is_closed());
+    let timeout = shared.timeout;
+    if let [job] = &batch[..] {
+        let reply = single(transport, shared, &job.check).await;
+        if let Some(job) = batch.pop() {
+            let _ = job.reply.send(reply);
+        }
+        return;
+    }
+    if batch.is_empty() {
+        return;
+    }
+    let call = shared.batch_call(batch.iter().map(|job| &job.check));
+    let reply = transport.call(&Request::Call(call), timeout).await;
+    let bytes = match reply {
+        Ok(Value::BulkString(bytes)) => bytes,
+        Ok(other) => {
+            let e = RedisStoreError::UnexpectedReply(format!(
+                "the batch script should return a string, got {other:?}"
+            ));
+            return fail_all(batch, &e);
+        }
+        Err(e) => return fail_all(batch, &e),
+    };
+    let Some(parts) = split(&batch, &bytes) else {
+        let e = RedisStoreError::UnexpectedReply(format!(
+            "the batch script's reply of {} bytes does not hold {} replies",
+            bytes.len(),
+            batch.len()
+        ));
+        return fail_all(batch, &e);
+    };
+    for (job, part) in batch.into_iter().zip(parts) {
+        let reply = match part {
+            Ok(range) => Ok(bytes[range].to_vec()),
+            Err(range) => Err(check_error(&bytes[range], timeout)),
+        };
+        let _ = job.reply.send(reply);
+    }
+}
+
+/// Sends one check as a call of its own.
+async fn single(
+    transport: &Transport,
+    shared: &Shared,
+    check: &CheckJob,
+) -> Result<Vec<u8>, RedisStoreError> {
+    let reply = transport
+        .call(&Request::Call(shared.single_call(check)), shared.timeout)
+        .await?;
+    match reply {
+        Value::BulkString(bytes) => Ok(bytes),
+        other => Err(RedisStoreError::UnexpectedReply(format!(
+            "the check script should return a string, got {other:?}"
+        ))),
+    }
+}
+
+/// Where each check's reply lies in a batch reply: `Ok` a decision's bytes, `Err` an
+/// error message's; `None` when the reply does not divide into exactly one per check.
+fn split(
+    batch: &[Job],
+    bytes: &[u8],
+) -> Option<Vec<Result<std::ops::Range<usize>, std::ops::Range<usize>>>> {
+    let mut parts = Vec::with_capacity(batch.len());
+    let mut at = 0;
+    for job in batch {
+        match CheckArgs::reply_len(job.check.rules, &bytes[at..])? {
+            Ok(len) => {
+                parts.push(Ok(at..at + len));
+                at += len;
+            }
+            Err(message) => {
+                parts.push(Err(at + message.start..at + message.end));
+                at += message.end;
+            }
+        }
+    }
+    (at == bytes.len()).then_some(parts)
+}
+
+fn fail_all(batch: Vec<Job>, e: &RedisStoreError) {
+    for job in batch {
+        let _ = job.reply.send(Err(e.clone()));
+    }
+}
+
+/// The error of one check of a batch, from its message, as if Redis had answered it.
+fn check_error(message: &[u8], timeout: Duration) -> RedisStoreError {
+    let text: String = String::from_utf8_lossy(message)
+        .chars()
+        .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })
+        .collect();
+    match redis::parse_redis_value(format!("-{text}\r\n").as_bytes()).and_then(Value::extract_error)
+    {
+        Err(e) => classify(e, timeout),
+        Ok(_) => RedisStoreError::UnexpectedReply(format!("a check failed: {text}")),
+    }
+}

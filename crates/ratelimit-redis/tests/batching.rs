@@ -1,0 +1,198 @@
+//! Many checks in one Redis call: checks that queue while a call is in flight leave
+//! together, each decided as atomically as alone, and one check's failure stays its own.
+//!
+//! The tests run on a current-thread runtime: every spawned check queues before the
+//! store's sending task runs, so the batches they form do not depend on timing.
+
+mod common;
+
+use std::time::Duration;
+
+use ratelimit_core::testing::T0_US;
+use ratelimit_core::{ManualClock, MemoryStore, RuleSet, Store};
+use ratelimit_redis::redis;
+use ratelimit_redis::testing::{check_script, check_script_args, RedisServer};
+use ratelimit_redis::{RedisStore, RedisStoreError};
+
+async fn store(server: &RedisServer, prefix: &str, clock: Option<ManualClock>) -> RedisStore {
+    let builder = RedisStore::builder()
+        .prefix(prefix)
+        .pool_size(1)
+        .timeout(Duration::from_secs(5));
+    let builder = match clock {
+        Some(clock) => builder.clock(clock),
+        None => builder,
+    };
+    builder.build(&server.url()).await.expect("store")
+}
+
+/// Batch calls and single calls since the last reset.
+fn calls(con: &mut redis::Connection) -> u64 {
+    common::commandstats(con).get("fcall").map_or(0, |s| s.0)
+}
+
+/// What a decision says, to compare two stores'.
+fn said(d: &ratelimit_core::Decision) -> (bool, Option<Duration>, Vec<u64>) {
+    (
+        d.is_allowed(),
+        d.retry_after(),
+        d.rules().iter().map(|r| r.remaining).collect(),
+    )
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn concurrent_checks_decide_as_the_memory_store_decides_them_one_by_one() {
+    const CHECKS: usize = 300;
+    // Most checks on one hot key, the others on a few more, mixed in every batch.
+    fn key(i: usize) -> &'static [u8] {
+        [&b"hot"[..], b"hot", b"hot", b"warm", b"hot", b"cool"][i % 6]
+    }
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    for rules in [
+        "50/min sliding-window precision=1",
+        "20/s gcra burst=40; 100/min fixed-window",
+        "30/min sliding-log; 45/h sliding-log",
+        "10/s token-bucket capacity=25; 60/min sliding-window precision=4",
+    ] {
+        let rules: RuleSet = rules.parse().unwrap();
+        let clock = ManualClock::new(T0_US);
+        let memory = MemoryStore::builder().clock(clock.clone()).build();
+        let redis = store(&server, "one-key", Some(clock.clone())).await;
+        for round in 0..3 {
+            common::reset_stats(&mut con);
+            let tasks: Vec<_> = (0..CHECKS)
+                .map(|i| {
+                    let (redis, rules) = (redis.clone(), rules.clone());
+                    tokio::spawn(
+                        async move { redis.check(key(i), &rules, 1 + (i % 3) as u64).await },
+                    )
+                })
+                .collect();
+            let mut decided = Vec::new();
+            for task in tasks {
+                decided.push(said(&task.await.unwrap().expect("check")));
+            }
+            let fcalls = calls(&mut con);
+            assert!(
+                fcalls < CHECKS as u64 / 10,
+                "{rules}: {fcalls} calls for {CHECKS} checks: they were not batched"
+            );
+            // The same checks, in the order the batch decided them, one at a time.
+            let mut expected = Vec::new();
+            for i in 0..CHECKS {
+                let d = memory.check(key(i), &rules, 1 + (i % 3) as u64).await;
+                expected.push(said(&d.unwrap()));
+            }
+            let admitted = |all: &[(bool, _, _)]| all.iter().filter(|d| d.0).count();
+            assert_eq!(
+                admitted(&decided),
+                admitted(&expected),
+                "{rules}, round {round}: never more than alone"
+            );
+            assert_eq!(decided, expected, "{rules}, round {round}");
+            clock.advance(Duration::from_millis(700));
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_failing_check_in_a_batch_does_not_fail_its_mates() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let store = store(&server, "mates", None).await;
+    let deep: RuleSet = "10/s sliding-log; 10000/h sliding-log".parse().unwrap();
+    for _ in 0..3 {
+        assert!(store.check(b"bad", &deep, 1).await.unwrap().is_allowed());
+    }
+    // An entry deep in the log that this store did not write.
+    let log = "mates:{k626164}:l";
+    redis::cmd("RPUSH")
+        .arg(log)
+        .arg("yesterday")
+        .exec(&mut con)
+        .unwrap();
+    common::reset_stats(&mut con);
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let (store, deep) = (store.clone(), deep.clone());
+            tokio::spawn(async move {
+                let key = if i == 10 {
+                    b"bad".to_vec()
+                } else {
+                    format!("good-{i}").into_bytes()
+                };
+                store.check(&key, &deep, 1).await
+            })
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let result = task.await.unwrap();
+        if i == 10 {
+            assert!(
+                matches!(&result, Err(RedisStoreError::WrongType(text)) if text.contains("RLSTATE")),
+                "{result:?}"
+            );
+        } else {
+            assert!(result.expect("a mate of the failing check").is_allowed());
+        }
+    }
+    // The first check found no call in flight and went alone; the 19 that queued
+    // meanwhile went together.
+    assert_eq!(calls(&mut con), 2, "the 20 checks went in two calls");
+    // The failing check charged nothing and healed its key; its mates were charged.
+    assert!(store.check(b"bad", &deep, 1).await.unwrap().is_allowed());
+    let d = store.check(b"good-3", &deep, 1).await.unwrap();
+    assert_eq!(d.rules()[1].remaining, 10_000 - 2);
+}
+
+/// The batch function itself: a check whose caller's deadline has passed is answered
+/// "too late" and charged nothing, and the checks beside it are decided.
+#[test]
+fn a_deadline_passed_inside_a_batch_fails_only_that_check() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let script = check_script();
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg(script.library)
+        .query(&mut con)
+        .unwrap();
+    let rules: RuleSet = "1/min fixed-window".parse().unwrap();
+    let fresh = check_script_args(&rules, 1).remove(0);
+    // The same values with a deadline 1 µs after the epoch: long past.
+    let mut late = fresh.clone();
+    late[8..16].copy_from_slice(&1.0f64.to_le_bytes());
+    let run = |con: &mut redis::Connection, args: [&[u8]; 3]| -> Vec<f64> {
+        let reply: Vec<u8> = redis::cmd("FCALL")
+            .arg(script.batch_function)
+            .arg(6)
+            .arg(
+                &[
+                    "d:{a}:b", "d:{a}:s", "d:{b}:b", "d:{b}:s", "d:{c}:b", "d:{c}:s",
+                ][..],
+            )
+            .arg(b"222")
+            .arg(&args[..])
+            .query(con)
+            .unwrap();
+        reply
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let reply = run(&mut con, [&fresh, &late, &fresh]);
+    // a: admitted; b: too late, with the Redis time; c: admitted.
+    assert_eq!(reply.len(), 6 + 2 + 6, "{reply:?}");
+    assert_eq!(&reply[..3], &[0.0, 0.0, 1.0]);
+    assert_eq!(reply[6], 3.0);
+    assert!(reply[7] > 1.7e15, "Redis time in µs: {}", reply[7]);
+    assert_eq!(&reply[8..11], &[0.0, 0.0, 1.0]);
+    // b charged nothing: sent in time, its one unit is there; a's and c's are gone.
+    let reply = run(&mut con, [&fresh, &fresh, &fresh]);
+    assert_eq!(
+        [reply[2], reply[8], reply[14]],
+        [0.0, 1.0, 0.0],
+        "allowed flags of a, b, c: {reply:?}"
+    );
+}
