@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -48,6 +49,9 @@ pub(crate) struct Leases {
     /// By the name of the client key's state in Redis (bounded whatever the key), then by
     /// rule set.
     table: Mutex<HashMap<Box<str>, Vec<Slot>>>,
+    /// When a full table was last searched for idle slots: at most once per lease
+    /// length, so that a flood of new keys does not scan it on every check.
+    purged_us: AtomicU64,
 }
 
 /// What one store knows of one (key, rule set).
@@ -234,6 +238,7 @@ impl Leases {
         Self {
             length_us: u64::try_from(length.as_micros()).unwrap_or(u64::MAX).max(1),
             table: Mutex::new(HashMap::new()),
+            purged_us: AtomicU64::new(0),
         }
     }
 
@@ -257,6 +262,10 @@ impl Leases {
         let length = self.length_us;
         let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
         if !table.contains_key(name) && table.len() >= MAX_TRACKED {
+            if now.saturating_sub(self.purged_us.load(Ordering::Relaxed)) < length {
+                return Step::Exact(None);
+            }
+            self.purged_us.store(now, Ordering::Relaxed);
             table.retain(|_, slots| {
                 slots.retain(|s| !s.idle(now, length));
                 !slots.is_empty()
@@ -541,5 +550,60 @@ pub(crate) fn spawn_sweep<S: Backend>(
 pub(crate) async fn sweep(store: &impl Backend, leases: &Leases) {
     for (name, rules, lease) in leases.ended(store.now_us()) {
         refund_or_log(store, &name, &rules, Some(lease)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> RuleSet {
+        "1000/s gcra burst=400".parse().unwrap()
+    }
+
+    #[test]
+    fn a_key_seen_once_is_exact_and_a_second_look_reserves() {
+        let leases = Leases::new(Duration::from_millis(100));
+        assert!(matches!(
+            leases.step("k", &rules(), 1, 1_000),
+            Step::Exact(None)
+        ));
+        match leases.step("k", &rules(), 1, 2_000) {
+            Step::Reserve(b, None, _) => assert_eq!(b, 2),
+            _ => panic!("a key seen twice reserves a block"),
+        }
+    }
+
+    #[test]
+    fn blocks_are_capped_at_an_eighth_of_the_capacity() {
+        let leases = Leases::new(Duration::from_millis(100));
+        for t in 0..1_000 {
+            leases.step("k", &rules(), 1, t);
+            leases.with_slot("k", &rules(), |s| s.pending = None);
+        }
+        match leases.step("k", &rules(), 1, 1_000) {
+            Step::Reserve(b, _, _) => assert_eq!(b, 400 / SHARE_DIVISOR),
+            _ => panic!("a hot key reserves"),
+        }
+    }
+
+    #[test]
+    fn a_full_table_decides_new_keys_exactly() {
+        let leases = Leases::new(Duration::from_millis(100));
+        for i in 0..MAX_TRACKED {
+            leases.step(&format!("k{i}"), &rules(), 1, 1_000);
+        }
+        // Every slot was seen just now: none is idle, nothing to forget.
+        assert!(matches!(
+            leases.step("new", &rules(), 1, 1_000),
+            Step::Exact(None)
+        ));
+        assert_eq!(leases.table.lock().unwrap().len(), MAX_TRACKED);
+        // Idle ones make room, at the next search.
+        assert!(matches!(
+            leases.step("new", &rules(), 1, 1_000_000),
+            Step::Exact(None)
+        ));
+        assert_eq!(leases.table.lock().unwrap().len(), 1);
     }
 }
