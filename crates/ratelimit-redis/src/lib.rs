@@ -89,16 +89,17 @@
 //! # Lease mode
 //!
 //! Opt-in with [`RedisStoreBuilder::lease`]; exact mode (every check one call) is the
-//! default. In lease mode a store instance that sees a (key, rule set) at least twice
-//! within a lease length reserves a block of units for it in one call (an ordinary check
+//! default. In lease mode a store instance that sees a (key, rule set) take at least 4
+//! units within a lease length reserves a block of units for it in one call (an ordinary check
 //! of the block's cost: Redis charges it atomically, and a block on the key is checked in
 //! the same call) and spends it locally, without a call, until the block runs out or the
 //! lease ends: reservation time + lease length on the store's clock, and for a fixed
 //! window never past the window's end. The block is the number of units the instance saw
 //! for the key over the last lease length, at least 2 and at most 1/8 of the smallest
 //! capacity of the rule set's rules (so that no instance holds more than an eighth of a
-//! limit and a fleet cannot strand it); a key seen once, a check that costs a whole block,
-//! a rule set with a capacity under 16 and a peek (cost 0) are decided exactly.
+//! limit and a fleet cannot strand it); a key seen once or rarely (a block would mostly
+//! come back as a refund, one call more than exact checks), a check that costs a whole
+//! block, a rule set with a capacity under 16 and a peek (cost 0) are decided exactly.
 //!
 //! When Redis refuses a reservation, the instance asks once more for what Redis said is
 //! left (at least the check's own cost). When that is refused too, it answers refusals
