@@ -314,3 +314,24 @@ fn a_block_is_noticed_within_a_lease() {
         assert_eq!(d.outcome(), ratelimit_core::Outcome::Blocked);
     });
 }
+
+/// With Redis gone, an instance spends what it holds, then fails as in exact mode.
+#[test]
+fn redis_down_spends_what_is_leased_then_fails() {
+    let mut server = RedisServer::start();
+    let rules: RuleSet = "1000/s gcra burst=400".parse().unwrap();
+    runtime().block_on(async {
+        let clock = ManualClock::new(T0_US);
+        let store = store_on(&server.url(), "down", &clock, Some(LEASE)).await;
+        // Warm: 3 exact checks, then a block of 4 (1 spent at once).
+        for _ in 0..4 {
+            assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+        }
+        server.stop();
+        for _ in 0..3 {
+            let d = store.check(b"k", &rules, 1).await.expect("spent locally");
+            assert!(d.is_allowed());
+        }
+        assert!(store.check(b"k", &rules, 1).await.is_err());
+    });
+}
