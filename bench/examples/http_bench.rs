@@ -111,6 +111,7 @@ fn main() -> Result<(), Error> {
     }
     let redis_store = rt.block_on(redis_builder.build(&redis_url))?;
     let redis = RateLimitLayer::builder(redis_store, PeerIp::new())
+        .namespace("http-bench")
         .rules(RULES)?
         .build()?;
     let governor = GovernorConfigBuilder::default()

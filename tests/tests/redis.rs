@@ -27,6 +27,7 @@ async fn instance_and_store(
         .await
         .expect("connect to the test redis-server");
     let layer = RateLimitLayer::builder(store.clone(), PeerIp::new())
+        .namespace("e2e-instance")
         .rules(rules)
         .unwrap()
         .failure_policy(policy)
@@ -171,6 +172,7 @@ async fn global_key_through_redis() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.unwrap();
     let layer = RateLimitLayer::builder(store, GlobalKey)
+        .namespace("e2e-global")
         .rules("3/h sliding-log name=global")
         .unwrap()
         .build()

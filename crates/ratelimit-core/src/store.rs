@@ -76,6 +76,15 @@ pub trait Store: Send + Sync + 'static {
     fn now_us(&self) -> u64 {
         SystemClock.now_us()
     }
+
+    /// Whether other processes see this store's state (Redis: yes; process memory: no).
+    ///
+    /// Middleware uses it to warn about what only matters across processes, such as a
+    /// budget named by where a layer is built in the source, which a deploy that moves
+    /// that line renames. The default answers `false`.
+    fn is_shared(&self) -> bool {
+        false
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -121,5 +130,9 @@ impl<S: Store> Store for Arc<S> {
 
     fn now_us(&self) -> u64 {
         (**self).now_us()
+    }
+
+    fn is_shared(&self) -> bool {
+        (**self).is_shared()
     }
 }

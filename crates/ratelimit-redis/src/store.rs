@@ -518,6 +518,11 @@ impl Store for RedisStore {
     fn now_us(&self) -> u64 {
         self.inner.shared.now_us()
     }
+
+    /// Always: every process connected to the same Redis shares the state.
+    fn is_shared(&self) -> bool {
+        true
+    }
 }
 
 impl RedisStore {

@@ -48,6 +48,8 @@ impl DenyCacheConfig {
 }
 
 struct Denial {
+    /// The version of the limits that denied: a denial says nothing about other limits.
+    generation: u64,
     at_us: u64,
     until_us: u64,
     cost: u64,
@@ -91,9 +93,16 @@ impl DenyCache {
         &self.shards[(h >> 60) as usize % SHARDS]
     }
 
-    /// A denial of `key` still in force for a request of `cost` (a denial at some cost
-    /// says nothing about a cheaper request). Peeks (`cost == 0`) always go to the store.
-    pub(crate) fn get(&self, key: &[u8], cost: u64, now_us: impl FnOnce() -> u64) -> Option<Hit> {
+    /// A denial of `key` under the limits of `generation`, still in force for a request of
+    /// `cost` (a denial at some cost says nothing about a cheaper request). Peeks
+    /// (`cost == 0`) always go to the store.
+    pub(crate) fn get(
+        &self,
+        key: &[u8],
+        generation: u64,
+        cost: u64,
+        now_us: impl FnOnce() -> u64,
+    ) -> Option<Hit> {
         // The common case, nobody denied lately, costs one atomic load.
         if cost == 0 || self.len.load(Ordering::Relaxed) == 0 {
             return None;
@@ -101,7 +110,7 @@ impl DenyCache {
         let now = now_us();
         let mut shard = self.shard(key).lock();
         let denial = shard.get(key)?;
-        if now >= denial.until_us {
+        if now >= denial.until_us || denial.generation != generation {
             shard.remove(key);
             self.len.fetch_sub(1, Ordering::Relaxed);
             return None;
@@ -120,9 +129,16 @@ impl DenyCache {
         })
     }
 
-    /// Remembers a denial of a request of `cost` for `key` until its retry time (at most
-    /// the configured maximum).
-    pub(crate) fn insert(&self, key: &[u8], cost: u64, decision: &Decision, now: u64) {
+    /// Remembers a denial of a request of `cost` for `key` under the limits of
+    /// `generation`, until its retry time (at most the configured maximum).
+    pub(crate) fn insert(
+        &self,
+        key: &[u8],
+        generation: u64,
+        cost: u64,
+        decision: &Decision,
+        now: u64,
+    ) {
         if cost == 0 {
             return;
         }
@@ -142,6 +158,7 @@ impl DenyCache {
             }
         }
         let denial = Denial {
+            generation,
             at_us: now,
             until_us: now.saturating_add(ttl),
             cost,
@@ -185,19 +202,31 @@ mod tests {
     #[test]
     fn expires_and_respects_cost() {
         let cache = DenyCache::new(DenyCacheConfig::default());
-        cache.insert(b"k", 2, &denial(Duration::from_secs(3)), T);
+        cache.insert(b"k", 0, 2, &denial(Duration::from_secs(3)), T);
         assert!(
-            cache.get(b"k", 1, || T).is_none(),
+            cache.get(b"k", 0, 1, || T).is_none(),
             "cheaper request may pass"
         );
-        assert!(cache.get(b"k", 0, || T).is_none(), "peeks go to the store");
-        let hit = cache.get(b"k", 2, || T).unwrap();
+        assert!(
+            cache.get(b"k", 0, 0, || T).is_none(),
+            "peeks go to the store"
+        );
+        let hit = cache.get(b"k", 0, 2, || T).unwrap();
         assert_eq!(hit.retry_after, Some(Duration::from_secs(3)));
-        let hit = cache.get(b"k", 5, || T + 2_500_000).unwrap();
+        let hit = cache.get(b"k", 0, 5, || T + 2_500_000).unwrap();
         assert_eq!(hit.elapsed, Duration::from_millis(2500));
         assert_eq!(hit.retry_after, Some(Duration::from_millis(500)));
-        assert!(cache.get(b"k", 2, || T + 3_000_000).is_none());
+        assert!(cache.get(b"k", 0, 2, || T + 3_000_000).is_none());
         assert_eq!(cache.len(), 0);
+    }
+
+    #[test]
+    fn denials_under_other_limits_do_not_answer() {
+        let cache = DenyCache::new(DenyCacheConfig::default());
+        cache.insert(b"k", 3, 1, &denial(Duration::from_secs(3)), T);
+        assert!(cache.get(b"k", 3, 1, || T).is_some());
+        assert!(cache.get(b"k", 4, 1, || T).is_none(), "replaced limits");
+        assert_eq!(cache.len(), 0, "an entry of replaced limits is dropped");
     }
 
     #[test]
@@ -208,22 +237,28 @@ mod tests {
                 .max_ttl(Duration::from_secs(1)),
         );
         for i in 0..1000u32 {
-            cache.insert(&i.to_be_bytes(), 1, &denial(Duration::from_secs(60)), T);
+            cache.insert(&i.to_be_bytes(), 0, 1, &denial(Duration::from_secs(60)), T);
         }
         assert!(cache.len() <= 32, "{}", cache.len());
         let key = 0u32.to_be_bytes();
-        let hit = cache.get(&key, 1, || T).unwrap();
+        let hit = cache.get(&key, 0, 1, || T).unwrap();
         assert_eq!(
             hit.retry_after,
             Some(Duration::from_secs(60)),
             "the real retry time"
         );
         assert!(
-            cache.get(&key, 1, || T + 1_000_000).is_none(),
+            cache.get(&key, 0, 1, || T + 1_000_000).is_none(),
             "max_ttl caps a long retry time"
         );
         // Once entries expired, a full shard takes new ones again.
-        cache.insert(b"new", 1, &denial(Duration::from_secs(60)), T + 1_000_000);
-        assert!(cache.get(b"new", 1, || T + 1_000_000).is_some());
+        cache.insert(
+            b"new",
+            0,
+            1,
+            &denial(Duration::from_secs(60)),
+            T + 1_000_000,
+        );
+        assert!(cache.get(b"new", 0, 1, || T + 1_000_000).is_some());
     }
 }

@@ -15,11 +15,12 @@ use crate::deny_cache::{DenyCache, DenyCacheConfig};
 use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
 use crate::limiter::Limiter;
+use crate::limits::{Limits, LimitsHandle, Live, Settings};
 use crate::namespace;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::{BlockedStatus, OnRejection, PlainText};
 use crate::service::RateLimit;
-use crate::tier::{OneTier, Tier};
+use crate::tier::OneTier;
 
 /// Applies [`RateLimit`] to a service: see the [crate docs](crate).
 ///
@@ -40,15 +41,7 @@ impl<S, K, C, T> fmt::Debug for RateLimitLayer<S, K, C, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("namespace", &self.limiter.namespace)
-            .field(
-                "tiers",
-                &self
-                    .limiter
-                    .tiers
-                    .iter()
-                    .map(|t| (&*t.name, t.rules.id()))
-                    .collect::<Vec<_>>(),
-            )
+            .field("limits", &self.limiter.live.current.load().limits)
             .field("failure_policy", &self.limiter.failure_policy)
             .field("shadow", &self.limiter.shadow)
             .finish_non_exhaustive()
@@ -117,19 +110,34 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
         &self.limiter.store
     }
 
-    /// The rules of the default tier (of the first tier when there is no default).
-    pub fn rules(&self) -> &RuleSet {
-        &self.limiter.tiers[self.limiter.default_tier.unwrap_or(0)].rules
+    /// The rules in force for the default tier (for the first tier when there is no
+    /// default).
+    pub fn rules(&self) -> RuleSet {
+        let version = self.limiter.live.current.load();
+        version.tiers[version.default_tier.unwrap_or(0)]
+            .rules
+            .clone()
     }
 
-    /// The rules of the tier `name` (`""` is the tier of
+    /// The rules in force for the tier `name` (`""` is the tier of
     /// [`rules`](RateLimitLayerBuilder::rules)).
-    pub fn tier_rules(&self, name: &str) -> Option<&RuleSet> {
+    pub fn tier_rules(&self, name: &str) -> Option<RuleSet> {
         self.limiter
-            .tiers
-            .iter()
-            .find(|t| &*t.name == name)
-            .map(|t| &t.rules)
+            .live
+            .current
+            .load()
+            .limits
+            .tier_rules(name)
+            .cloned()
+    }
+
+    /// A handle that replaces this layer's rules and tiers while it runs (see
+    /// [Changing limits](crate#changing-limits)). Every clone of the layer, and every
+    /// service made from one, sees the replacement.
+    pub fn limits(&self) -> LimitsHandle {
+        LimitsHandle {
+            live: Arc::clone(&self.limiter.live),
+        }
     }
 
     /// The namespace that sets this layer's budgets apart (see
@@ -141,7 +149,8 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// The key `client` is held under in the store for the tier `tier` (`""` for the
     /// tier of [`rules`](RateLimitLayerBuilder::rules)), to find it with `redis-cli`, say.
     pub fn store_key(&self, tier: &str, client: &[u8]) -> Option<Vec<u8>> {
-        let tier = self.limiter.tiers.iter().find(|t| &*t.name == tier)?;
+        let version = self.limiter.live.current.load();
+        let tier = version.tiers.iter().find(|t| &*t.name == tier)?;
         Some(tier.store_key(client).to_vec())
     }
 
@@ -149,7 +158,8 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// `b"203.0.113.9"`) in every tier of this layer, for `duration` or until
     /// [`unblock`](Self::unblock). Layers with other namespaces are not affected.
     pub async fn block(&self, client: &[u8], duration: Option<Duration>) -> Result<(), S::Error> {
-        for tier in self.limiter.tiers.iter() {
+        let version = self.limiter.live.current.load_full();
+        for tier in version.tiers.iter() {
             self.limiter
                 .store
                 .block(&tier.store_key(client), duration)
@@ -162,7 +172,8 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
     /// last moments may still be answered from the deny cache until their entry expires
     /// (at most [`DenyCacheConfig::max_ttl`]).
     pub async fn unblock(&self, client: &[u8]) -> Result<(), S::Error> {
-        for tier in self.limiter.tiers.iter() {
+        let version = self.limiter.live.current.load_full();
+        for tier in version.tiers.iter() {
             self.limiter.store.unblock(&tier.store_key(client)).await?;
         }
         Ok(())
@@ -170,7 +181,8 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
 
     /// Forgets what `client` consumed in every tier of this layer.
     pub async fn reset(&self, client: &[u8]) -> Result<(), S::Error> {
-        for tier in self.limiter.tiers.iter() {
+        let version = self.limiter.live.current.load_full();
+        for tier in version.tiers.iter() {
             self.limiter
                 .store
                 .reset(&tier.store_key(client), &tier.rules)
@@ -304,6 +316,15 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// [namespaces](crate#budgets-and-namespaces)). At most 255 bytes.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = Some(namespace.into());
+        self
+    }
+
+    /// Sets the rules, tiers and default tier from `limits`, in place of any given
+    /// before (for limits read from a file: see [`Limits`]).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.rules = limits.rules.map(|r| r.rules().to_vec()).unwrap_or_default();
+        self.tiers = limits.tiers;
+        self.default_tier = limits.default_tier;
         self
     }
 
@@ -446,54 +467,32 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
+        let implicit = self.namespace.is_none();
         let namespace = namespace::resolve(self.namespace, self.location)?;
         if !self.omitted_key_status.is_client_error() {
             return Err(BuildError::OmittedKeyStatus(self.omitted_key_status));
         }
-        let mut tiers: Vec<(String, RuleSet)> = Vec::new();
-        if !self.rules.is_empty() || self.tiers.is_empty() {
-            tiers.push((String::new(), RuleSet::new(self.rules)?));
-        }
-        for (name, rules) in self.tiers {
-            if !Rule::is_valid_name(&name) {
-                return Err(BuildError::BadTierName(name));
-            }
-            if tiers.iter().any(|(n, _)| *n == name) {
-                return Err(BuildError::DuplicateTier(name));
-            }
-            tiers.push((name, rules));
-        }
-        let tiered = tiers.iter().any(|(n, _)| !n.is_empty());
-        if tiered != self.selector_set {
-            return Err(BuildError::TiersWithoutSelector);
-        }
-        let default_tier = match self.default_tier {
-            Some(name) => Some(
-                tiers
-                    .iter()
-                    .position(|(n, _)| *n == name)
-                    .ok_or(BuildError::UnknownDefaultTier(name))?,
-            ),
-            None => tiers.iter().position(|(n, _)| n.is_empty()),
+        let rules = if !self.rules.is_empty() || self.tiers.is_empty() {
+            Some(RuleSet::new(self.rules)?)
+        } else {
+            None
+        };
+        let limits = Limits {
+            rules,
+            tiers: self.tiers,
+            default_tier: self.default_tier,
         };
         let fallback = self.failure_policy == FailurePolicy::Fallback;
-        let tiers = tiers
-            .into_iter()
-            .map(|(name, rules)| {
-                let fallback_rules = if fallback {
-                    Some(self.fallback.for_tier(&rules)?)
-                } else {
-                    None
-                };
-                Ok(Tier::new(
-                    &namespace,
-                    &name,
-                    rules,
-                    self.failure_policy,
-                    fallback_rules,
-                ))
-            })
-            .collect::<Result<Vec<_>, BuildError>>()?;
+        let settings = Settings::new(
+            namespace.as_str().into(),
+            self.failure_policy,
+            self.fallback,
+            self.selector_set,
+        );
+        let live = Live::new(settings, limits)?;
+        if implicit && self.store.is_shared() {
+            namespace::warn_implicit(self.location);
+        }
         let store = Arc::new(self.store);
         let limiter = Limiter {
             fallback: fallback.then(|| fallback_store(&store)),
@@ -501,8 +500,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             key: self.key,
             cost: self.cost,
             select: self.select,
-            tiers: tiers.into(),
-            default_tier,
+            live: Arc::new(live),
             namespace: namespace.into(),
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,

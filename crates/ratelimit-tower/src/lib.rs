@@ -125,7 +125,8 @@
 //!
 //! # Budgets and namespaces
 //!
-//! A budget is (namespace, tier, client key). A layer's namespace is the one
+//! A budget is (namespace, tier, client key); inside it each rule keeps its state by its
+//! identity (see [Changing limits](#changing-limits)). A layer's namespace is the one
 //! given to [`namespace`](RateLimitLayerBuilder::namespace), or else derived from where
 //! [`RateLimitLayer::new`] / [`builder`](RateLimitLayer::builder) is called in the source
 //! (`@` and a hash of file, line and column). So:
@@ -138,7 +139,9 @@
 //!   (Redis): the derived namespace is the same in every process. A deploy that moves the
 //!   line a layer is built on starts its budgets afresh; name the namespace to keep them
 //!   across deploys, and when a helper function builds several layers (one call site for
-//!   all of them).
+//!   all of them). On a store shared across processes
+//!   ([`Store::is_shared`](ratelimit_core::Store::is_shared), e.g. Redis) a layer built
+//!   without a namespace logs a `WARN` at build, naming its source location and the fix.
 //!
 //! The store key is `[n] namespace [m] tier client-key`, where `n` and `m` are single
 //! bytes holding the lengths of the namespace and the tier name (`""` unless
@@ -176,6 +179,70 @@
 //! assert_eq!(layer.tier_rules("pro").unwrap().rules()[0].limit(), 10_000);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Changing limits
+//!
+//! A layer's rules and tiers can change while it runs. [`RateLimitLayer::limits`] gives a
+//! [`LimitsHandle`]; [`replace`](LimitsHandle::replace) puts new [`Limits`] in force for
+//! the layer, every clone of it and every service made from one, or refuses them with the
+//! [`BuildError`] [`build`](RateLimitLayerBuilder::build) would give, keeping the running
+//! ones. With the `serde` feature, [`Limits`] reads from a configuration file (rule sets in
+//! their text form); the `live_limits` example reloads a TOML file on `SIGHUP`.
+//!
+//! ```
+//! use ratelimit_core::MemoryStore;
+//! use ratelimit_tower::{Limits, PeerIp, RateLimitLayer};
+//!
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new())
+//!     .namespace("api") // a fixed name: budgets survive deploys and reloads alike
+//!     .rules("5/h sliding-window name=hourly")?
+//!     .build()?;
+//! let handle = layer.limits(); // keep it, e.g. in a signal handler
+//! handle.replace(Limits::new("10/h sliding-window name=hourly".parse()?))?;
+//! assert_eq!(layer.rules().rules()[0].limit(), 10);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Each request is decided entirely under one version: the one current when it arrived,
+//! for its tier, its rules, its fields and its deny-cache lookup, even if a replacement
+//! lands while its store call is in flight. The hot path takes no lock: the current
+//! version sits in an [`arc-swap`](https://docs.rs/arc-swap) `ArcSwap`, which a request
+//! reads with a few atomic operations and a replacement swaps whole. A lock (even a
+//! read-write one) would put a shared write on every request; a version number checked per
+//! request would still need a lock to read the tiers it numbers. What is derived from the
+//! rules is rebuilt with them: the `RateLimit-Policy` fields, the fallback rules of
+//! [`fallback_share`](RateLimitLayerBuilder::fallback_share), the metrics' labels; denials
+//! cached under the old limits no longer answer. The namespace, key extractor, tier
+//! selector and every other setting stay as built.
+//!
+//! **What carries, what starts fresh.** A client's state in the store is named by
+//! (namespace, tier, client key) and, inside it, each rule's state by the rule's identity:
+//! its name when it has one, else its algorithm and period. So, for a client who has spent
+//! 3 under `5/h`:
+//!
+//! * a changed limit keeps the usage: 7 left under `10/h`, none under `3/h`. Window
+//!   counts and log entries carry as they are; a token bucket's tokens are clamped to
+//!   the new capacity; what a GCRA or leaky bucket client owes carries (the core's
+//!   `algo` module docs, "Changing rules", give each algorithm's case);
+//! * a rule of a new identity starts empty (a new rule, a new algorithm, a new period or
+//!   sliding-window precision, a rule that gains, loses or changes its name), and the
+//!   state of a rule that is gone is dropped;
+//! * a new tier starts empty; a removed tier's clients are decided by the tier the
+//!   selector now gives them, on that tier's usage.
+//!
+//! Name a file-driven layer's namespace: the derived one (see
+//! [namespaces](#budgets-and-namespaces)) is the same across reloads, but not across a
+//! deploy that moves the line the layer is built on.
+//!
+//! **A fleet rolling from one file to the next.** Instances reload one at a time, so for a
+//! while some decide under the old limits and some under the new, on the same shared
+//! state. That is safe: each rule's state is shared by identity, each instance decides
+//! each request atomically under its own rules, and no state is corrupted or reset. A
+//! client's requests are held to the limit of whichever instance answers each one: while
+//! `100/min` and `200/min` instances coexist, a client can get up to 200 in the minute
+//! through the new ones, the old ones refusing past 100 of the same shared count. The
+//! `RateLimit-Policy` a client sees is that of the instance that answered. Once every
+//! instance has reloaded, the fleet enforces the new limits, on usage that carried.
 //!
 //! # gRPC
 //!
@@ -366,6 +433,7 @@ pub mod headers;
 pub mod key;
 mod layer;
 mod limiter;
+mod limits;
 mod metrics;
 mod namespace;
 mod policy;
@@ -383,6 +451,7 @@ pub use key::{
     KeyExtractorExt, PeerIp,
 };
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
+pub use limits::{Limits, LimitsHandle};
 pub use policy::{FailurePolicy, MissingKey};
 pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectReason, Rejection};
 pub use service::RateLimit;

@@ -31,6 +31,18 @@ fn implicit(location: &Location<'_>) -> String {
     format!("@{:016x}", fnv1a(site.as_bytes()))
 }
 
+/// Warns that a layer on a store shared across processes has a namespace derived from
+/// where it is built: a deploy that moves that line renames every budget of the layer.
+pub(crate) fn warn_implicit(location: &Location<'_>) {
+    tracing::warn!(
+        location = %location,
+        "rate-limit layer built at {location} on a store shared across processes without \
+         `.namespace(..)`: its budgets are named by this source location, so a deploy that \
+         moves the line starts every client afresh; name them with \
+         `RateLimitLayer::builder(store, key).namespace(\"...\")`"
+    );
+}
+
 /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
 ///
 /// Length-prefixed, so that no two (namespace, tier, client key) triples give the same

@@ -62,6 +62,8 @@ pub(crate) struct Tier {
     /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
     pub(crate) prefix: Box<[u8]>,
     pub(crate) fallback_rules: Option<RuleSet>,
+    /// The version of the layer's limits this tier belongs to.
+    pub(crate) generation: u64,
     #[cfg(feature = "metrics")]
     pub(crate) metrics: Metrics,
 }
@@ -91,6 +93,7 @@ impl Tier {
                 .unwrap_or(0),
             rules,
             fallback_rules,
+            generation: 0,
         }
     }
 

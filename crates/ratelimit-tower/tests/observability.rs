@@ -136,6 +136,30 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
 }
 
 #[test]
+fn an_unnamed_layer_on_a_shared_store_warns_once_at_build() {
+    let build = |shared: bool, namespace: Option<&str>| {
+        let store = Down {
+            shared,
+            ..Down::default()
+        };
+        let (mut builder, line) = (RateLimitLayer::builder(store, GlobalKey), line!());
+        if let Some(ns) = namespace {
+            builder = builder.namespace(ns);
+        }
+        (builder.rules("5/min").unwrap().build().unwrap(), line)
+    };
+    let ((_, line), log) = with_log(tracing::Level::WARN, || build(true, None));
+    assert_eq!(log.lines().count(), 1, "{log}");
+    let site = format!("tests/observability.rs:{line}:");
+    assert!(log.contains(&site), "names where the layer is built: {log}");
+    assert!(log.contains(".namespace("), "names the fix: {log}");
+    let (_, log) = with_log(tracing::Level::WARN, || build(true, Some("api")));
+    assert_eq!(log, "", "a named layer");
+    let (_, log) = with_log(tracing::Level::WARN, || build(false, None));
+    assert_eq!(log, "", "a store of this process alone");
+}
+
+#[test]
 fn client_keys_appear_in_logs_above_trace_only_as_a_digest() {
     use ratelimit_core::{ManualClock, MemoryStore};
     use ratelimit_tower::key::log_digest;

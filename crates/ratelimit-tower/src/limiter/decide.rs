@@ -12,6 +12,7 @@ use super::verdict::{Begin, Pass, Verdict};
 use crate::cost::RequestCost;
 use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
+use crate::limits::Version;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
 use crate::tier::{SelectTier, StoreKey, Tier};
@@ -48,11 +49,14 @@ where
         C: RequestCost<B>,
         T: SelectTier<B>,
     {
-        let check = match this.prepare(req) {
+        // The whole decision runs on the version loaded here, however the limits change
+        // meanwhile.
+        let version = this.live.current.load();
+        let check = match this.prepare(&version, req) {
             Ok(check) => check,
             Err(verdict) => return Begin::Now(this.finish(verdict)),
         };
-        let tier = &this.tiers[check.tier];
+        let tier = &version.tiers[check.tier];
         // `Store::check`'s future borrows the key and the rules, so a named response future
         // could only hold it boxed; a store that decides in process answers here instead
         // and the request costs no allocation.
@@ -62,14 +66,18 @@ where
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 Begin::Now(this.finish(verdict))
             }
-            None => Begin::Later(Self::check_later(this, check)),
+            None => Begin::Later(Self::check_later(
+                this,
+                arc_swap::Guard::into_inner(version),
+                check,
+            )),
         }
     }
 
     /// Extracts the key, selects the tier and prices the request; or the verdict that
     /// needs no store call (an exemption, a misconfiguration, a cost above capacity, a
     /// denial still in the deny cache).
-    fn prepare<B>(&self, req: &Request<B>) -> Result<Check, Verdict>
+    fn prepare<B>(&self, version: &Version, req: &Request<B>) -> Result<Check, Verdict>
     where
         K: KeyExtractor<B>,
         C: RequestCost<B>,
@@ -84,8 +92,8 @@ where
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
         };
-        let tier_index = self.select_tier(req)?;
-        let tier = &self.tiers[tier_index];
+        let tier_index = self.select_tier(version, req)?;
+        let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
         let key = tier.store_key(client.as_ref());
         if cost > tier.min_capacity {
@@ -105,16 +113,16 @@ where
 
     /// The store's answer for a store that does not decide in process, with the store
     /// timeout, inside a span so that its latency shows in traces.
-    fn check_later(this: &Arc<Self>, check: Check) -> super::CheckFuture {
+    fn check_later(this: &Arc<Self>, version: Arc<Version>, check: Check) -> super::CheckFuture {
         let limiter = Arc::clone(this);
-        let tier = &this.tiers[check.tier];
+        let tier = &version.tiers[check.tier];
         let span = tracing::debug_span!(
             "ratelimit_check",
             key = %KeyDigest(tier.client_key(&check.key)),
             cost = check.cost
         );
         let future = async move {
-            let tier = &limiter.tiers[check.tier];
+            let tier = &version.tiers[check.tier];
             let call = limiter.store.check(&check.key, &tier.rules, check.cost);
             let result = match limiter.store_timeout {
                 None => call.await.map_err(|e| e.to_string()),
@@ -147,7 +155,7 @@ where
         let hit = self
             .deny_cache
             .as_ref()?
-            .get(key, cost, || self.store.now_us())?;
+            .get(key, tier.generation, cost, || self.store.now_us())?;
         let client = tier.client_key(key);
         tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: denied from the local deny cache");
         #[cfg(feature = "metrics")]
@@ -157,18 +165,18 @@ where
     }
 
     /// The index of the request's tier, or the refusal of a misconfigured selector.
-    fn select_tier<B>(&self, req: &Request<B>) -> Result<usize, Verdict>
+    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> Result<usize, Verdict>
     where
         T: SelectTier<B>,
     {
         let (found, why) = match self.select.select(req) {
             None => (
-                self.default_tier,
+                version.default_tier,
                 Cow::Borrowed("the tier selector chose no tier and the layer has no default tier"),
             ),
             Some(name) => {
                 let name = name.as_ref();
-                match self.tiers.iter().position(|t| &*t.name == name) {
+                match version.tiers.iter().position(|t| &*t.name == name) {
                     Some(i) => return Ok(i),
                     None => (
                         None,
@@ -209,7 +217,7 @@ where
             return self.admitted(tier, key, decision, extensions);
         }
         if let Some(cache) = &self.deny_cache {
-            cache.insert(key, cost, &decision, self.store.now_us());
+            cache.insert(key, tier.generation, cost, &decision, self.store.now_us());
         }
         let ratelimit = tier.policy.ratelimit(&decision);
         let retry_after = decision.retry_after();

@@ -7,9 +7,9 @@ use ratelimit_core::util::BoundedLog;
 
 use crate::deny_cache::DenyCache;
 use crate::fallback::FallbackStore;
+use crate::limits::Live;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::{BlockedStatus, OnRejection};
-use crate::tier::Tier;
 
 /// Everything a layer's services share: what the layer was built with, and what it
 /// remembers (deny cache, fallback store, bounded logs).
@@ -18,8 +18,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) key: K,
     pub(crate) cost: C,
     pub(crate) select: T,
-    pub(crate) tiers: Box<[Tier]>,
-    pub(crate) default_tier: Option<usize>,
+    /// The limits, replaceable while the layer runs.
+    pub(crate) live: Arc<Live>,
     pub(crate) namespace: Box<str>,
     pub(crate) on_rejection: Arc<dyn OnRejection>,
     pub(crate) failure_policy: FailurePolicy,

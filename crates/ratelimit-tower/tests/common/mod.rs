@@ -7,11 +7,12 @@ use ratelimit_core::{Clock, Decision, ManualClock, RuleSet, Store};
 
 /// A store whose backend is gone: every check fails at once or, when `hang`, never
 /// answers. Its clock is `clock` when given (so a test can move the layer's time), else
-/// the system clock.
+/// the system clock. `shared` is what it answers to `Store::is_shared`.
 #[derive(Debug, Default)]
 pub(crate) struct Down {
     pub(crate) hang: bool,
     pub(crate) clock: Option<ManualClock>,
+    pub(crate) shared: bool,
 }
 
 impl Store for Down {
@@ -48,5 +49,8 @@ impl Store for Down {
             Some(clock) => clock.now_us(),
             None => ratelimit_core::SystemClock.now_us(),
         }
+    }
+    fn is_shared(&self) -> bool {
+        self.shared
     }
 }
