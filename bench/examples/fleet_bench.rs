@@ -28,7 +28,8 @@
 //!
 //! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
 //! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `POOL` (the
-//! store's default).
+//! store's default), `LEASE` in ms (0: exact mode; else the stores are built with
+//! `.lease(..)` and the bound widens by the lease length).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -80,7 +81,10 @@ async fn main() -> Result<(), Error> {
         duration.as_secs()
     );
 
-    let mut builder = RedisStore::builder().prefix("fleet");
+    let lease_ms = env_or("LEASE", 0);
+    let mut builder = RedisStore::builder()
+        .prefix("fleet")
+        .lease(Duration::from_millis(lease_ms));
     if let Some(pool) = std::env::var("POOL").ok().and_then(|v| v.parse().ok()) {
         builder = builder.pool_size(pool);
     }
@@ -147,7 +151,7 @@ async fn main() -> Result<(), Error> {
     let admitted: u64 = per_key.values().map(|&(_, a)| a).sum();
 
     // The exact limiter's ceiling over the run, and the bound a lease would widen.
-    let lease_s = 0.0;
+    let lease_s = lease_ms as f64 / 1e3;
     let ceiling = |extra_s: f64| burst + rate_per_s * (elapsed + extra_s);
     let exact_most: f64 = per_key
         .values()
@@ -176,7 +180,12 @@ async fn main() -> Result<(), Error> {
     println!("| mode | decisions/s | Redis CPU µs/decision (per master) | Redis CPU µs/decision (sum) | calls/decision | app CPU µs/decision | p50 / p99 ms | admitted / exact most | keys over bound | errors |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| exact | {:.0} | {} | {:.2} | {:.3} | {:.2} | {:.2} / {:.2} | {} / {:.0} ({:.3}) | {} | {} |",
+        "| {} | {:.0} | {} | {:.2} | {:.3} | {:.2} | {:.2} / {:.2} | {} / {:.0} ({:.3}) | {} | {} |",
+        if lease_ms == 0 {
+            "exact".to_owned()
+        } else {
+            format!("lease {lease_ms} ms")
+        },
         decisions as f64 / elapsed,
         cpu_per_master
             .iter()
@@ -196,7 +205,10 @@ async fn main() -> Result<(), Error> {
     );
     if let Some((k, &(offered, admitted))) = hottest {
         println!(
-            "hottest key client-{k}: offered {offered}, admitted {admitted}, bound {:.0}",
+            "hottest key client-{k}: offered {offered}, admitted {admitted} ({:.3} of the exact \
+             ceiling {:.0}), bound {:.0}",
+            admitted as f64 / ceiling(0.0),
+            ceiling(0.0),
             ceiling(lease_s).floor()
         );
     }

@@ -89,6 +89,70 @@
 //! (one list per client key, trimmed to the largest sliding-log limit and read by binary
 //! search). No sorted sets, no scans.
 //!
+//! # Lease mode
+//!
+//! Opt-in with [`RedisStoreBuilder::lease`]; exact mode (every check one call) is the
+//! default. In lease mode a store instance that sees a (key, rule set) take at least 4
+//! units within a lease length reserves a block of units for it in one call (an ordinary check
+//! of the block's cost: Redis charges it atomically, and a block on the key is checked in
+//! the same call) and spends it locally, without a call, until the block runs out or the
+//! lease ends: reservation time + lease length on the store's clock, and for a fixed
+//! window never past the window's end. The block is the number of units the instance saw
+//! for the key over the last lease length, at least 2 and at most 1/8 of the smallest
+//! capacity of the rule set's rules (so that no instance holds more than an eighth of a
+//! limit and a fleet cannot strand it); a key seen once or rarely (a block would mostly
+//! come back as a refund, one call more than exact checks), a check that costs a whole
+//! block, a rule set with a capacity under 16 and a peek (cost 0) are decided exactly.
+//!
+//! When Redis refuses a reservation, the instance asks once more for what Redis said is
+//! left (at least the check's own cost). When that is refused too, it answers refusals
+//! locally, with the refusal's fields and the time left as `retry_after`, until that
+//! `retry_after` has passed, then asks again. A local answer says, per rule: the limit;
+//! as remaining, the units this instance still holds; the reset Redis gave at the
+//! reservation less the time since.
+//!
+//! Units a lease did not spend go back when it ends (`lua/refund.lua`): on the key's next
+//! check, and from a sweep that runs every half lease length for as long as the store
+//! lives ([`RedisStore::sweep_leases`] runs it at once), so a key that goes quiet returns
+//! its units within about one lease length. A fixed window gets them back if the window
+//! is still the reservation's. GCRA, leaky meters and token buckets get back the part of
+//! the charge that has not drained yet by the time of the refund: units whose time has
+//! passed are not given back, since other instances may meanwhile have been charged on a
+//! bucket that would have been full but for the reservation, and returning them would
+//! admit more than the exact limiter.
+//!
+//! **The promise.** Over any interval, a fleet in lease mode admits no more than the exact
+//! limiter admits over that interval extended by the lease length: for GCRA with burst B
+//! and emission interval T, at most B + floor((b - a + lease) / T) units in [a, b].
+//! Every unit admitted locally was charged in Redis at most one lease length earlier, and
+//! a refund leaves Redis no looser than if the reservation had charged that many fewer.
+//! The property tests in `tests/lease.rs` hold several instances on one server to it.
+//!
+//! Per algorithm:
+//!
+//! - fixed window, token bucket, leaky bucket as a meter, GCRA: leased;
+//! - sliding window counter: exact (a unit charged to a sub-window cannot be moved to a
+//!   later one, and one given back after the sub-window ended would count twice);
+//! - sliding log: exact (a reservation would write timestamps for units never used, and
+//!   they cannot be taken out of the shared log exactly);
+//! - leaky bucket as a shaper: exact (its admissions carry delays that depend on every
+//!   admission before them).
+//!
+//! A rule set is leased only when every one of its rules is.
+//!
+//! **Blocks** are checked in every reservation: a block placed through another instance
+//! takes effect on a leasing instance at its next reservation, at most one lease length
+//! later; one placed through the instance itself (or a reset) drops its leases for the
+//! key at once. **Stranded units:** an instance that stops while holding a lease takes at
+//! most its block with it; they count until the algorithm refills them (GCRA, buckets) or
+//! the window ends, as if spent. **Redis down:** an instance spends what it holds, then
+//! its checks fail as in exact mode and the caller's failure policy decides; refunds
+//! that cannot be sent are dropped (the units strand as above). **Memory:** the table
+//! holds at most 65,536 (key, rule set) pairs; ended leases and idle keys are dropped by
+//! the sweep, and past the cap new keys are decided exactly. Under Redis `TIME` the lease
+//! runs on this host's clock, and a fixed window's end is this host's estimate of
+//! Redis's.
+//!
 //! # Time
 //!
 //! By default time comes from the Redis server's `TIME`, read inside the script: app
@@ -196,6 +260,7 @@ struct ReadmeDoctests;
 mod batch;
 mod error;
 mod keys;
+mod lease;
 mod options;
 mod script;
 mod store;

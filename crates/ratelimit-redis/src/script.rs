@@ -101,7 +101,7 @@ impl Script {
     /// `FCALL <function>` when `functions` says the server has them and this script is a
     /// library, else `EVALSHA <sha>`; then the number of keys, to be followed by the keys
     /// and arguments.
-    fn call<'a>(
+    pub(crate) fn call<'a>(
         &'static self,
         functions: &'a AtomicBool,
         keys: usize,
@@ -147,6 +147,10 @@ pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS
 pub(crate) static BLOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/block.lua").to_owned()));
 
+/// The refund script of lease mode; see `lua/refund.lua` for its contract.
+pub(crate) static REFUND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/refund.lua").to_owned()));
+
 /// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
 /// library, the function's name and the batch function's name.
 #[cfg(feature = "testing")]
@@ -163,8 +167,8 @@ pub(crate) fn check_forms() -> [&'static str; 5] {
 }
 
 /// The scripts a store loads when it connects.
-pub(crate) fn scripts() -> [&'static Script; 2] {
-    [*CHECK, &BLOCK]
+pub(crate) fn scripts() -> [&'static Script; 3] {
+    [*CHECK, &BLOCK, &REFUND]
 }
 
 /// Whether the server answered that it has no such function (a restart, `FUNCTION
@@ -188,7 +192,7 @@ pub(crate) fn already_loaded(e: &RedisError) -> bool {
 #[derive(Debug)]
 pub(crate) struct Call<'a> {
     script: &'static Script,
-    cmd: Cmd,
+    pub(crate) cmd: Cmd,
     fcall: bool,
     /// Cleared, for every later call of the store, when the server has no FCALL.
     functions: &'a AtomicBool,

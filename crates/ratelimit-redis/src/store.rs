@@ -12,6 +12,7 @@ use redis::Value;
 
 use crate::batch::{self, Batcher};
 use crate::error::RedisStoreError;
+use crate::lease::{self, Leases};
 use crate::options::Options;
 use crate::script::{CheckArgs, Request, Shared};
 use crate::transport::{failure, Link, Pooled, Source, Transport};
@@ -72,6 +73,8 @@ struct Inner {
     batcher: Option<Batcher>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
+    /// Lease mode's table, when the store was built with a lease length.
+    leases: Option<Leases>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -92,6 +95,7 @@ pub struct RedisStoreBuilder {
     pool_size: u32,
     max_batch: usize,
     batch_wait: Option<Duration>,
+    lease: Option<Duration>,
 }
 
 impl RedisStoreBuilder {
@@ -168,6 +172,17 @@ impl RedisStoreBuilder {
     /// Cluster and Sentinel stores keep one multiplexed connection per server.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
+        self
+    }
+
+    /// Lease mode (off by default): for a hot key, the store reserves a block of units in
+    /// one call and spends it locally for up to `length`, giving back what it did not
+    /// spend. Over any interval the fleet admits no more than the exact limiter admits
+    /// over that interval extended by `length`; see the crate docs ("Lease mode") for
+    /// the promise, the algorithms it serves and how soon a block takes effect. A zero
+    /// length keeps exact mode.
+    pub fn lease(mut self, length: Duration) -> Self {
+        self.lease = (!length.is_zero()).then_some(length);
         self
     }
 
@@ -333,14 +348,23 @@ impl RedisStoreBuilder {
             };
             Batcher::start(transport.clone(), shared.clone(), settings)
         });
-        RedisStore {
+        let store = RedisStore {
             inner: Arc::new(Inner {
                 transport,
                 shared,
                 batcher,
                 heal_log: BoundedLog::new(),
+                leases: self.lease.map(Leases::new),
             }),
+        };
+        if let Some(length) = self.lease {
+            let weak = Arc::downgrade(&store.inner);
+            lease::spawn_sweep(
+                move || weak.upgrade().map(|inner| RedisStore { inner }),
+                length / 2,
+            );
         }
+        store
     }
 }
 
@@ -360,6 +384,20 @@ impl RedisStore {
             pool_size: DEFAULT_POOL_SIZE,
             max_batch: DEFAULT_MAX_BATCH,
             batch_wait: None,
+            lease: None,
+        }
+    }
+
+    /// The lease length of a store in lease mode; `None` in exact mode (the default).
+    pub fn lease_length(&self) -> Option<Duration> {
+        self.inner.leases.as_ref().map(Leases::length)
+    }
+
+    /// Gives back now the units of every lease that has ended (the store's sweep does so
+    /// every half lease length on its own); nothing in exact mode.
+    pub async fn sweep_leases(&self) {
+        if let Some(leases) = &self.inner.leases {
+            lease::sweep(self, leases).await;
         }
     }
 
@@ -446,6 +484,61 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
+        if let Some(leases) = &self.inner.leases {
+            if let Some(decided) = lease::check(self, leases, key, rules, cost).await {
+                return decided;
+            }
+        }
+        self.exact(key, rules, cost).await
+    }
+
+    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
+        let call = self.inner.shared.block_call(key, duration);
+        self.run(Request::Call(call)).await?;
+        self.forget_leases(key);
+        Ok(())
+    }
+
+    async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {
+        let cmd = self.inner.shared.unblock_cmd(key);
+        self.run(Request::Cmd(cmd)).await.map(drop)
+    }
+
+    /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
+    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
+        let _ = rules;
+        let cmd = self.inner.shared.reset_cmd(key);
+        self.run(Request::Cmd(cmd)).await?;
+        self.forget_leases(key);
+        Ok(())
+    }
+
+    /// The injected clock's time when one is set; otherwise this host's clock, the best
+    /// local reading of the Redis server's `TIME`.
+    fn now_us(&self) -> u64 {
+        self.inner.shared.now_us()
+    }
+
+    /// Always: every process connected to the same Redis shares the state.
+    fn is_shared(&self) -> bool {
+        true
+    }
+}
+
+impl RedisStore {
+    fn forget_leases(&self, key: &[u8]) {
+        if let Some(leases) = &self.inner.leases {
+            leases.forget(&lease::state_name(&self.inner.shared, key));
+        }
+    }
+
+    /// One check decided by Redis, as in exact mode.
+    async fn exact(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Decision, RedisStoreError> {
         let (decision, healed) = match self.decide(key, rules, cost).await? {
             Ok(decided) => decided,
             Err(redis_now) => {
@@ -472,32 +565,34 @@ impl Store for RedisStore {
         }
         Ok(decision)
     }
+}
 
-    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
-        let call = self.inner.shared.block_call(key, duration);
-        self.run(Request::Call(call)).await.map(drop)
-    }
-
-    async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {
-        let cmd = self.inner.shared.unblock_cmd(key);
-        self.run(Request::Cmd(cmd)).await.map(drop)
-    }
-
-    /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
-    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
-        let _ = rules;
-        let cmd = self.inner.shared.reset_cmd(key);
-        self.run(Request::Cmd(cmd)).await.map(drop)
-    }
-
-    /// The injected clock's time when one is set; otherwise this host's clock, the best
-    /// local reading of the Redis server's `TIME`.
+impl lease::Backend for RedisStore {
     fn now_us(&self) -> u64 {
         self.inner.shared.now_us()
     }
 
-    /// Always: every process connected to the same Redis shares the state.
-    fn is_shared(&self) -> bool {
-        true
+    fn shared(&self) -> &Shared {
+        &self.inner.shared
+    }
+
+    fn leases(&self) -> Option<&Leases> {
+        self.inner.leases.as_ref()
+    }
+
+    fn exact(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl std::future::Future<Output = Result<Decision, RedisStoreError>> + Send {
+        RedisStore::exact(self, key, rules, cost)
+    }
+
+    fn run(
+        &self,
+        request: Request<'_>,
+    ) -> impl std::future::Future<Output = Result<Value, RedisStoreError>> + Send {
+        RedisStore::run(self, request)
     }
 }
