@@ -22,15 +22,10 @@ use ratelimit_core::MemoryStore;
 use ratelimit_examples::live::{app, read_limits, reload};
 use ratelimit_examples::serve::serve;
 use tokio::signal::unix::{signal, SignalKind};
-use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+    ratelimit_examples::serve::logging_at("info");
 
     let path = PathBuf::from(
         std::env::var_os("LIMITS").ok_or("set LIMITS to the path of a TOML limits file")?,

@@ -26,15 +26,10 @@ use axum::routing::{get, post};
 use axum::Router;
 use ratelimit_redis::RedisStore;
 use ratelimit_tower::{FailurePolicy, PeerIp, RateLimitLayer};
-use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+    ratelimit_examples::serve::logging_at("info");
 
     let (store, url) = store_from_env().await?;
     if !store.is_connected() {

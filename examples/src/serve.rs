@@ -40,11 +40,16 @@ pub async fn ctrl_c() {
 /// Logs to stderr at `RUST_LOG`, by default `INFO` and the limiter's refusals and delays
 /// (`DEBUG`).
 pub fn logging() {
+    logging_at("info,ratelimit_tower=debug");
+}
+
+/// Logs to stderr at `RUST_LOG`, by default at `default` (an `EnvFilter` directive such
+/// as `"info"`).
+pub fn logging_at(default: &str) {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,ratelimit_tower=debug")
-            }),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .init();
 }
