@@ -19,7 +19,8 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{classify, RedisStoreError};
-use crate::script::{CheckArgs, CheckJob, Request, Shared};
+use crate::script::{CheckJob, CheckReply, Request};
+use crate::shared::Shared;
 use crate::transport::{Nodes, Transport};
 
 /// How a store batches.
@@ -299,7 +300,7 @@ fn split(
     let mut parts = Vec::with_capacity(batch.len());
     let mut at = 0;
     for job in batch {
-        match CheckArgs::reply_len(job.check.rules, &bytes[at..])? {
+        match CheckReply::len(job.check.rules, &bytes[at..])? {
             Ok(len) => {
                 parts.push(Ok(at..at + len));
                 at += len;

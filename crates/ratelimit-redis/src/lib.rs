@@ -263,6 +263,7 @@ mod keys;
 mod lease;
 mod options;
 mod script;
+mod shared;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -14,7 +14,8 @@ use crate::batch::{self, Batcher};
 use crate::error::RedisStoreError;
 use crate::lease::{self, Leases};
 use crate::options::Options;
-use crate::script::{CheckArgs, Request, Shared};
+use crate::script::{CheckReply, Decided, Request};
+use crate::shared::Shared;
 use crate::transport::{failure, Link, Pooled, Source, Transport};
 
 /// Connections to one server when none is configured. Each is multiplexed (many
@@ -456,19 +457,19 @@ impl RedisStore {
         key: &[u8],
         rules: &RuleSet,
         cost: u64,
-    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
+    ) -> Result<Decided, RedisStoreError> {
         let shared = &self.inner.shared;
         match &self.inner.batcher {
             Some(batcher) => {
                 let job = shared.check_job(key, rules, cost);
                 let bytes = batcher.decide(job, shared.timeout).await?;
-                CheckArgs::decision_from(rules, &bytes)
+                CheckReply::decision_from(rules, &bytes)
             }
             None => {
                 let reply = self
                     .run(Request::Call(shared.check_call(key, rules, cost)))
                     .await?;
-                CheckArgs::decision(rules, &reply)
+                CheckReply::decision(rules, &reply)
             }
         }
     }

@@ -18,7 +18,8 @@ use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErr
 use ratelimit_core::util::BoundedLog;
 
 use crate::error::{classify, is_connection_error, RedisStoreError};
-use crate::script::{self, Call, Request, Shared};
+use crate::script::{self, Call, Request};
+use crate::shared::Shared;
 
 /// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);

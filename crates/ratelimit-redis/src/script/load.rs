@@ -1,0 +1,318 @@
+//! Loading the scripts and telling versions apart: the script forms and the function
+//! library of `lua/check.lua`, `SCRIPT LOAD` / `FUNCTION LOAD`, one [`Call`] of a script
+//! with what it does when the server lacks it (reload, resend, fall back to `EVALSHA` /
+//! `EVAL`), and the library tag that keeps stores of different versions sharing a server
+//! apart.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::LazyLock;
+
+use redis::aio::ConnectionLike;
+use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+
+/// A Lua script and its SHA1, run with EVALSHA; the decision script also as a Redis
+/// function library, run with FCALL.
+#[derive(Debug)]
+pub(crate) struct Script {
+    body: String,
+    sha: String,
+    function: Option<Function>,
+}
+
+/// A script as a Redis 7 function library: the library code and the function's name.
+/// Both carry the script's SHA1, so stores of different versions sharing a server each
+/// find their own.
+#[derive(Debug)]
+struct Function {
+    library: String,
+    name: String,
+}
+
+/// What every library name of the decision functions starts with, whatever the version;
+/// the library's tag follows.
+const LIBRARY_PREFIX: &str = "ratelimit_";
+/// The length of a library's tag: hex digits of the SHA1 of the script form of
+/// `check.lua`.
+const TAG_LEN: usize = 16;
+
+fn sha1(body: &str) -> String {
+    redis::Script::new(body).get_hash().to_owned()
+}
+
+impl Script {
+    fn new(body: String) -> Self {
+        let sha = sha1(&body);
+        Self {
+            body,
+            sha,
+            function: None,
+        }
+    }
+
+    /// check.lua as three scripts, `check`, `check_many` and `check_local`, and one
+    /// function library registering all three under names tagged with the SHA1 of the
+    /// first.
+    fn decision_scripts() -> (Self, Self, Self) {
+        let code = include_str!("../../lua/check.lua");
+        let one = format!("{code}{EVAL_TAIL}");
+        let sha = sha1(&one);
+        let tag = &sha[..TAG_LEN];
+        let library = format!(
+            "#!lua name={LIBRARY_PREFIX}{tag}\n{code}\n\
+             redis.register_function('ratelimit_check_{tag}', check)\n\
+             redis.register_function('ratelimit_batch_{tag}', check_many)\n\
+             redis.register_function{{function_name='ratelimit_local_{tag}', \
+             callback=check_local, flags={{'allow-cross-slot-keys'}}}}\n"
+        );
+        let local = Self {
+            function: Some(Function {
+                library: library.clone(),
+                name: format!("ratelimit_local_{tag}"),
+            }),
+            ..Self::new(format!("{code}{LOCAL_TAIL}"))
+        };
+        let many = Self {
+            function: Some(Function {
+                library: library.clone(),
+                name: format!("ratelimit_batch_{tag}"),
+            }),
+            ..Self::new(format!("{code}{BATCH_TAIL}"))
+        };
+        let one = Self {
+            function: Some(Function {
+                library,
+                name: format!("ratelimit_check_{tag}"),
+            }),
+            body: one,
+            sha,
+        };
+        (one, many, local)
+    }
+
+    /// The `SCRIPT LOAD` command for this script.
+    pub(crate) fn load_cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(&self.body);
+        cmd
+    }
+
+    /// The `FUNCTION LOAD` command for this script's library, if it has one.
+    pub(crate) fn function_load_cmd(&self) -> Option<Cmd> {
+        let function = self.function.as_ref()?;
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg(&function.library);
+        Some(cmd)
+    }
+
+    /// `FCALL <function>` when `functions` says the server has them and this script is a
+    /// library, else `EVALSHA <sha>`; then the number of keys, to be followed by the keys
+    /// and arguments.
+    pub(crate) fn call<'a>(
+        &'static self,
+        functions: &'a AtomicBool,
+        keys: usize,
+        capacity: usize,
+    ) -> Call<'a> {
+        let mut cmd = Cmd::with_capacity(3 + capacity, 64 + 48 * capacity);
+        let fcall = match &self.function {
+            Some(function) if functions.load(Ordering::Relaxed) => {
+                cmd.arg("FCALL").arg(function.name.as_str());
+                true
+            }
+            _ => {
+                cmd.arg("EVALSHA").arg(self.sha.as_str());
+                false
+            }
+        };
+        cmd.arg(keys);
+        Call {
+            script: self,
+            cmd,
+            fcall,
+            functions,
+        }
+    }
+}
+
+/// What the script form of check.lua appends to the file.
+const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
+/// What the batch script form of check.lua appends to the file.
+const BATCH_TAIL: &str = "\nreturn check_many(KEYS, ARGV)\n";
+/// What the node batch script form of check.lua appends to the file.
+const LOCAL_TAIL: &str = "\nreturn check_local(KEYS, ARGV)\n";
+
+/// The decision script, the batch script and the node batch script; see `lua/check.lua` for their contracts.
+static DECISIONS: LazyLock<(Script, Script, Script)> = LazyLock::new(Script::decision_scripts);
+/// The decision script: one check.
+pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.0);
+/// The batch script: many checks in one call.
+pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.1);
+/// The node batch function: many checks of any slots one Cluster node serves, in one call.
+pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.2);
+/// The block script; see `lua/block.lua` for its contract.
+pub(crate) static BLOCK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/block.lua").to_owned()));
+
+/// The refund script of lease mode; see `lua/refund.lua` for its contract.
+pub(crate) static REFUND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/refund.lua").to_owned()));
+
+/// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
+/// library, the function's name and the batch function's name.
+#[cfg(feature = "testing")]
+pub(crate) fn check_forms() -> [&'static str; 5] {
+    let function = CHECK.function.as_ref().expect("check.lua is a library");
+    let batch = BATCH.function.as_ref().expect("check.lua is a library");
+    [
+        &CHECK.body,
+        &CHECK.sha,
+        &function.library,
+        &function.name,
+        &batch.name,
+    ]
+}
+
+/// The scripts a store loads when it connects.
+pub(crate) fn scripts() -> [&'static Script; 3] {
+    [*CHECK, &BLOCK, &REFUND]
+}
+
+/// Whether the server answered that it has no such function (a restart, `FUNCTION
+/// FLUSH`, a new node).
+fn function_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
+}
+
+/// Whether the server does not know the command (FCALL before Redis 7).
+pub(crate) fn unknown_command(e: &RedisError) -> bool {
+    e.to_string().contains("unknown command")
+}
+
+/// Whether a `FUNCTION LOAD` failed only because the library is there already.
+pub(crate) fn already_loaded(e: &RedisError) -> bool {
+    e.to_string().contains("already exists")
+}
+
+/// One script call: `FCALL` of the decision function or `EVALSHA` of a script, resent
+/// after loading what the server lacks.
+#[derive(Debug)]
+pub(crate) struct Call<'a> {
+    script: &'static Script,
+    pub(crate) cmd: Cmd,
+    fcall: bool,
+    /// Cleared, for every later call of the store, when the server has no FCALL.
+    functions: &'a AtomicBool,
+}
+
+impl Call<'_> {
+    /// Runs the call. A server that lost the function library (restart, failover to a
+    /// node without it) gets it again and the call is resent; a server without
+    /// functions (Redis 6.2) gets EVALSHA from now on. EVALSHA falls back to EVAL (which
+    /// also caches the script in the server that answers) when that server does not know
+    /// the script: after `SCRIPT FLUSH`, a restart, or a failover. Every resend goes to
+    /// the node owning the keys, which makes it right for Redis Cluster too.
+    pub(crate) async fn invoke<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+    ) -> RedisResult<Value> {
+        match self.cmd.query_async(conn).await {
+            Err(e) if self.fcall && function_missing(&e) => {
+                tracing::debug!("rate-limit function not loaded in Redis; loading it");
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
+                    }
+                }
+                self.cmd.query_async(conn).await
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                let mut evalsha = redis::cmd("EVALSHA");
+                evalsha.arg(self.script.sha.as_str());
+                self.resend(conn, evalsha).await
+            }
+            Err(e) if !self.fcall && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+
+    /// This call's keys and arguments after `head` (EVAL or EVALSHA and the script).
+    fn with_head(&self, mut head: Cmd) -> Cmd {
+        for arg in self.cmd.args_iter().skip(2) {
+            if let redis::Arg::Simple(bytes) = arg {
+                head.arg(bytes);
+            }
+        }
+        head
+    }
+
+    /// Sends the call as `head`, then as EVAL if the server does not know the script.
+    async fn resend<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        head: Cmd,
+    ) -> RedisResult<Value> {
+        match self.with_head(head).query_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+
+    /// Runs the call on the Cluster node `routing` names. A node that lost the function
+    /// library gets it again (on every primary) and the call is resent there; a node
+    /// without functions fails the call, having run nothing, and turns FCALL off for
+    /// the store.
+    pub(crate) async fn invoke_routed(
+        &self,
+        conn: &mut redis::cluster_async::ClusterConnection,
+        routing: &redis::cluster_routing::RoutingInfo,
+    ) -> RedisResult<Value> {
+        match conn.route_command(self.cmd.clone(), routing.clone()).await {
+            Err(e) if self.fcall && function_missing(&e) => {
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
+                    }
+                }
+                conn.route_command(self.cmd.clone(), routing.clone()).await
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                // Nothing ran; the caller sends each check alone from now on.
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                Err(e)
+            }
+            other => other,
+        }
+    }
+}
+
+/// A request to Redis: a script call or a plain command.
+#[derive(Debug)]
+pub(crate) enum Request<'a> {
+    /// A script, with the NOSCRIPT fallback.
+    Call(Call<'a>),
+    /// A plain command.
+    Cmd(Cmd),
+}
+
+impl Request<'_> {
+    pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
+        match self {
+            Request::Call(call) => call.invoke(conn).await,
+            Request::Cmd(cmd) => cmd.query_async(conn).await,
+        }
+    }
+}
