@@ -11,9 +11,13 @@ use bb8_redis::RedisConnectionManager;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
 use redis::sentinel::SentinelClient;
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+use redis::{
+    AsyncConnectionConfig, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value,
+};
 
 use ratelimit_core::util::BoundedLog;
 
@@ -118,6 +122,80 @@ impl Transport {
         }
     }
 
+    /// Sends `cmd` to every primary within `timeout`: the store's one server (the
+    /// Sentinels' current primary, the pool's server), or each master of a Cluster;
+    /// returns each primary's answer.
+    pub(crate) async fn on_primaries(
+        &self,
+        cmd: Cmd,
+        timeout: Duration,
+    ) -> Result<Vec<(Primary, Result<Value, RedisStoreError>)>, RedisStoreError> {
+        let Transport::Link(link) = self else {
+            return Ok(vec![(
+                Primary::Server,
+                self.call(&Request::Cmd(cmd), timeout).await,
+            )]);
+        };
+        if !link.is_cluster() {
+            return Ok(vec![(
+                Primary::Server,
+                self.call(&Request::Cmd(cmd), timeout).await,
+            )]);
+        }
+        let mut conn = link.cluster_conn(timeout)?;
+        let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+        let reply = match tokio::time::timeout(timeout, conn.route_command(cmd, routing)).await {
+            Ok(reply) => reply.map_err(|e| classify(e, timeout))?,
+            Err(_) => return Err(RedisStoreError::Timeout(timeout)),
+        };
+        // Without a response policy the cluster connection answers with each node's
+        // reply under the node's address.
+        let Value::Map(replies) = reply else {
+            return Err(RedisStoreError::UnexpectedReply(format!(
+                "a command to every Cluster primary should answer per node, got {reply:?}"
+            )));
+        };
+        replies
+            .into_iter()
+            .map(|(address, reply)| {
+                let primary = Primary::parse(&address).ok_or_else(|| {
+                    RedisStoreError::UnexpectedReply(format!(
+                        "a Cluster node should be named host:port, got {address:?}"
+                    ))
+                })?;
+                let reply = match reply {
+                    Value::ServerError(e) => Err(classify(e.into(), timeout)),
+                    reply => Ok(reply),
+                };
+                Ok((primary, reply))
+            })
+            .collect()
+    }
+
+    /// Sends `cmd` to `primary` (one of those [`on_primaries`](Self::on_primaries)
+    /// answered for) within `timeout`.
+    pub(crate) async fn on_primary(
+        &self,
+        primary: &Primary,
+        cmd: Cmd,
+        timeout: Duration,
+    ) -> Result<Value, RedisStoreError> {
+        let (Primary::Master { host, port }, Transport::Link(link)) = (primary, self) else {
+            return self.call(&Request::Cmd(cmd), timeout).await;
+        };
+        let mut conn = link.cluster_conn(timeout)?;
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+            host: host.clone(),
+            port: *port,
+        });
+        match tokio::time::timeout(timeout, conn.route_command(cmd, routing)).await {
+            Ok(reply) => reply
+                .and_then(Value::extract_error)
+                .map_err(|e| classify(e, timeout)),
+            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+        }
+    }
+
     /// Whether the store holds a working connection (always true over a pool, whose
     /// connections the application manages).
     pub(crate) fn is_connected(&self) -> bool {
@@ -132,6 +210,31 @@ impl Transport {
         if let Transport::Link(link) = self {
             link.connected().await;
         }
+    }
+}
+
+/// A primary that a command goes to: the store's one server, or a Cluster master.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Primary {
+    /// The one server: the store's, the Sentinels' current primary, the pool's.
+    Server,
+    /// A Cluster master, by the address the cluster connection knows it by.
+    Master { host: String, port: u16 },
+}
+
+impl Primary {
+    /// A master from the `host:port` the cluster connection names it by.
+    fn parse(address: &Value) -> Option<Self> {
+        let address = match address {
+            Value::BulkString(bytes) => std::str::from_utf8(bytes).ok()?,
+            Value::SimpleString(s) => s.as_str(),
+            _ => return None,
+        };
+        let (host, port) = address.rsplit_once(':')?;
+        Some(Primary::Master {
+            host: host.to_owned(),
+            port: port.parse().ok()?,
+        })
     }
 }
 
@@ -537,6 +640,18 @@ impl Link {
         }
         let weak = Arc::downgrade(self);
         tokio::spawn(reconnect(weak, pause_first));
+    }
+
+    /// The cluster connection of a Cluster store, or the store's error why there is
+    /// none.
+    fn cluster_conn(&self, timeout: Duration) -> Result<ClusterConnection, RedisStoreError> {
+        match self.conn() {
+            Ok((Conn::Cluster(conn), _)) => Ok(conn),
+            Ok((Conn::Multiplexed(_), _)) => Err(RedisStoreError::UnexpectedReply(
+                "a Cluster command over a connection to one server".into(),
+            )),
+            Err(e) => Err(classify(e, timeout)),
+        }
     }
 
     /// A connection to send on, or the reason there is none.

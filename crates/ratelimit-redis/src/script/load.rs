@@ -2,7 +2,8 @@
 //! library of `lua/check.lua`, `SCRIPT LOAD` / `FUNCTION LOAD`, one [`Call`] of a script
 //! with what it does when the server lacks it (reload, resend, fall back to `EVALSHA` /
 //! `EVAL`), and the library tag that keeps stores of different versions sharing a server
-//! apart.
+//! apart, which also names the libraries of other versions for
+//! [`RedisStore::unload_other_versions`](crate::RedisStore::unload_other_versions).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::LazyLock;
@@ -177,9 +178,71 @@ pub(crate) fn scripts() -> [&'static Script; 3] {
     [*CHECK, &BLOCK, &REFUND]
 }
 
+/// The name of the function library this version loads: `ratelimit_<tag>`.
+pub(crate) fn own_library() -> String {
+    format!("{LIBRARY_PREFIX}{}", &CHECK.sha[..TAG_LEN])
+}
+
+/// Whether the library `name` is the decision library of another version of this crate:
+/// `ratelimit_` and a tag of 16 lowercase hex digits, other than this version's. Any
+/// other name (another application's library) is never taken for one.
+pub(crate) fn is_other_version(name: &str) -> bool {
+    name.strip_prefix(LIBRARY_PREFIX).is_some_and(|tag| {
+        tag.len() == TAG_LEN
+            && tag.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            && name != own_library()
+    })
+}
+
+/// `FUNCTION LIST`: the libraries a server holds.
+pub(crate) fn function_list_cmd() -> Cmd {
+    let mut cmd = redis::cmd("FUNCTION");
+    cmd.arg("LIST");
+    cmd
+}
+
+/// `FUNCTION DELETE <library>`.
+pub(crate) fn function_delete_cmd(library: &str) -> Cmd {
+    let mut cmd = redis::cmd("FUNCTION");
+    cmd.arg("DELETE").arg(library);
+    cmd
+}
+
+/// The library names in a `FUNCTION LIST` reply: a list of libraries, each a flat list
+/// of field names and values (RESP2) or a map (RESP3); `None` for another shape.
+pub(crate) fn library_names(reply: &Value) -> Option<Vec<String>> {
+    let Value::Array(libraries) = reply else {
+        return None;
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) | Value::VerbatimString { text: s, .. } => Some(s.clone()),
+        _ => None,
+    };
+    libraries
+        .iter()
+        .map(|library| {
+            let fields: Vec<(&Value, &Value)> = match library {
+                Value::Array(items) => items.chunks_exact(2).map(|f| (&f[0], &f[1])).collect(),
+                Value::Map(pairs) => pairs.iter().map(|(k, v)| (k, v)).collect(),
+                _ => return None,
+            };
+            fields
+                .into_iter()
+                .find(|(k, _)| text(k).as_deref() == Some("library_name"))
+                .and_then(|(_, v)| text(v))
+        })
+        .collect()
+}
+
+/// Whether a `FUNCTION DELETE` failed only because the library is gone already.
+pub(crate) fn library_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Library not found")
+}
+
 /// Whether the server answered that it has no such function (a restart, `FUNCTION
-/// FLUSH`, a new node).
-fn function_missing(e: &RedisError) -> bool {
+/// FLUSH`, a new node, another version's `unload_other_versions`).
+pub(crate) fn function_missing(e: &RedisError) -> bool {
     e.to_string().contains("Function not found")
 }
 
@@ -206,11 +269,15 @@ pub(crate) struct Call<'a> {
 
 impl Call<'_> {
     /// Runs the call. A server that lost the function library (restart, failover to a
-    /// node without it) gets it again and the call is resent; a server without
-    /// functions (Redis 6.2) gets EVALSHA from now on. EVALSHA falls back to EVAL (which
-    /// also caches the script in the server that answers) when that server does not know
-    /// the script: after `SCRIPT FLUSH`, a restart, or a failover. Every resend goes to
-    /// the node owning the keys, which makes it right for Redis Cluster too.
+    /// node without it, another version's `unload_other_versions`) gets it again and
+    /// the call is resent, once; should the function be missing still (removed again
+    /// in between, or a library of that name without it), this call goes as EVALSHA of
+    /// the script form, which no `FUNCTION DELETE` touches, so it is decided all the
+    /// same and nothing loops. A server without functions (Redis 6.2) gets EVALSHA from
+    /// now on. EVALSHA falls back to EVAL (which also caches the script in the server
+    /// that answers) when that server does not know the script: after `SCRIPT FLUSH`, a
+    /// restart, or a failover. Every resend goes to the node owning the keys, which
+    /// makes it right for Redis Cluster too.
     pub(crate) async fn invoke<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
@@ -224,7 +291,18 @@ impl Call<'_> {
                         _ => {}
                     }
                 }
-                self.cmd.query_async(conn).await
+                match self.cmd.query_async(conn).await {
+                    Err(e) if function_missing(&e) => {
+                        tracing::debug!(
+                            "rate-limit function still missing after loading it; \
+                             sending this call as a script"
+                        );
+                        let mut evalsha = redis::cmd("EVALSHA");
+                        evalsha.arg(self.script.sha.as_str());
+                        self.resend(conn, evalsha).await
+                    }
+                    other => other,
+                }
             }
             Err(e) if self.fcall && unknown_command(&e) => {
                 tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
@@ -270,15 +348,16 @@ impl Call<'_> {
     }
 
     /// Runs the call on the Cluster node `routing` names. A node that lost the function
-    /// library gets it again (on every primary) and the call is resent there; a node
-    /// without functions fails the call, having run nothing, and turns FCALL off for
-    /// the store.
+    /// library gets it again (on every primary) and the call is resent there, once (a
+    /// function missing still fails the call, having run nothing: the caller sends its
+    /// checks one by one, through [`invoke`](Self::invoke)); a node without functions
+    /// fails the call, having run nothing, and turns FCALL off for the store.
     pub(crate) async fn invoke_routed(
         &self,
         conn: &mut redis::cluster_async::ClusterConnection,
         routing: &redis::cluster_routing::RoutingInfo,
     ) -> RedisResult<Value> {
-        match conn.route_command(self.cmd.clone(), routing.clone()).await {
+        match route(conn, &self.cmd, routing).await {
             Err(e) if self.fcall && function_missing(&e) => {
                 if let Some(load) = self.script.function_load_cmd() {
                     match load.query_async::<Value>(conn).await {
@@ -286,7 +365,7 @@ impl Call<'_> {
                         _ => {}
                     }
                 }
-                conn.route_command(self.cmd.clone(), routing.clone()).await
+                route(conn, &self.cmd, routing).await
             }
             Err(e) if self.fcall && unknown_command(&e) => {
                 // Nothing ran; the caller sends each check alone from now on.
@@ -297,6 +376,19 @@ impl Call<'_> {
             other => other,
         }
     }
+}
+
+/// Sends `cmd` where `routing` says. A routed command answers Redis's error as a value;
+/// it is made an error here, so that a node without the function is told apart from a
+/// reply.
+async fn route(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    cmd: &Cmd,
+    routing: &redis::cluster_routing::RoutingInfo,
+) -> RedisResult<Value> {
+    conn.route_command(cmd.clone(), routing.clone())
+        .await
+        .and_then(Value::extract_error)
 }
 
 /// A request to Redis: a script call or a plain command.
@@ -313,6 +405,69 @@ impl Request<'_> {
         match self {
             Request::Call(call) => call.invoke(conn).await,
             Request::Cmd(cmd) => cmd.query_async(conn).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_versions_are_told_by_name() {
+        let own = own_library();
+        assert!(!is_other_version(&own));
+        assert!(is_other_version("ratelimit_0123456789abcdef"));
+        for foreign in [
+            "ratelimit_0123456789ABCDEF",
+            "ratelimit_0123456789abcde",
+            "ratelimit_0123456789abcdef0",
+            "ratelimit_tools",
+            "ratelimit_",
+            "myapp_0123456789abcdef",
+            "0123456789abcdef",
+        ] {
+            assert!(!is_other_version(foreign), "{foreign}");
+        }
+        // The library this version loads is named as `own_library` says.
+        let library = CHECK.function.as_ref().expect("check.lua is a library");
+        assert!(library.library.starts_with(&format!("#!lua name={own}\n")));
+    }
+
+    #[test]
+    fn function_list_replies_name_their_libraries() {
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let resp2 = Value::Array(vec![
+            Value::Array(vec![
+                s("library_name"),
+                s("ratelimit_0123456789abcdef"),
+                s("engine"),
+                s("LUA"),
+                s("functions"),
+                Value::Array(vec![]),
+            ]),
+            Value::Array(vec![s("engine"), s("LUA"), s("library_name"), s("myapp")]),
+        ]);
+        assert_eq!(
+            library_names(&resp2),
+            Some(vec![
+                "ratelimit_0123456789abcdef".to_owned(),
+                "myapp".to_owned()
+            ])
+        );
+        let resp3 = Value::Array(vec![Value::Map(vec![
+            (s("library_name"), Value::SimpleString("myapp".into())),
+            (s("engine"), s("LUA")),
+        ])]);
+        assert_eq!(library_names(&resp3), Some(vec!["myapp".to_owned()]));
+        assert_eq!(library_names(&Value::Array(vec![])), Some(vec![]));
+        for bad in [
+            Value::Nil,
+            s("library_name"),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Array(vec![s("engine"), s("LUA")])]),
+        ] {
+            assert_eq!(library_names(&bad), None, "{bad:?}");
         }
     }
 }
