@@ -1,17 +1,23 @@
--- check.lua: one rate-limit decision for one client key, all rules at once (`check`), or
--- many such decisions in one call (`check_many`, at the end of the file).
+-- check.lua: one rate-limit decision for one client key, all rules at once (`check`);
+-- many such decisions in one call (`check_many`, and `check_local` on a Cluster node);
+-- and the refund of a lease's unspent units (`refund`), at the end of the file.
 --
 -- An integer translation of the core's algorithms: one local function per algorithm,
 -- named and ordered as the core's files (algo/fixed_window.rs, sliding_window.rs,
 -- sliding_log.rs, token_bucket.rs, leaky_bucket.rs, gcra.rs), evaluated on the state as
 -- it stands and committed all or nothing. Every value is an integer below 2^53 (the core
 -- refuses rules outside that bound), so Lua's doubles hold them exactly; divisions go
--- through `divmod`, never `/` or `%` alone (but for `x % 1` and `/ 1000`, exact where
--- they are used, as said there), and numbers sent back to Redis as text are formatted
--- with '%d', never `tostring` (which would switch to exponent notation).
+-- through `divmod`'s arithmetic (written out in the hottest places), never `/` or `%`
+-- alone (but for `x % 1` and `/ 1000`, exact where they are used, as said there), and
+-- numbers sent back to Redis as text are formatted with '%d', never `tostring` (which
+-- would switch to exponent notation).
 --
--- The argument layout is owned by `CheckArgs` in src/script.rs, which encodes it and
--- decodes the reply; change both together.
+-- The argument layout is owned by `CheckArgs` in src/script/args.rs and the reply's by
+-- `CheckReply` in src/script/reply.rs; change them and this file together. The store
+-- puts one line before this file (src/script/load.rs) defining the constants it shares
+-- with them and with the core: HEADER and PER_RULE (the values of the header and of
+-- each rule in ARGV[1]), MAX_RULES (the most rules a rule set has), and HEADER_FORMAT and
+-- RULE_FORMAT (the struct formats of the header and of one rule).
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
 -- KEYS[2]  rule state of the client key: string of little-endian doubles, every one an
@@ -71,42 +77,56 @@
 
 local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
   1, 2, 3, 4, 5, 6
-local HEADER, PER_RULE = 9, 6
--- The struct format of the arguments of one rule: '<' and HEADER + PER_RULE 'd'.
-local ONE_RULE = '<ddddddddddddddd'
 -- The identity of the log marker's entry; no rule has it.
 local LOG_MARKER = 0
 
--- Exact floor division of non-negative integers below 2^53: the double quotient may round
--- across an integer, the exact remainder corrects it.
+-- Exact floor division of non-negative integers below 2^53. Lua's `a % b` is
+-- a - floor(a / b) * b: the double quotient may round across an integer, which leaves
+-- the remainder one b out of [0, b); correcting it makes it exact, and a - r is then a
+-- multiple of b, whose quotient the division gives exactly. All of it runs in the VM,
+-- without a call to math.floor: that call costs more than the arithmetic.
 local function divmod(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
+  local r = a % b
   if r < 0 then
-    return q - 1, r + b
+    r = r + b
   elseif r >= b then
-    return q + 1, r - b
+    r = r - b
   end
-  return q, r
+  return (a - r) / b, r
 end
 
--- ceil(a / b) for a >= 0, b > 0.
+-- ceil(a / b) for a >= 0, b > 0: divmod's arithmetic, inline.
 local function ceil_div(a, b)
-  local q, r = divmod(a, b)
-  if r > 0 then
-    return q + 1
+  local r = a % b
+  if r < 0 then
+    r = r + b
+  elseif r >= b then
+    r = r - b
   end
-  return q
+  if r > 0 then
+    return (a - r) / b + 1
+  end
+  return (a - r) / b
+end
+
+-- The struct format of w doubles, made once per width: a library's locals live as long
+-- as the library (under EVALSHA, for the call). Callers look in FORMATS first: a table
+-- read costs less than a call.
+local FORMATS = {}
+-- The reply and the next state of the check at hand (see check_one), and the replies of
+-- a batch: the library's own, reused by every call.
+local OUT, NEXT, REPLIES = {}, {}, {}
+local function doubles(w)
+  local f = FORMATS[w]
+  if not f then
+    f = '<' .. string.rep('d', w)
+    FORMATS[w] = f
+  end
+  return f
 end
 
 -- The state as a string of little-endian doubles (exact for integers below 2^53), in
 -- chunks of at most 1000: Lua can hold only so many values on its stack at once.
-
--- Whether a stored value is one this script could have written: an integer in [0, 2^53).
--- Below 2^53, x % 1 is exact (x - floor(x)); NaN and the infinities give NaN.
-local function whole(x)
-  return x >= 0 and x < 9007199254740992 and x % 1 == 0
-end
 
 -- The state in `raw`, or nil when `raw` is not `width` non-negative integers.
 local function decode(raw, width, shape)
@@ -134,7 +154,8 @@ local function decode(raw, width, shape)
   end
   for j = 1, width do
     local x = t[j]
-    -- whole(x), without the call: the loop runs over every stored value.
+    -- An integer in [0, 2^53), one this script could have written. Below 2^53, x % 1 is
+    -- exact (x - floor(x)); NaN and the infinities give NaN.
     if not (x >= 0 and x < 9007199254740992 and x % 1 == 0) then
       return nil
     end
@@ -393,13 +414,15 @@ local function token_bucket_carry(now, ol, oc, level, last, period, capacity)
   return level, last
 end
 
--- The theoretical arrival time (su µs and sf / limit of one; su nil: no state):
--- `cap` emission intervals of room, requests beyond the first `no_delay` (0 = all)
--- admitted with a delay. Returns the six values every algorithm returns, then the next
--- state (µs, fraction).
-local function gcra_tat(now, c, su, sf, limit, period, cap, no_delay)
+-- GCRA on the theoretical arrival time, held as (tat_us, tat_frac): tat_us µs and
+-- tat_frac / limit of one. `cap` emission intervals of room; requests beyond the first
+-- `no_delay` (0 = all) admitted with a delay. The leaky bucket is this arithmetic too:
+-- a meter with cap = capacity, a shaper with cap = burst + 1 and no_delay = delay + 1.
+-- The divisions are `divmod`'s, written out: this is the hottest function of the file.
+local function gcra(now, c, st, new, off, limit, period, cap, no_delay)
   local bus, bfrac, reset = now, 0, 0
-  if su then
+  if st then
+    local su, sf = st[off + 1], st[off + 2]
     if su > now or (su == now and sf > 0) then
       bus, bfrac = su, sf
     end
@@ -408,8 +431,15 @@ local function gcra_tat(now, c, su, sf, limit, period, cap, no_delay)
       reset = reset + 1
     end
   end
-  local q, m = divmod(bfrac + c * period, limit)
-  local nus = bus + q
+  -- q, m = divmod(bfrac + c * period, limit), inline.
+  local x = bfrac + c * period
+  local m = x % limit
+  if m < 0 then
+    m = m + limit
+  elseif m >= limit then
+    m = m - limit
+  end
+  local nus = bus + (x - m) / limit
   local diff_base = (bus - now) * limit + bfrac
   local diff_next = (nus - now) * limit + m
   local max = cap * period
@@ -429,32 +459,15 @@ local function gcra_tat(now, c, su, sf, limit, period, cap, no_delay)
   if m > 0 then
     exp = nus + 1
   end
-  return allowed, (divmod(room, period)), reset, retry, exp, delay, nus, m
-end
-
--- gcra_tat on a rule's slice of the state tables.
-local function tat_rule(now, c, st, new, off, limit, period, cap, no_delay)
-  local su, sf
-  if st then
-    su, sf = st[off + 1], st[off + 2]
-  end
-  local allowed, remaining, reset, retry, exp, delay, nus, m =
-    gcra_tat(now, c, su, sf, limit, period, cap, no_delay)
   new[off + 1], new[off + 2] = nus, m
-  return allowed, remaining, reset, retry, exp, delay
-end
-
--- A meter holds `capacity` requests; a shaper lets `burst` wait and the first `delay`
--- of them through at once.
-local function leaky_bucket(now, c, st, new, off, limit, period, a, b)
-  if b == 0 then
-    return tat_rule(now, c, st, new, off, limit, period, a, 0)
+  -- divmod(room, period), inline.
+  local rr = room % period
+  if rr < 0 then
+    rr = rr + period
+  elseif rr >= period then
+    rr = rr - period
   end
-  return tat_rule(now, c, st, new, off, limit, period, a + 1, b)
-end
-
-local function gcra(now, c, st, new, off, limit, period, burst)
-  return tat_rule(now, c, st, new, off, limit, period, burst, 0)
+  return allowed, (room - rr) / period, reset, retry, exp, delay
 end
 
 -- A TAT (us, frac / ol), written under a rule of limit ol of the same algorithm and
@@ -566,7 +579,13 @@ local function expiry_arg(injected, now, ttl_floor, at)
     end
     return 'PX', string.format('%d', ms)
   end
-  return 'PXAT', math.ceil(at / 1000)
+  return 'PXAT', string.format('%d', math.ceil(at / 1000))
+end
+
+-- The Redis server's time, in µs since the Unix epoch.
+local function redis_time()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
 -- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
@@ -576,15 +595,14 @@ end
 -- In a batch, `redis_now` is the Redis time read once for all, and when `at` is set,
 -- got[at] and got[at + 1] are the block marker and state as read for all (alone: nil,
 -- nil, nil, read here).
-local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
+local function begin(key1, key2, injected, now_or_deadline, cost, redis_now, got, at)
   local now
   if injected then
     now = now_or_deadline
   else
     now = redis_now
     if not now then
-      local t = redis.call('TIME')
-      now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      now = redis_time()
     end
     if now_or_deadline > 0 and now > now_or_deadline then
       -- The caller stopped waiting before Redis got to this check (a slow command, a
@@ -593,7 +611,7 @@ local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
     end
   end
   if not at then
-    got, at = redis.call('MGET', KEYS[1], KEYS[2]), 1
+    got, at = redis.call('MGET', key1, key2), 1
   end
   local status = 0
   local block = got[at]
@@ -608,7 +626,7 @@ local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
     if not untl then
       status = 2
     end
-    redis.call('DEL', KEYS[1])
+    redis.call('DEL', key1)
   end
   local c = cost
   if c < 1 then
@@ -617,37 +635,37 @@ local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
   return now, got[at + 1], status, c
 end
 
--- The reply `out` as one string of doubles.
-local function as_reply(out)
-  return struct.pack('<' .. string.rep('d', #out), unpack(out))
-end
+local VERSION_SKEW = ' values; the store and the script are from different versions'
 
--- A rule's remaining, reset and retry as replied: never negative.
-local function at_least_zero(remaining, reset, retry)
-  if remaining < 0 then
-    remaining = 0
+-- One check on its keys and packed values; in a batch with the batch's Redis time and
+-- reads (see `begin`). Evaluates every rule on the state as it stands and commits all or
+-- nothing.
+local function check_one(key1, key2, key3, packed, redis_now, got, at)
+  local fmt, unpack_ = string.format, struct.unpack
+  local len = #packed
+  if len < 8 * HEADER or len % 8 ~= 0 then
+    return redis.error_reply(fmt('RLARGS check.lua takes its values as doubles, got %d bytes',
+      len) .. VERSION_SKEW)
   end
-  if reset < 0 then
-    reset = 0
+  -- The header in one C call (no text to parse); `pos` is where the rules start.
+  local injected, now_or_deadline, cost, ttl_floor, n, width, log_limit, log_period, layout,
+    pos = unpack_(HEADER_FORMAT, packed)
+  if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
+    return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules of '
+      .. 'at most %d, got %d', HEADER + PER_RULE * n, n, MAX_RULES, len / 8) .. VERSION_SKEW)
   end
-  if retry < 0 then
-    retry = 0
+  injected = injected == 1
+  local now, raw, status, c =
+    begin(key1, key2, injected, now_or_deadline, cost, redis_now, got, at)
+  if not now then
+    return raw
   end
-  return remaining, reset, retry
-end
 
--- The decision on the arguments `v` (validated), once `begin` has read the time and the
--- stored state `raw`.
-local function decide(KEYS, v, now, raw, status, c)
-  local fmt = string.format
-  local injected = v[1] == 1
-  local cost, ttl_floor, n, width, log_limit, log_period, layout =
-    v[3], v[4], v[5], v[6], v[7], v[8], v[9]
   -- The state's struct format, or '' when it is too wide for one struct call (it is then
   -- read and written in chunks).
   local shape = ''
   if width <= 1000 then
-    shape = '<' .. string.rep('d', width)
+    shape = FORMATS[width] or doubles(width)
   end
 
   -- The stored state in this layout: read in place when this rule set wrote it, else
@@ -659,7 +677,7 @@ local function decide(KEYS, v, now, raw, status, c)
     if st and st[1] == layout then
       log_counts = true
     else
-      st, fresh, log_counts = carry(raw, v, n, now)
+      st, fresh, log_counts = carry(raw, {unpack_(doubles(len / 8), packed)}, n, now)
       if not st then
         -- Read as fresh; the commit replaces it.
         status = 2
@@ -667,7 +685,7 @@ local function decide(KEYS, v, now, raw, status, c)
     end
   end
 
-  local key3, log_len, newest, drop_log = KEYS[3], 0, nil, false
+  local log_len, newest, drop_log = 0, nil, false
   if log_limit > 0 then
     if not log_counts then
       -- A log the state does not vouch for is no one's: read as empty, and dropped before
@@ -690,34 +708,51 @@ local function decide(KEYS, v, now, raw, status, c)
     end
   end
 
-  -- Evaluate every rule on the state as it stands; out holds the reply.
-  -- Sized for one rule, the common case, so that it does not grow.
-  local out = {status, 0, 0, 0, 0, 0}
-  -- The next state at new[1 .. width], each rule's expiry at new[width + i]; `off` is
-  -- where the values of the rule at hand start, past its entry's header. Sized for one
-  -- rule (state and expiry), so that it does not grow: each growth is a rehash.
-  local new = {layout, 0, 0, 0, 0, 0, 0, 0}
+  -- Evaluate every rule on the state as it stands; out[1 .. 2 + 4n] holds the reply:
+  -- status, delay, then per rule allowed, remaining, reset, retry. The next state goes to
+  -- new[1 .. width], each rule's expiry to new[width + i]; `off` is where the values of
+  -- the rule at hand start, past its entry's header. Both tables are the library's own,
+  -- reused by every check (each check writes every entry it reads): a table made per
+  -- check, and grown to its size, would cost more than the decision.
+  local out, new = OUT, NEXT
+  out[1], out[2], new[1] = status, 0, layout
   local all_ok, delay, off = true, 0, 1
+  local code, limit, period, a, b, id
   for i = 1, n do
-    local o = HEADER + PER_RULE * i - 5
-    local code, limit, period = v[o], v[o + 1], v[o + 2]
+    code, limit, period, a, b, id, pos = unpack_(RULE_FORMAT, packed, pos)
     local s = st
     if fresh and fresh[i] then
       s = nil
     end
     local allowed, remaining, reset, retry, exp, wait
-    if code == FIXED_WINDOW then
-      new[off + 1], new[off + 2] = v[o + 5], 2
+    if code == GCRA or code == LEAKY_BUCKET then
+      -- The entry's header: identity, 4 values, the limit and capacity a carry needs.
+      local cap, no_delay = a, 0
+      if code == LEAKY_BUCKET and b > 0 then
+        cap, no_delay = a + 1, b
+      end
+      new[off + 1], new[off + 2], new[off + 3], new[off + 4] = id, 4, limit, cap
+      off = off + 4
+      allowed, remaining, reset, retry, exp, wait =
+        gcra(now, c, s, new, off, limit, period, cap, no_delay)
+      off = off + 2
+    elseif code == FIXED_WINDOW then
+      new[off + 1], new[off + 2] = id, 2
       off = off + 2
       allowed, remaining, reset, retry, exp, wait = fixed_window(now, c, s, new, off, limit, period)
       off = off + 2
     elseif code == SLIDING_WINDOW then
-      local p = v[o + 3]
-      new[off + 1], new[off + 2] = v[o + 5], p + 2
+      new[off + 1], new[off + 2] = id, a + 2
       off = off + 2
       allowed, remaining, reset, retry, exp, wait =
-        sliding_window(now, c, s, new, off, limit, period, p, v[o + 4])
-      off = off + p + 2
+        sliding_window(now, c, s, new, off, limit, period, a, b)
+      off = off + a + 2
+    elseif code == TOKEN_BUCKET then
+      new[off + 1], new[off + 2], new[off + 3], new[off + 4] = id, 4, limit, a
+      off = off + 4
+      allowed, remaining, reset, retry, exp, wait =
+        token_bucket(now, c, s, new, off, limit, period, a)
+      off = off + 2
     elseif code == SLIDING_LOG then
       allowed, remaining, reset, retry, exp, wait =
         sliding_log(now, c, key3, log_len, newest, limit, period)
@@ -728,26 +763,6 @@ local function decide(KEYS, v, now, raw, status, c)
         return redis.error_reply('RLSTATE the sliding log held a value this store did '
           .. 'not write; it was deleted')
       end
-    elseif code == TOKEN_BUCKET or code == LEAKY_BUCKET or code == GCRA then
-      local a, b = v[o + 3], v[o + 4]
-      -- The header: identity, 4 values, the limit and capacity a carry needs.
-      local cap = a
-      if code == LEAKY_BUCKET and b > 0 then
-        cap = a + 1
-      end
-      new[off + 1], new[off + 2], new[off + 3], new[off + 4] = v[o + 5], 4, limit, cap
-      off = off + 4
-      if code == TOKEN_BUCKET then
-        allowed, remaining, reset, retry, exp, wait =
-          token_bucket(now, c, s, new, off, limit, period, a)
-      elseif code == LEAKY_BUCKET then
-        allowed, remaining, reset, retry, exp, wait =
-          leaky_bucket(now, c, s, new, off, limit, period, a, b)
-      else
-        allowed, remaining, reset, retry, exp, wait =
-          gcra(now, c, s, new, off, limit, period, a)
-      end
-      off = off + 2
     else
       return redis.error_reply(fmt('RLARGS unknown algorithm code %d', code))
     end
@@ -757,8 +772,17 @@ local function decide(KEYS, v, now, raw, status, c)
     if wait > delay then
       delay = wait
     end
-    remaining, reset, retry = at_least_zero(remaining, reset, retry)
     new[width + i] = exp
+    -- Remaining, reset and retry as replied: never negative.
+    if remaining < 0 then
+      remaining = 0
+    end
+    if reset < 0 then
+      reset = 0
+    end
+    if retry < 0 then
+      retry = 0
+    end
     out[4 * i - 1] = allowed and 1 or 0
     out[4 * i] = remaining
     out[4 * i + 1] = reset
@@ -774,7 +798,7 @@ local function decide(KEYS, v, now, raw, status, c)
   out[2] = delay
 
   if not all_ok or cost == 0 then
-    return as_reply(out)
+    return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))
   end
 
   -- Commit: every rule is charged `cost`; remaining and reset become the next state's.
@@ -801,8 +825,8 @@ local function decide(KEYS, v, now, raw, status, c)
     -- sliding-log window, the last of the rules' expiries.
     new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, now + log_period
   end
-  local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
-  redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
+  local unit, ms = expiry_arg(injected, now, ttl_floor, state_expires)
+  redis.call('SET', key2, encode(new, width, shape), unit, ms)
 
   if log_limit > 0 then
     if drop_log then
@@ -826,201 +850,37 @@ local function decide(KEYS, v, now, raw, status, c)
     if log_len + cost > log_limit then
       redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
     end
-    local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
+    local unit, ms = expiry_arg(injected, now, ttl_floor, now + log_period)
     if unit == 'PX' then
-      redis.call('PEXPIRE', key3, at)
+      redis.call('PEXPIRE', key3, ms)
     else
-      redis.call('PEXPIREAT', key3, at)
+      redis.call('PEXPIREAT', key3, ms)
     end
   end
 
-  return as_reply(out)
+  return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))
 end
 
--- One-rule checks of the common algorithms skip the general loop: no argument or state
--- tables, the state read and written with one fixed struct call. They decide exactly as
--- the functions above (they are the same arithmetic, or call them in the rare cases),
--- and hand a state of another layout to `decide`.
-
--- The reply of a one-rule check and whether it commits; as the general loop above.
-local function one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
-  remaining, reset, retry = at_least_zero(remaining, reset, retry)
-  if not allowed then
-    return struct.pack('<dddddd', status, 0, 0, remaining, reset, retry), false
-  elseif cost == 0 then
-    return struct.pack('<dddddd', status, 0, 1, remaining, reset, retry), false
-  end
-  reset = exp - now
-  if reset < 0 then
-    reset = 0
-  end
-  remaining = remaining - cost
-  if remaining < 0 then
-    remaining = 0
-  end
-  return struct.pack('<dddddd', status, 0, 1, remaining, reset, retry), true
-end
-
--- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst):
--- state {layout, id, 4, limit, cap, tat_us, tat_frac}.
-local function gcra_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
-    limit, period, cap, redis_now, got, at)
-  local now, raw, status, c =
-    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
-  if not now then
-    return raw
-  end
-  local su, sf
-  if raw then
-    local l, _
-    if #raw == 56 then
-      l, _, _, _, _, su, sf = struct.unpack('<ddddddd', raw)
-    end
-    if l ~= layout then
-      return decide(KEYS, {struct.unpack(ONE_RULE, packed)}, now, raw, status, c)
-    end
-    if not (whole(su) and whole(sf)) then
-      su, status = nil, 2
-    end
-  end
-  local allowed, remaining, reset, retry, exp, _, nus, m =
-    gcra_tat(now, c, su, sf, limit, period, cap, 0)
-  local out, commit = one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
-  if commit then
-    redis.call('SET', KEYS[2], struct.pack('<ddddddd', layout, id, 4, limit, cap, nus, m),
-      expiry_arg(injected, now, ttl_floor, exp))
-  end
-  return out
-end
-
--- One sliding window counter of precision 1: state {layout, id, 3, index, c0, c1}. The
--- common cases (no state, or a state of this sub-window or the one before, and an
--- admitted check) are worked out here; a denial or a clock that went back goes through
--- sliding_window.
-local function sliding_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
-    limit, sub, redis_now, got, at)
-  local now, raw, status, c =
-    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
-  if not now then
-    return raw
-  end
-  local idx, c0, c1
-  if raw then
-    local l, _
-    if #raw == 48 then
-      l, _, _, idx, c0, c1 = struct.unpack('<dddddd', raw)
-    end
-    if l ~= layout then
-      return decide(KEYS, {struct.unpack(ONE_RULE, packed)}, now, raw, status, c)
-    end
-    -- whole() of each, without the calls.
-    if not (idx >= 0 and c0 >= 0 and c1 >= 0 and idx < 9007199254740992
-        and c0 < 9007199254740992 and c1 < 9007199254740992 and idx % 1 == 0
-        and c0 % 1 == 0 and c1 % 1 == 0) then
-      idx, status = nil, 2
-    end
-  end
-  local cur, elapsed = divmod(now, sub)
-  -- (oldest count, weighted; the newer count) as seen in sub-window cur.
-  local old, recent = 0, 0
-  if idx == cur then
-    old, recent = c1, c0
-  elseif idx == cur - 1 then
-    old = c0
-  end
-  local weighted = old * (sub - elapsed)
-  local allowed, remaining, reset, retry, exp, s0, s1, s2
-  if (idx and idx > cur) or weighted + sub * (recent + c) > limit * sub then
-    local st = nil
-    if idx then
-      st = {idx, c0, c1}
-    end
-    local new = {0, 0, 0}
-    allowed, remaining, reset, retry, exp = sliding_window(now, c, st, new, 0, limit, sub, 1, sub)
-    s0, s1, s2 = new[1], new[2], new[3]
-  else
-    local room = limit * sub - weighted
-    if room < 0 then
-      room = 0
-    end
-    allowed, remaining, reset, retry = true, divmod(room, sub) - recent, 0, 0
-    if idx then
-      if c0 > 0 then
-        reset = (idx + 2) * sub - now
-      elseif c1 > 0 then
-        reset = (idx + 1) * sub - now
-      end
-    end
-    -- The next state: counts shifted to sub-window cur (the newer one becomes the
-    -- older), cost added to the newest.
-    exp, s0, s1, s2 = (cur + 2) * sub, cur, recent + c, old
-  end
-  local out, commit = one_reply(status, cost, allowed, remaining, reset, retry, exp, now)
-  if commit then
-    redis.call('SET', KEYS[2], struct.pack('<dddddd', layout, id, 3, s0, s1, s2),
-      expiry_arg(injected, now, ttl_floor, exp))
-  end
-  return out
-end
-
-local VERSION_SKEW = ' values; the store and the script are from different versions'
-
--- One check on its keys and packed values; in a batch with the batch's Redis time and
--- reads (see `begin`).
-local function check_one(KEYS, packed, redis_now, got, at)
-  local fmt = string.format
-
-  -- One C call reads every argument (no text to parse); the last value is unpack's next
-  -- position.
-  if #packed == 8 * (HEADER + PER_RULE) then
-    local inj, t, cost, ttl_floor, n, width, log_limit, _, layout, code, limit, period, a, b, id =
-      struct.unpack(ONE_RULE, packed)
-    if n == 1 and log_limit == 0 then
-      if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
-        return gcra_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, period, a,
-          redis_now, got, at)
-      elseif code == SLIDING_WINDOW and a == 1 and width == 6 then
-        return sliding_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, b,
-          redis_now, got, at)
-      end
-    end
-  end
-  local count = #packed / 8
-  if count % 1 ~= 0 or count < HEADER or count > HEADER + PER_RULE * 64 then
-    return redis.error_reply(fmt('RLARGS check.lua takes its values as doubles, got %d bytes',
-      #packed) .. VERSION_SKEW)
-  end
-  local v = {struct.unpack('<' .. string.rep('d', count), packed)}
-  local n = v[5] or 0
-  if #v ~= HEADER + PER_RULE * n + 1 then
-    return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules, got %d',
-      HEADER + PER_RULE * n, n, #v - 1) .. VERSION_SKEW)
-  end
-  local now, raw, status, c = begin(KEYS, v[1] == 1, v[2], v[3], redis_now, got, at)
-  if not now then
-    return raw
-  end
-  return decide(KEYS, v, now, raw, status, c)
-end
-
--- One decision. The file defines `check` and `check_many` and nothing else runs at load:
--- the store loads it as a Redis function library (Redis 7: FUNCTION LOAD, then FCALL, so
--- the functions above are created once per server, not once per call) or, on Redis 6.2,
--- runs it with EVALSHA followed by `return check(KEYS, ARGV)` (or check_many).
+-- One decision. The file defines `check`, `check_many`, `check_local` and `refund`, and
+-- nothing else runs at load: the store loads it as a Redis function library (Redis 7:
+-- FUNCTION LOAD, then FCALL, so the functions above are created once per server, not
+-- once per call) or, on Redis 6.2, runs it with EVALSHA followed by
+-- `return check(KEYS, ARGV)` (or another of the four).
 local function check(KEYS, ARGV)
   if #ARGV ~= 1 then
     return redis.error_reply('RLARGS check.lua takes 1 argument, got ' .. #ARGV .. VERSION_SKEW)
   end
-  return check_one(KEYS, ARGV[1], nil, nil, nil)
+  return check_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], nil, nil, nil)
 end
 
 -- Many decisions in one call, in order, each decided as `check` decides it alone but for
--- one TIME read and one MGET of block markers and states for all (a check whose keys an
--- earlier check of the batch touched reads them again itself). The store sends what
--- queued while its previous call was in flight.
+-- one TIME read and one MGET of every key for all. The store sends what queued while its
+-- previous call was in flight.
 --
 -- KEYS     the keys of each check in turn, as for `check` (2, or 3 with a sliding log)
--- ARGV[1]  one character per check: its number of keys, '2' or '3'
+-- ARGV[1]  one character per check: its number of keys, '2' or '3'; or '4' or '5' for 2
+--          or 3 keys that an earlier check of the batch has too (the same client key):
+--          such a check reads its keys again itself, after the earlier one wrote them
 -- ARGV[1 + i]  check i's packed values, as ARGV[1] of `check`
 --
 -- Returns one string: each check's reply in turn, as `check` returns it; a check that
@@ -1033,31 +893,39 @@ local function check_many(KEYS, ARGV)
     return redis.error_reply('RLARGS check_many expects 1 + ' .. n .. ' arguments, got '
       .. #ARGV .. VERSION_SKEW)
   end
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local byte, pcall, type, pack = string.byte, pcall, type, struct.pack
-  local names, k = {}, 0
-  for i = 1, n do
-    names[2 * i - 1], names[2 * i] = KEYS[k + 1], KEYS[k + 2]
-    k = k + byte(counts, i) - 48
-  end
-  local got = redis.call('MGET', unpack(names))
-  local out, touched = {}, {}
-  k = 0
+  local k = 0
   for i = 1, n do
     local m = byte(counts, i) - 48
-    local b, s = KEYS[k + 1], KEYS[k + 2]
-    local keys = {b, s}
-    if m == 3 then
-      keys[3] = KEYS[k + 3]
+    if m < 2 or m > 5 then
+      return redis.error_reply('RLARGS check_many takes key counts 2 to 5, got '
+        .. counts:sub(i, i) .. VERSION_SKEW)
+    end
+    if m > 3 then
+      m = m - 2
     end
     k = k + m
-    local at = nil
-    if not (touched[b] or touched[s]) then
-      at = 2 * i - 1
+  end
+  if k ~= #KEYS then
+    return redis.error_reply('RLARGS check_many counts ' .. k .. ' keys, got ' .. #KEYS
+      .. VERSION_SKEW)
+  end
+  local now = redis_time()
+  -- Every key at once; a sliding log's key, a list, reads as nil (and is not used).
+  local got = redis.call('MGET', unpack(KEYS))
+  local out = REPLIES
+  k = 0
+  for i = 1, n do
+    local m, at = byte(counts, i) - 48, k + 1
+    if m > 3 then
+      m, at = m - 2, nil
     end
-    touched[b], touched[s] = true, true
-    local ok, r = pcall(check_one, keys, ARGV[i + 1], now, got, at)
+    local l = nil
+    if m == 3 then
+      l = KEYS[k + 3]
+    end
+    local ok, r = pcall(check_one, KEYS[k + 1], KEYS[k + 2], l, ARGV[i + 1], now, got, at)
+    k = k + m
     if ok and type(r) == 'string' then
       out[i] = r
     else
@@ -1070,7 +938,7 @@ local function check_many(KEYS, ARGV)
       out[i] = pack('<dd', -1, #msg) .. msg
     end
   end
-  return table.concat(out)
+  return table.concat(out, '', 1, n)
 end
 
 -- Many decisions in one call on one node of a Redis Cluster, whose keys may lie in many
@@ -1101,23 +969,25 @@ local function check_local(_, ARGV)
     return redis.error_reply('RLARGS check_local expects ' .. (1 + n + keys_total)
       .. ' arguments, got ' .. #ARGV .. VERSION_SKEW)
   end
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local out = {}
+  local now = redis_time()
+  local out = REPLIES
   local k = n + 1
   for i = 1, n do
     local m = byte(counts, i) - 48
-    local keys = {ARGV[k + 1], ARGV[k + 2]}
+    local b, s, l = ARGV[k + 1], ARGV[k + 2], nil
+    local got
     if m == 3 then
-      keys[3] = ARGV[k + 3]
+      l = ARGV[k + 3]
+      got = redis.pcall('MGET', b, s, l)
+    else
+      got = redis.pcall('MGET', b, s)
     end
     k = k + m
-    local got = redis.pcall('MGET', unpack(keys))
     local msg
     if type(got) == 'table' and got.err then
       msg = 'RLMOVED ' .. got.err
     else
-      local ok, r = pcall(check_one, keys, ARGV[i + 1], now, got, 1)
+      local ok, r = pcall(check_one, b, s, l, ARGV[i + 1], now, got, 1)
       if ok and type(r) == 'string' then
         out[i] = r
       elseif type(r) == 'table' and r.err then
@@ -1130,5 +1000,129 @@ local function check_local(_, ARGV)
       out[i] = pack('<dd', -1, #msg) .. msg
     end
   end
-  return table.concat(out)
+  return table.concat(out, '', 1, n)
+end
+
+-- Gives back units a lease reserved and did not spend, as if the reservation had charged
+-- that many fewer. Lease mode only (src/lease.rs); exact checks never call it.
+--
+-- KEYS[1]  rule state of the client key (see the top of this file for its layout)
+--
+-- ARGV[1]  now, µs since the Unix epoch; "" = read the Redis server's TIME
+-- ARGV[2]  units to give back (u, at least 1)
+-- ARGV[3]  the reservation's time t, µs, on the same clock as `now`
+-- ARGV[4]  the units the reservation charged (b >= u)
+-- ARGV[5..] 5 values per rule of the rule set: id, code, limit, period_us, window (the
+--          fixed window index of the reservation; 0 for other algorithms). Codes as
+--          above: 1 fixed window, 4 token bucket, 5 leaky bucket meter, 6 GCRA; rules
+--          of other algorithms are never leased.
+--
+-- Per rule, the entry of its identity is changed only when it was written under the same
+-- limit (the unit of a TAT's fraction and of a bucket's level), else left alone: a refund
+-- that cannot be exact gives back nothing, which only ever admits less.
+--   GCRA, leaky meter  tat -= g x period / limit, never below now
+--   token bucket       level += g x period, at most the capacity that wrote it
+--   fixed window       count -= u, only in the reservation's window
+-- where g = min(u, b - (now - t) x limit / period): the time-based algorithms give back no
+-- more of the charge than still lies ahead of now. Other instances may have been charged
+-- since the reservation, on a bucket that would have been full but for it; taking the
+-- units off the end of the TAT then would hand out more than the exact limiter had the
+-- reservation charged u fewer. The part of the charge not yet drained cannot have been
+-- hidden that way, so giving back at most that never admits more than the exact limiter.
+-- The key keeps its TTL (KEEPTTL): a refund only makes the state expire sooner in truth.
+--
+-- Returns 1 when the state was rewritten, 0 when there was nothing to give back to.
+
+local function refund(KEYS, ARGV)
+  local raw = redis.call('GET', KEYS[1])
+  if not raw or #raw % 8 ~= 0 or #raw == 0 then
+    return 0
+  end
+
+  local now
+  if ARGV[1] == '' then
+    now = redis_time()
+  else
+    now = tonumber(ARGV[1])
+  end
+  local u = tonumber(ARGV[2])
+  local elapsed = now - tonumber(ARGV[3])
+  if elapsed < 0 then
+    elapsed = 0
+  end
+  local b = tonumber(ARGV[4])
+
+  local v, pos = {}, 1
+  for i = 1, #raw / 8 do
+    v[i], pos = struct.unpack('<d', raw, pos)
+  end
+
+  -- Where each identity's values start: v[1] is the layout, then {id, m, m values}.
+  local at = {}
+  local i = 2
+  while i + 1 <= #v do
+    local m = v[i + 1]
+    at[v[i]] = i + 2
+    i = i + 2 + m
+  end
+  if i ~= #v + 1 then
+    return 0
+  end
+
+  local changed = false
+  for r = 5, #ARGV, 5 do
+    local id, code = tonumber(ARGV[r]), tonumber(ARGV[r + 1])
+    local limit, period = tonumber(ARGV[r + 2]), tonumber(ARGV[r + 3])
+    local window = tonumber(ARGV[r + 4])
+    local o = at[id]
+    if o then
+      -- The drainable part of the charge, in units of 1 / limit µs (the TAT's fraction) or
+      -- of the level; none once the charge has drained (elapsed x limit >= b x period,
+      -- compared before a product that could pass 2^53 is formed).
+      local give = 0
+      if elapsed < b * period / limit + 1 then
+        give = b * period - elapsed * limit
+        if give > u * period then
+          give = u * period
+        end
+      end
+      if give <= 0 then
+        give = 0
+      end
+      if (code == GCRA or code == LEAKY_BUCKET) and v[o] == limit and give > 0 then
+        local q, rem = divmod(give, limit)
+        local us, frac = v[o + 2] - q, v[o + 3] - rem
+        if frac < 0 then
+          us, frac = us - 1, frac + limit
+        end
+        if us < now then
+          us, frac = now, 0
+        end
+        v[o + 2], v[o + 3], changed = us, frac, true
+      elseif code == TOKEN_BUCKET and v[o] == limit and give > 0 then
+        local level = v[o + 2] + give
+        local full = v[o + 1] * period
+        if level > full then
+          level = full
+        end
+        v[o + 2], changed = level, true
+      elseif code == FIXED_WINDOW and v[o] == window then
+        local count = v[o + 1] - u
+        if count < 0 then
+          count = 0
+        end
+        v[o + 1], changed = count, true
+      end
+    end
+  end
+  if not changed then
+    return 0
+  end
+
+  local parts = {}
+  for j = 1, #v do
+    parts[j] = struct.pack('<d', v[j])
+  end
+  redis.call('SET', KEYS[1], table.concat(parts), 'KEEPTTL')
+  return 1
 end

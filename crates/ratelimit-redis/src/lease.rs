@@ -3,7 +3,8 @@
 //!
 //! A reservation is an ordinary check of cost `b`: Redis charges the block atomically,
 //! blocks included. What the lease did not spend when it ends goes back through
-//! `lua/refund.lua`, lazily on the key's next check or from the store's sweep.
+//! the `refund` function of `lua/check.lua`, lazily on the key's next check or from the
+//! store's sweep.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -104,7 +105,7 @@ fn leasable(rules: &RuleSet) -> bool {
     })
 }
 
-/// check.lua's code for an algorithm, as refund.lua reads it.
+/// check.lua's code for an algorithm, as its `refund` reads it.
 fn code(algorithm: Algorithm) -> u64 {
     match algorithm {
         Algorithm::FixedWindow => 1,

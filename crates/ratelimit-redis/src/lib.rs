@@ -111,8 +111,8 @@
 //! as remaining, the units this instance still holds; the reset Redis gave at the
 //! reservation less the time since.
 //!
-//! Units a lease did not spend go back when it ends (`lua/refund.lua`): on the key's next
-//! check, and from a sweep that runs every half lease length for as long as the store
+//! Units a lease did not spend go back when it ends (`refund` in `lua/check.lua`): on the
+//! key's next check, and from a sweep that runs every half lease length for as long as the store
 //! lives ([`RedisStore::sweep_leases`] runs it at once), so a key that goes quiet returns
 //! its units within about one lease length. A fixed window gets them back if the window
 //! is still the reservation's. GCRA, leaky meters and token buckets get back the part of

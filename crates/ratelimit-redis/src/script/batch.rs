@@ -60,6 +60,12 @@ impl CheckJob {
         key_slot(&self.names.as_bytes()[..self.ends[0]])
     }
 
+    /// The block marker's and the state's names, which every check of the same client
+    /// key shares.
+    fn shared_names(&self) -> &str {
+        &self.names[..self.ends[1]]
+    }
+
     fn key_names(&self) -> impl Iterator<Item = &str> {
         let mut start = 0;
         self.ends[..self.keys].iter().map(move |&end| {
@@ -114,7 +120,17 @@ fn many_call<'a, 'j>(
             }
         }
     }
-    let counts: Vec<u8> = jobs.clone().map(|job| b'0' + job.keys as u8).collect();
+    // Each check's number of keys; `check_many` also learns which checks share their
+    // client key with an earlier one (2 more), as those read their keys again after it:
+    // a hash set here costs less than the table that would find them there.
+    let mut seen = std::collections::HashSet::new();
+    let counts: Vec<u8> = jobs
+        .clone()
+        .map(|job| {
+            let again = declared && !seen.insert(job.shared_names());
+            b'0' + job.keys as u8 + if again { 2 } else { 0 }
+        })
+        .collect();
     call.cmd.arg(counts);
     for job in jobs.clone() {
         call.cmd.arg(&job.packed[..]);

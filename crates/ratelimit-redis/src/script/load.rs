@@ -11,6 +11,8 @@ use std::sync::LazyLock;
 use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
+use super::args::CheckArgs;
+
 /// A Lua script and its SHA1, run with EVALSHA; the decision script also as a Redis
 /// function library, run with FCALL.
 #[derive(Debug)]
@@ -50,44 +52,36 @@ impl Script {
         }
     }
 
-    /// check.lua as three scripts, `check`, `check_many` and `check_local`, and one
-    /// function library registering all three under names tagged with the SHA1 of the
-    /// first.
-    fn decision_scripts() -> (Self, Self, Self) {
-        let code = include_str!("../../lua/check.lua");
-        let one = format!("{code}{EVAL_TAIL}");
-        let sha = sha1(&one);
-        let tag = &sha[..TAG_LEN];
-        let library = format!(
-            "#!lua name={LIBRARY_PREFIX}{tag}\n{code}\n\
-             redis.register_function('ratelimit_check_{tag}', check)\n\
-             redis.register_function('ratelimit_batch_{tag}', check_many)\n\
-             redis.register_function{{function_name='ratelimit_local_{tag}', \
-             callback=check_local, flags={{'allow-cross-slot-keys'}}}}\n"
+    /// check.lua as one script per entry point (`ENTRIES`), and one function library
+    /// registering all of them under names tagged with the SHA1 of the first.
+    fn decision_scripts() -> [Self; 4] {
+        // A library's top level cannot reach `string` while it loads, so the struct
+        // formats come made.
+        let code = format!(
+            "local HEADER, PER_RULE, MAX_RULES, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, '<{}', '<{}'\n{}",
+            CheckArgs::HEADER,
+            CheckArgs::PER_RULE,
+            ratelimit_core::MAX_RULES,
+            "d".repeat(CheckArgs::HEADER),
+            "d".repeat(CheckArgs::PER_RULE),
+            include_str!("../../lua/check.lua")
         );
-        let local = Self {
+        let body = |function: &str| format!("{code}\nreturn {function}(KEYS, ARGV)\n");
+        let tag = sha1(&body(ENTRIES[0].1))[..TAG_LEN].to_owned();
+        let mut library = format!("#!lua name={LIBRARY_PREFIX}{tag}\n{code}\n");
+        for (name, function, flags) in ENTRIES {
+            library.push_str(&format!(
+                "redis.register_function{{function_name='ratelimit_{name}_{tag}', \
+                 callback={function}, flags={{{flags}}}}}\n"
+            ));
+        }
+        ENTRIES.map(|(name, function, _)| Self {
             function: Some(Function {
                 library: library.clone(),
-                name: format!("ratelimit_local_{tag}"),
+                name: format!("ratelimit_{name}_{tag}"),
             }),
-            ..Self::new(format!("{code}{LOCAL_TAIL}"))
-        };
-        let many = Self {
-            function: Some(Function {
-                library: library.clone(),
-                name: format!("ratelimit_batch_{tag}"),
-            }),
-            ..Self::new(format!("{code}{BATCH_TAIL}"))
-        };
-        let one = Self {
-            function: Some(Function {
-                library,
-                name: format!("ratelimit_check_{tag}"),
-            }),
-            body: one,
-            sha,
-        };
-        (one, many, local)
+            ..Self::new(body(function))
+        })
     }
 
     /// The `SCRIPT LOAD` command for this script.
@@ -135,28 +129,29 @@ impl Script {
     }
 }
 
-/// What the script form of check.lua appends to the file.
-const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
-/// What the batch script form of check.lua appends to the file.
-const BATCH_TAIL: &str = "\nreturn check_many(KEYS, ARGV)\n";
-/// What the node batch script form of check.lua appends to the file.
-const LOCAL_TAIL: &str = "\nreturn check_local(KEYS, ARGV)\n";
+/// check.lua's entry points: the name in the library (after `ratelimit_`), the Lua
+/// function and the function's flags.
+const ENTRIES: [(&str, &str, &str); 4] = [
+    ("check", "check", ""),
+    ("batch", "check_many", ""),
+    ("local", "check_local", "'allow-cross-slot-keys'"),
+    ("refund", "refund", ""),
+];
 
-/// The decision script, the batch script and the node batch script; see `lua/check.lua` for their contracts.
-static DECISIONS: LazyLock<(Script, Script, Script)> = LazyLock::new(Script::decision_scripts);
+/// check.lua's scripts, in the order of `ENTRIES`; see `lua/check.lua` for their
+/// contracts.
+static DECISIONS: LazyLock<[Script; 4]> = LazyLock::new(Script::decision_scripts);
 /// The decision script: one check.
-pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.0);
+pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[0]);
 /// The batch script: many checks in one call.
-pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.1);
+pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[1]);
 /// The node batch function: many checks of any slots one Cluster node serves, in one call.
-pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.2);
+pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[2]);
+/// The refund of lease mode: units a lease did not spend, given back.
+pub(crate) static REFUND: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[3]);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../lua/block.lua").to_owned()));
-
-/// The refund script of lease mode; see `lua/refund.lua` for its contract.
-pub(crate) static REFUND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/refund.lua").to_owned()));
 
 /// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
 /// library, the function's name and the batch function's name.
@@ -175,7 +170,7 @@ pub(crate) fn check_forms() -> [&'static str; 5] {
 
 /// The scripts a store loads when it connects.
 pub(crate) fn scripts() -> [&'static Script; 3] {
-    [*CHECK, &BLOCK, &REFUND]
+    [*CHECK, &BLOCK, *REFUND]
 }
 
 /// The name of the function library this version loads: `ratelimit_<tag>`.

@@ -1,5 +1,5 @@
-//! The Rust side of the store's Lua scripts (`lua/check.lua`, `lua/block.lua`,
-//! `lua/refund.lua`), one concern per module:
+//! The Rust side of the store's Lua scripts (`lua/check.lua`, `lua/block.lua`), one
+//! concern per module:
 //!
 //! - [`args`]: the argument layout of `check.lua`, how a check's values are packed;
 //! - [`reply`]: how its reply becomes a decision or an error, and how a batch reply
