@@ -288,7 +288,16 @@ end
 
 -- Also takes the shared log's key, length and newest entry. Returns nil when the log
 -- holds an entry this script did not write.
+-- The log's time never goes back (a failover to a server with another clock, an injected
+-- clock): at `now` before the newest entry, the check is decided (window, verdict,
+-- remaining) as if at the newest entry's time, and commit logs it at that time, so the
+-- log stays newest first; retry and reset still count from `now`. As the core's
+-- algo/sliding_log.rs.
 local function sliding_log(now, c, key, log_len, newest, limit, period)
+  local t = now
+  if newest and newest > now then
+    t = newest
+  end
   local nth = nil
   local at = limit - c
   if at < log_len then
@@ -303,9 +312,9 @@ local function sliding_log(now, c, key, log_len, newest, limit, period)
   if hi > limit then
     hi = limit
   end
-  if newest and newest + period <= now then
+  if newest and newest + period <= t then
     hi = 0
-  elseif nth and nth + period > now then
+  elseif nth and nth + period > t then
     lo = at + 1
   end
   while lo < hi do
@@ -314,7 +323,7 @@ local function sliding_log(now, c, key, log_len, newest, limit, period)
     if not ts then
       return nil
     end
-    if ts + period > now then
+    if ts + period > t then
       lo = mid + 1
     else
       hi = mid
@@ -327,8 +336,8 @@ local function sliding_log(now, c, key, log_len, newest, limit, period)
   if nth then
     retry = nth + period - now
   end
-  -- After the push the newest entry is now.
-  return (not nth) or nth + period <= now, limit - lo, reset, retry, now + period, 0
+  -- After the push the newest entry is t.
+  return (not nth) or nth + period <= t, limit - lo, reset, retry, t + period, 0
 end
 
 local function token_bucket(now, c, st, new, off, limit, period, capacity)
@@ -796,10 +805,15 @@ local function decide(KEYS, v, now, raw, status, c)
     out[4 * i] = left
   end
 
+  -- The log's time: now, or its newest entry when the clock went back (see sliding_log).
+  local log_now = now
+  if newest and newest > now then
+    log_now = newest
+  end
   if log_limit > 0 then
-    -- The log marker: the log counts until its newest entry (now) leaves the longest
+    -- The log marker: the log counts until its newest entry (log_now) leaves the longest
     -- sliding-log window, the last of the rules' expiries.
-    new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, now + log_period
+    new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, log_now + log_period
   end
   local unit, at = expiry_arg(injected, now, ttl_floor, state_expires)
   redis.call('SET', KEYS[2], encode(new, width, shape), unit, at)
@@ -808,8 +822,8 @@ local function decide(KEYS, v, now, raw, status, c)
     if drop_log then
       redis.call('DEL', key3)
     end
-    -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
-    local stamp = fmt('%d', now)
+    -- Push `cost` copies of log_now in chunks (unpack has a stack limit); keep log_limit.
+    local stamp = fmt('%d', log_now)
     local left = cost
     while left > 0 do
       local chunk = {}
@@ -826,7 +840,7 @@ local function decide(KEYS, v, now, raw, status, c)
     if log_len + cost > log_limit then
       redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
     end
-    local unit, at = expiry_arg(injected, now, ttl_floor, now + log_period)
+    local unit, at = expiry_arg(injected, now, ttl_floor, log_now + log_period)
     if unit == 'PX' then
       redis.call('PEXPIRE', key3, at)
     else

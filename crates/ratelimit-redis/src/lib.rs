@@ -157,7 +157,10 @@
 //!
 //! By default time comes from the Redis server's `TIME`, read inside the script: app
 //! servers with skewed clocks still agree. [`RedisStoreBuilder::clock`] injects a clock
-//! instead (tests, the conformance suite).
+//! instead (tests, the conformance suite). Either may go back (a failover to a server
+//! whose clock is behind, a test): every algorithm then decides as
+//! [`MemoryStore`](ratelimit_core::MemoryStore) does, the sliding log as if at its newest
+//! entry's time (see [`algo`](ratelimit_core::algo#a-clock-that-steps-back)).
 //!
 //! # Keys and TTLs
 //!
