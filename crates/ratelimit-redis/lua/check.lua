@@ -30,13 +30,13 @@
 --
 -- ARGV[1]  the values as little-endian doubles (exact: every one is an integer < 2^53):
 --          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
---          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
---          none; a check that starts later is not run), cost (0 peeks: evaluated as 1,
---          nothing written), TTL floor in ms (applied only under an injected clock, which
---          need not run at Redis's pace), number of rules n, state width (values in
---          KEYS[2] as this rule set writes it), entries the shared log keeps (0: no
---          sliding log), longest sliding-log period in µs, layout (the rule set's
---          fingerprint, below 2^52);
+--          Unix epoch) when injected, else 0, cost (0 peeks: evaluated as 1, nothing
+--          written), TTL floor in ms (applied only under an injected clock, which need
+--          not run at Redis's pace), number of rules n, state width (values in KEYS[2] as
+--          this rule set writes it), entries the shared log keeps (0: no sliding log),
+--          longest sliding-log period in µs, layout (the rule set's fingerprint, below
+--          2^52), the caller's deadline in µs on the Redis server's clock, whatever the
+--          check's own clock (0: none; a check that starts later is not run);
 --          then 6 values per rule: code, limit, period_us, a, b, id
 --            FIXED_WINDOW    1
 --            SLIDING_WINDOW  2   a = precision, b = sub-window length in µs
@@ -55,12 +55,13 @@
 -- Returns one string of little-endian doubles (all integers below 2^53, or -1; Redis
 -- turns a string into a reply at about half the cost of a table of 6 integers):
 --   {1, retry_us}   blocked; retry_us = -1 for a block without end
---   {3, now_us}     past the caller's deadline: nothing decided, nothing written
+--   {3, now_us}     past the caller's deadline (now_us on the Redis clock): nothing
+--                   decided, nothing written
 --   {s, delay_us, then per rule: allowed (1/0), remaining, reset_us, retry_us}
 --                   s = 0, or 2 when a value this script did not write was found at one
 --                   of the keys and discarded (the store owns its key namespace)
 --
--- Redis calls: TIME (without an injected time), one MGET for block marker and state, one
+-- Redis calls: TIME (without an injected time, or with a deadline), one MGET for block marker and state, one
 -- SET of the state with its expiry when the check commits; a sliding log adds LLEN,
 -- LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer counts). A value of another
 -- type at a key reads as absent and is replaced.
@@ -71,9 +72,9 @@
 
 local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
   1, 2, 3, 4, 5, 6
-local HEADER, PER_RULE = 9, 6
+local HEADER, PER_RULE = 10, 6
 -- The struct format of the arguments of one rule: '<' and HEADER + PER_RULE 'd'.
-local ONE_RULE = '<ddddddddddddddd'
+local ONE_RULE = '<dddddddddddddddd'
 -- The identity of the log marker's entry; no rule has it.
 local LOG_MARKER = 0
 
@@ -580,25 +581,20 @@ end
 
 -- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
 -- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
--- or nil and the reply when the key is blocked or the check came past the caller's
--- deadline. Blocks come first: a blocked key consults no rule.
+-- or nil and the reply when the key is blocked. Blocks come first: a blocked key
+-- consults no rule. (check_one has turned away a check past its deadline.)
 -- In a batch, `redis_now` is the Redis time read once for all, and when `at` is set,
 -- got[at] and got[at + 1] are the block marker and state as read for all (alone: nil,
 -- nil, nil, read here).
-local function begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
+local function begin(KEYS, injected, injected_now, cost, redis_now, got, at)
   local now
   if injected then
-    now = now_or_deadline
+    now = injected_now
   else
     now = redis_now
     if not now then
       local t = redis.call('TIME')
       now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    end
-    if now_or_deadline > 0 and now > now_or_deadline then
-      -- The caller stopped waiting before Redis got to this check (a slow command, a
-      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
-      return nil, struct.pack('<dd', 3, now)
     end
   end
   if not at then
@@ -877,10 +873,10 @@ end
 
 -- One GCRA rule, or one leaky bucket meter (the same arithmetic with capacity as burst):
 -- state {layout, id, 4, limit, cap, tat_us, tat_frac}.
-local function gcra_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
+local function gcra_one(KEYS, packed, injected, injected_now, cost, ttl_floor, layout, id,
     limit, period, cap, redis_now, got, at)
   local now, raw, status, c =
-    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
+    begin(KEYS, injected, injected_now, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -911,10 +907,10 @@ end
 -- common cases (no state, or a state of this sub-window or the one before, and an
 -- admitted check) are worked out here; a denial or a clock that went back goes through
 -- sliding_window.
-local function sliding_one(KEYS, packed, injected, now_or_deadline, cost, ttl_floor, layout, id,
+local function sliding_one(KEYS, packed, injected, injected_now, cost, ttl_floor, layout, id,
     limit, sub, redis_now, got, at)
   local now, raw, status, c =
-    begin(KEYS, injected, now_or_deadline, cost, redis_now, got, at)
+    begin(KEYS, injected, injected_now, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -984,11 +980,27 @@ local VERSION_SKEW = ' values; the store and the script are from different versi
 local function check_one(KEYS, packed, redis_now, got, at)
   local fmt = string.format
 
+  -- The caller's deadline on the Redis clock, the header's last value (0: none).
+  if #packed >= 8 * HEADER then
+    local deadline = struct.unpack('<d', packed, 8 * HEADER - 7)
+    if deadline > 0 then
+      if not redis_now then
+        local t = redis.call('TIME')
+        redis_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      end
+      if redis_now > deadline then
+        -- The caller stopped waiting before Redis got to this check (a slow command, a
+        -- fork, DEBUG SLEEP): decide nothing and charge nothing.
+        return struct.pack('<dd', 3, redis_now)
+      end
+    end
+  end
+
   -- One C call reads every argument (no text to parse); the last value is unpack's next
   -- position.
   if #packed == 8 * (HEADER + PER_RULE) then
-    local inj, t, cost, ttl_floor, n, width, log_limit, _, layout, code, limit, period, a, b, id =
-      struct.unpack(ONE_RULE, packed)
+    local inj, t, cost, ttl_floor, n, width, log_limit, _, layout, _, code, limit, period, a, b,
+      id = struct.unpack(ONE_RULE, packed)
     if n == 1 and log_limit == 0 then
       if code == GCRA or (code == LEAKY_BUCKET and b == 0) then
         return gcra_one(KEYS, packed, inj == 1, t, cost, ttl_floor, layout, id, limit, period, a,

@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ratelimit_core::{RuleSet, Store};
+use ratelimit_core::testing::T0_US;
+use ratelimit_core::{ManualClock, RuleSet, Store};
 use ratelimit_redis::redis;
 use ratelimit_redis::testing::{RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE};
 use ratelimit_redis::{RedisStore, RedisStoreError};
@@ -424,7 +425,45 @@ async fn checks_that_timed_out_in_a_stalled_redis_charge_nothing() {
         .build(&server.url())
         .await
         .unwrap();
+    stalled_checks_charge_nothing(&server, &store).await;
+}
+
+/// As above, for a store on an injected clock: the deadline on Redis's clock goes
+/// beside the injected time.
+#[tokio::test]
+async fn checks_that_timed_out_charge_nothing_on_an_injected_clock() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .clock(ManualClock::new(T0_US))
+        .build(&server.url())
+        .await
+        .unwrap();
+    stalled_checks_charge_nothing(&server, &store).await;
+}
+
+/// As above, for a store over the application's pool: it reads Redis's clock on its
+/// first call.
+#[tokio::test]
+async fn checks_that_timed_out_charge_nothing_over_a_pool() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let pool = ratelimit_redis::bb8::Pool::builder()
+        .test_on_check_out(false)
+        .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(server.url()).unwrap())
+        .await
+        .unwrap();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .build_with_pool(pool);
+    stalled_checks_charge_nothing(&server, &store).await;
+}
+
+/// Stalls `server` with `DEBUG SLEEP` while 10 checks of `store` time out, lets Redis
+/// run them once it wakes, and requires that none was charged.
+async fn stalled_checks_charge_nothing(server: &RedisServer, store: &RedisStore) {
     let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    // A first call on another key, as any store makes before a stall in production.
+    store.check(b"warm", &rules, 1).await.unwrap();
     let mut con = common::conn(&server.url());
     common::reset_stats(&mut con);
     let mut probe = common::conn(&server.url());
