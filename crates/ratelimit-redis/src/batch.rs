@@ -19,7 +19,8 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{classify, RedisStoreError};
-use crate::script::{CheckArgs, CheckJob, Request, Shared};
+use crate::script::{function_missing, CheckJob, CheckReply, Request};
+use crate::shared::Shared;
 use crate::transport::{Nodes, Transport};
 
 /// How a store batches.
@@ -213,8 +214,15 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
     }
     let call = shared.node_batch_call(jobs.iter().map(|job| &job.check));
     let reply = transport.call_on(slot, &call, shared.timeout).await;
-    if reply.is_err() && !shared.functions.load(Ordering::Relaxed) {
-        // The node has no functions (before Redis 7) and ran nothing.
+    let ran_nothing = match &reply {
+        // The node has no functions (before Redis 7).
+        Err(_) if !shared.functions.load(Ordering::Relaxed) => true,
+        // The function was missing even after loading the library (removed again in
+        // between): each check alone falls back to the script form.
+        Err(RedisStoreError::Script(e)) => function_missing(e),
+        _ => false,
+    };
+    if ran_nothing {
         for job in jobs {
             let _ = job.reply.send(single(transport, shared, &job.check).await);
         }
@@ -299,7 +307,7 @@ fn split(
     let mut parts = Vec::with_capacity(batch.len());
     let mut at = 0;
     for job in batch {
-        match CheckArgs::reply_len(job.check.rules, &bytes[at..])? {
+        match CheckReply::len(job.check.rules, &bytes[at..])? {
             Ok(len) => {
                 parts.push(Ok(at..at + len));
                 at += len;

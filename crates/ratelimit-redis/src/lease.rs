@@ -17,7 +17,8 @@ use tokio::sync::Notify;
 
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
-use crate::script::{Request, Shared, REFUND};
+use crate::script::{Request, REFUND};
+use crate::shared::Shared;
 
 /// What lease mode needs of the store it serves.
 pub(crate) trait Backend: Send + Sync + 'static {

@@ -240,6 +240,45 @@
 //!   marker that is not a time is dropped. Nothing stays broken, but the client got a
 //!   fresh state: give the store a prefix nothing else uses.
 //!
+//! # Upgrading
+//!
+//! Each version of the crate loads `lua/check.lua` as a function library of its own,
+//! `ratelimit_<tag>` (the tag is 16 hex digits of the script's SHA1; the functions
+//! carry it too), so that during a rolling deploy instances of the old and the new
+//! version share a Redis, each calling its own functions with its own argument layout.
+//! A library stays on the server until it is removed (RDB and AOF keep it, replicas
+//! copy it), so every upgrade would leave the previous one behind.
+//!
+//! [`RedisStore::unload_other_versions`] removes them: on every primary (each master of
+//! a Cluster; the current primary of a Sentinel service, whose replicas follow) it
+//! deletes each library named `ratelimit_` and 16 hex digits but the store's own, and
+//! returns their names. Other applications' libraries stay. Run it once every instance
+//! runs the new version, e.g. as the last step of the deploy, from one instance or a
+//! one-off task:
+//!
+//! ```no_run
+//! # use ratelimit_redis::RedisStore;
+//! # async fn run(store: RedisStore) -> Result<(), ratelimit_redis::RedisStoreError> {
+//! let removed = store.unload_other_versions().await?;
+//! println!("removed the function libraries of earlier versions: {removed:?}");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Running it too early is safe. An instance of an older version whose library is gone
+//! is told "Function not found" by its next call, loads its library again and sends the
+//! call again, once; should the function be missing still (removed again in between),
+//! that call goes as the script form (`EVALSHA`, then `EVAL`), which `FUNCTION DELETE`
+//! does not touch. Every check is decided, none twice. The older library is back then,
+//! so run the method again once the old instances are gone. Nothing removes libraries
+//! by itself: two versions never take turns removing each other's.
+//!
+//! Scripts that earlier versions cached with `SCRIPT LOAD` (the `EVALSHA` forms, the
+//! block and refund scripts) stay in the script cache until a restart or `SCRIPT
+//! FLUSH`; they take a little memory and nothing else, and `SCRIPT FLUSH` is harmless
+//! to running stores, which send a script again with `EVAL` when Redis lacks it. Under
+//! an ACL, the method needs `FUNCTION LIST` and `FUNCTION DELETE`.
+//!
 //! # Failures
 //!
 //! Every call is bounded by a timeout (default 50 ms) and fails with a typed
@@ -270,6 +309,7 @@ mod keys;
 mod lease;
 mod options;
 mod script;
+mod shared;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;

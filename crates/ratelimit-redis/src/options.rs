@@ -5,7 +5,7 @@ use ratelimit_core::Clock;
 
 use crate::error::RedisStoreError;
 use crate::keys;
-use crate::script::Shared;
+use crate::shared::{clock_name, RedisClock, Shared};
 
 /// Per-call timeout used when none is configured.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
@@ -42,14 +42,7 @@ impl std::fmt::Debug for Options {
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .field("connect_timeout", &self.connect_timeout)
-            .field(
-                "clock",
-                &if self.clock.is_some() {
-                    "injected"
-                } else {
-                    "Redis TIME"
-                },
-            )
+            .field("clock", &clock_name(self.clock.as_ref()))
             .field("ttl_floor", &self.ttl_floor)
             .finish()
     }
@@ -70,7 +63,7 @@ impl Options {
             timeout: self.timeout,
             // Until a server says it has no FCALL.
             functions: std::sync::atomic::AtomicBool::new(true),
-            redis_clock: crate::script::RedisClock::new(),
+            redis_clock: RedisClock::new(),
             maxmemory_policy: std::sync::RwLock::new(None),
         })
     }

@@ -14,7 +14,8 @@ use crate::batch::{self, Batcher};
 use crate::error::RedisStoreError;
 use crate::lease::{self, Leases};
 use crate::options::Options;
-use crate::script::{CheckArgs, Request, Shared};
+use crate::script::{self, CheckReply, Decided, Request};
+use crate::shared::Shared;
 use crate::transport::{failure, Link, Pooled, Source, Transport};
 
 /// Connections to one server when none is configured. Each is multiplexed (many
@@ -449,6 +450,66 @@ impl RedisStore {
         self.inner.transport.connected().await;
     }
 
+    /// Removes the function libraries that other versions of this crate loaded, on
+    /// every primary (each master of a Cluster; the current primary of a Sentinel
+    /// service, whose replicas follow it), and returns their names. Only libraries named
+    /// `ratelimit_` and a 16-hex-digit tag are removed, and never this version's own:
+    /// other applications' libraries stay. Nothing to do on Redis 6.2 (no functions).
+    ///
+    /// Each version loads its own library (its name is tagged with the SHA1 of its
+    /// script), so that old and new app servers share a Redis during a rolling deploy,
+    /// each calling its own functions; without this, every upgrade leaves the
+    /// previous library on every server for good. Run it once the deploy is done,
+    /// from one instance of the new version or from an operator's tool. Running it
+    /// earlier breaks nothing: an instance of an older version whose library is gone
+    /// loads it again on its next check (one extra round trip; see the crate docs,
+    /// "Upgrading"), and the library is then back until the next run. Nothing removes
+    /// libraries by itself, so two versions never take turns removing each other's.
+    ///
+    /// Fails when a primary cannot be reached or refuses `FUNCTION LIST` /
+    /// `FUNCTION DELETE` (an ACL); what was removed before that stays removed, and a
+    /// second run finishes the job.
+    pub async fn unload_other_versions(&self) -> Result<Vec<String>, RedisStoreError> {
+        let transport = &self.inner.transport;
+        let timeout = self.inner.shared.timeout;
+        let mut removed = std::collections::BTreeSet::new();
+        for (primary, listed) in transport
+            .on_primaries(script::function_list_cmd(), timeout)
+            .await?
+        {
+            let listed = match listed {
+                Ok(listed) => listed,
+                Err(RedisStoreError::Script(e)) if script::unknown_command(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            let names = script::library_names(&listed).ok_or_else(|| {
+                RedisStoreError::UnexpectedReply(format!(
+                    "FUNCTION LIST should answer a list of libraries, got {listed:?}"
+                ))
+            })?;
+            for name in names
+                .into_iter()
+                .filter(|name| script::is_other_version(name))
+            {
+                let delete = script::function_delete_cmd(&name);
+                match transport.on_primary(&primary, delete, timeout).await {
+                    Ok(_) => {
+                        tracing::info!(
+                            library = %name,
+                            ?primary,
+                            "removed the rate-limit function library of another version"
+                        );
+                        removed.insert(name);
+                    }
+                    // Removed meanwhile, by another run.
+                    Err(RedisStoreError::Script(e)) if script::library_missing(&e) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(removed.into_iter().collect())
+    }
+
     /// Sends `request` within the store's timeout.
     async fn run(&self, request: Request<'_>) -> Result<Value, RedisStoreError> {
         self.inner
@@ -463,19 +524,19 @@ impl RedisStore {
         key: &[u8],
         rules: &RuleSet,
         cost: u64,
-    ) -> Result<Result<(Decision, bool), u64>, RedisStoreError> {
+    ) -> Result<Decided, RedisStoreError> {
         let shared = &self.inner.shared;
         match &self.inner.batcher {
             Some(batcher) => {
                 let job = shared.check_job(key, rules, cost);
                 let bytes = batcher.decide(job, shared.timeout).await?;
-                CheckArgs::decision_from(rules, &bytes)
+                CheckReply::decision_from(rules, &bytes)
             }
             None => {
                 let reply = self
                     .run(Request::Call(shared.check_call(key, rules, cost)))
                     .await?;
-                CheckArgs::decision(rules, &reply)
+                CheckReply::decision(rules, &reply)
             }
         }
     }

@@ -15,12 +15,15 @@ use redis::cluster_routing::{
     MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
 use redis::sentinel::SentinelClient;
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+use redis::{
+    AsyncConnectionConfig, Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value,
+};
 
 use ratelimit_core::util::BoundedLog;
 
 use crate::error::{classify, is_connection_error, RedisStoreError};
-use crate::script::{self, Call, Request, Shared};
+use crate::script::{self, Call, Request};
+use crate::shared::Shared;
 
 /// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
@@ -120,6 +123,61 @@ impl Transport {
         }
     }
 
+    /// Sends `cmd` to every primary within `timeout`: the store's one server (the
+    /// Sentinels' current primary, the pool's server), or each master of a Cluster;
+    /// returns each primary's answer.
+    pub(crate) async fn on_primaries(
+        &self,
+        cmd: Cmd,
+        timeout: Duration,
+    ) -> Result<Vec<(Primary, Result<Value, RedisStoreError>)>, RedisStoreError> {
+        let Transport::Link(link) = self else {
+            return Ok(vec![(
+                Primary::Server,
+                self.call(&Request::Cmd(cmd), timeout).await,
+            )]);
+        };
+        if !link.is_cluster() {
+            return Ok(vec![(
+                Primary::Server,
+                self.call(&Request::Cmd(cmd), timeout).await,
+            )]);
+        }
+        let mut conn = link.cluster_conn(timeout)?;
+        let replies = match tokio::time::timeout(timeout, on_masters(&mut conn, cmd)).await {
+            Ok(replies) => replies.map_err(|e| classify(e, timeout))?,
+            Err(_) => return Err(RedisStoreError::Timeout(timeout)),
+        };
+        Ok(replies
+            .into_iter()
+            .map(|(primary, reply)| (primary, reply.map_err(|e| classify(e, timeout))))
+            .collect())
+    }
+
+    /// Sends `cmd` to `primary` (one of those [`on_primaries`](Self::on_primaries)
+    /// answered for) within `timeout`.
+    pub(crate) async fn on_primary(
+        &self,
+        primary: &Primary,
+        cmd: Cmd,
+        timeout: Duration,
+    ) -> Result<Value, RedisStoreError> {
+        let (Primary::Master { host, port }, Transport::Link(link)) = (primary, self) else {
+            return self.call(&Request::Cmd(cmd), timeout).await;
+        };
+        let mut conn = link.cluster_conn(timeout)?;
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+            host: host.clone(),
+            port: *port,
+        });
+        match tokio::time::timeout(timeout, conn.route_command(cmd, routing)).await {
+            Ok(reply) => reply
+                .and_then(Value::extract_error)
+                .map_err(|e| classify(e, timeout)),
+            Err(_) => Err(RedisStoreError::Timeout(timeout)),
+        }
+    }
+
     /// Whether the store holds a working connection (always true over a pool, whose
     /// connections the application manages).
     pub(crate) fn is_connected(&self) -> bool {
@@ -135,6 +193,66 @@ impl Transport {
             link.connected().await;
         }
     }
+}
+
+/// A primary that a command goes to: the store's one server, or a Cluster master.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Primary {
+    /// The one server: the store's, the Sentinels' current primary, the pool's.
+    Server,
+    /// A Cluster master, by the address the cluster connection knows it by.
+    Master { host: String, port: u16 },
+}
+
+impl Primary {
+    /// A master from the `host:port` the cluster connection names it by.
+    fn parse(address: &Value) -> Option<Self> {
+        let address = match address {
+            Value::BulkString(bytes) => std::str::from_utf8(bytes).ok()?,
+            Value::SimpleString(s) => s.as_str(),
+            _ => return None,
+        };
+        let (host, port) = address.rsplit_once(':')?;
+        Some(Primary::Master {
+            host: host.to_owned(),
+            port: port.parse().ok()?,
+        })
+    }
+}
+
+/// `cmd` on every master of a Cluster: each master's reply (an error reply as an error)
+/// under its address.
+async fn on_masters(
+    conn: &mut ClusterConnection,
+    cmd: Cmd,
+) -> RedisResult<Vec<(Primary, RedisResult<Value>)>> {
+    let unexpected = |detail: String| {
+        RedisError::from((ErrorKind::UnexpectedReturnType, "unexpected reply", detail))
+    };
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    // Without a response policy the cluster connection answers with each node's reply
+    // under the node's address.
+    let reply = conn.route_command(cmd, routing).await?;
+    let Value::Map(replies) = reply else {
+        return Err(unexpected(format!(
+            "a command to every Cluster primary should answer per node, got {reply:?}"
+        )));
+    };
+    replies
+        .into_iter()
+        .map(|(address, reply)| {
+            let primary = Primary::parse(&address).ok_or_else(|| {
+                unexpected(format!(
+                    "a Cluster node should be named host:port, got {address:?}"
+                ))
+            })?;
+            let reply = match reply {
+                Value::ServerError(e) => Err(e.into()),
+                reply => Ok(reply),
+            };
+            Ok((primary, reply))
+        })
+        .collect()
 }
 
 /// The store's error for a failed request.
@@ -224,35 +342,12 @@ impl Conn {
         }
     }
 
-    /// `cmd`'s reply from the server, or from every master of a Cluster with its
-    /// address; the error of a reply stays with its node.
-    async fn each_master(
-        &mut self,
-        cmd: redis::Cmd,
-    ) -> RedisResult<Vec<(Option<String>, RedisResult<Value>)>> {
+    /// `cmd`'s reply from the server, or from every master of a Cluster by address; the
+    /// error of a reply stays with its node.
+    async fn each_master(&mut self, cmd: Cmd) -> RedisResult<Vec<(Primary, RedisResult<Value>)>> {
         match self {
-            Conn::Multiplexed(conn) => Ok(vec![(None, cmd.query_async(conn).await)]),
-            Conn::Cluster(conn) => {
-                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                let replies = match conn.route_command(cmd, routing).await? {
-                    Value::Map(replies) => replies,
-                    other => return Ok(vec![(None, Ok(other))]),
-                };
-                Ok(replies
-                    .into_iter()
-                    .map(|(node, reply)| {
-                        let node = match node {
-                            Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                            other => format!("{other:?}"),
-                        };
-                        let reply = match reply {
-                            Value::ServerError(e) => Err(e.into()),
-                            reply => Ok(reply),
-                        };
-                        (Some(node), reply)
-                    })
-                    .collect())
-            }
+            Conn::Multiplexed(conn) => Ok(vec![(Primary::Server, cmd.query_async(conn).await)]),
+            Conn::Cluster(conn) => on_masters(conn, cmd).await,
         }
     }
 }
@@ -593,6 +688,18 @@ impl Link {
         tokio::spawn(reconnect(weak, pause_first));
     }
 
+    /// The cluster connection of a Cluster store, or the store's error why there is
+    /// none.
+    fn cluster_conn(&self, timeout: Duration) -> Result<ClusterConnection, RedisStoreError> {
+        match self.conn() {
+            Ok((Conn::Cluster(conn), _)) => Ok(conn),
+            Ok((Conn::Multiplexed(_), _)) => Err(RedisStoreError::UnexpectedReply(
+                "a Cluster command over a connection to one server".into(),
+            )),
+            Err(e) => Err(classify(e, timeout)),
+        }
+    }
+
     /// A connection to send on, or the reason there is none.
     fn conn(&self) -> Result<(Conn, u64), RedisError> {
         let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
@@ -719,26 +826,25 @@ async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
     let mut config = redis::cmd("CONFIG");
     config.arg("GET").arg("maxmemory-policy");
     let mut read = Vec::new();
-    for (node, reply) in conn.each_master(config).await? {
-        let node = node.as_deref().unwrap_or("the server");
+    for (primary, reply) in conn.each_master(config).await? {
         match reply {
-            Ok(reply) => read.extend(policy_in(&reply).map(|policy| (node.to_owned(), policy))),
+            Ok(reply) => read.extend(policy_in(&reply).map(|policy| (primary, policy))),
             Err(e) => {
                 // Managed services often rename or forbid CONFIG.
                 tracing::info!(
                     error = %e,
-                    node,
+                    ?primary,
                     "cannot read maxmemory-policy; make sure the Redis server does not evict \
                      rate-limit keys (maxmemory-policy noeviction)"
                 );
             }
         }
     }
-    for (node, policy) in &read {
+    for (primary, policy) in &read {
         if let Some(why) = eviction_risk(policy) {
             tracing::warn!(
                 maxmemory_policy = %policy,
-                node = %node,
+                ?primary,
                 "Redis may evict rate-limit keys: {why}. An evicted key forgets what a client \
                  consumed, so limits admit more than configured. Set `maxmemory-policy \
                  noeviction` (or give the limiter a Redis of its own)."

@@ -67,21 +67,6 @@ async fn round(
     calls
 }
 
-async fn stores(
-    cluster: &RedisCluster,
-    clock: &ManualClock,
-) -> (RedisStore, MemoryStore<ManualClock>) {
-    let redis = RedisStore::builder()
-        .prefix("cb")
-        .pool_size(1)
-        .clock(clock.clone())
-        .timeout(Duration::from_secs(5))
-        .build_cluster(cluster.urls())
-        .await
-        .expect("store");
-    (redis, MemoryStore::builder().clock(clock.clone()).build())
-}
-
 #[tokio::test(flavor = "current_thread")]
 async fn concurrent_checks_go_one_call_per_node_and_decide_as_the_memory_store() {
     let cluster = RedisCluster::start();
@@ -92,7 +77,7 @@ async fn concurrent_checks_go_one_call_per_node_and_decide_as_the_memory_store()
     ] {
         let rules: RuleSet = rules.parse().unwrap();
         let clock = ManualClock::new(T0_US);
-        let (redis, memory) = stores(&cluster, &clock).await;
+        let (redis, memory) = common::cluster_stores(&cluster, &clock, "cb").await;
         for _ in 0..3 {
             let calls = round(&redis, &memory, &rules, &mut cons).await;
             assert!(
@@ -120,7 +105,7 @@ async fn a_slot_moved_since_the_map_was_read_still_decides_each_check_once() {
     let mut cons: Vec<_> = urls.iter().map(|u| common::conn(u)).collect();
     let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
     let clock = ManualClock::new(T0_US);
-    let (redis, memory) = stores(&cluster, &clock).await;
+    let (redis, memory) = common::cluster_stores(&cluster, &clock, "cb").await;
     round(&redis, &memory, &rules, &mut cons).await;
 
     // Move the slot of a client key the first node holds to the second node, behind the

@@ -103,5 +103,10 @@ async fn without_functions_checks_use_evalsha() {
         }
         let stats = common::commandstats(&mut con);
         assert!(stats.get("evalsha").map(|s| s.0) >= Some(3), "{stats:?}");
+        // No function libraries to remove, and no error for it.
+        assert_eq!(
+            store.unload_other_versions().await.unwrap(),
+            Vec::<String>::new()
+        );
     }
 }

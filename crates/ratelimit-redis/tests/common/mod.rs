@@ -6,6 +6,30 @@ use std::collections::HashMap;
 
 use ratelimit_redis::redis::{self, Connection};
 
+/// A store on `cluster` under `prefix` on `clock` (one connection, a generous timeout),
+/// and a memory store on the same clock to compare its decisions with.
+pub(crate) async fn cluster_stores(
+    cluster: &ratelimit_redis::testing::RedisCluster,
+    clock: &ratelimit_core::ManualClock,
+    prefix: &str,
+) -> (
+    ratelimit_redis::RedisStore,
+    ratelimit_core::MemoryStore<ratelimit_core::ManualClock>,
+) {
+    let redis = ratelimit_redis::RedisStore::builder()
+        .prefix(prefix)
+        .pool_size(1)
+        .clock(clock.clone())
+        .timeout(std::time::Duration::from_secs(5))
+        .build_cluster(cluster.urls())
+        .await
+        .expect("store");
+    let memory = ratelimit_core::MemoryStore::builder()
+        .clock(clock.clone())
+        .build();
+    (redis, memory)
+}
+
 /// A plain synchronous connection for inspecting the server.
 pub(crate) fn conn(url: &str) -> Connection {
     redis::Client::open(url)

@@ -1,0 +1,166 @@
+//! Checks as the batch functions carry them: a [`CheckJob`] holds one check's key names
+//! and packed values until its batch leaves; the calls of `check_many` (one server) and
+//! `check_local` (one Cluster node) that decide many jobs in order; and the Cluster slot
+//! of a job, by which a Cluster's batch is divided between nodes. The queue that forms
+//! the batches is the crate's `batch` module.
+
+use std::sync::atomic::AtomicBool;
+
+use ratelimit_core::RuleSet;
+
+use super::args::{CheckArgs, Time};
+use super::load::{Call, Script, BATCH, CHECK, LOCAL};
+use crate::keys::KeyNames;
+
+/// One check as a batch carries it: its key names, its packed values, its number of rules.
+#[derive(Debug)]
+pub(crate) struct CheckJob {
+    /// The key names one after the other; each ends at `ends[i]`.
+    names: String,
+    ends: [usize; 3],
+    keys: usize,
+    packed: Vec<u8>,
+    /// Rules of the check, which the length of its reply depends on.
+    pub(crate) rules: usize,
+}
+
+impl CheckJob {
+    /// The check of `key` under `rules` for `cost` units, with keys under `prefix`.
+    pub(crate) fn new(
+        prefix: &str,
+        key: &[u8],
+        rules: &RuleSet,
+        time: Time,
+        cost: u64,
+        ttl_floor_ms: u64,
+    ) -> Self {
+        let has_log = rules.log_limit() > 0;
+        let mut names = KeyNames::new(prefix, key);
+        let mut all = String::with_capacity(3 * (prefix.len() + 48));
+        let mut ends = [0; 3];
+        all.push_str(names.block());
+        ends[0] = all.len();
+        all.push_str(names.state());
+        ends[1] = all.len();
+        if has_log {
+            all.push_str(names.log());
+        }
+        ends[2] = all.len();
+        CheckJob {
+            names: all,
+            ends,
+            keys: 2 + usize::from(has_log),
+            packed: CheckArgs::pack(time, cost, ttl_floor_ms, rules),
+            rules: rules.len(),
+        }
+    }
+
+    /// The Redis Cluster slot of the check's keys (all share one hash tag).
+    pub(crate) fn slot(&self) -> u16 {
+        key_slot(&self.names.as_bytes()[..self.ends[0]])
+    }
+
+    fn key_names(&self) -> impl Iterator<Item = &str> {
+        let mut start = 0;
+        self.ends[..self.keys].iter().map(move |&end| {
+            let name = &self.names[start..end];
+            start = end;
+            name
+        })
+    }
+
+    /// The call that decides this check alone: the call of an unbatched check.
+    pub(crate) fn single_call<'a>(&self, functions: &'a AtomicBool) -> Call<'a> {
+        let mut call = CHECK.call(functions, self.keys, self.keys + 1);
+        for name in self.key_names() {
+            call.cmd.arg(name);
+        }
+        call.cmd.arg(&self.packed[..]);
+        call
+    }
+}
+
+/// The call that decides `jobs` in order, in one run of `check_many`.
+pub(crate) fn batch_call<'a, 'j>(
+    functions: &'a AtomicBool,
+    jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+) -> Call<'a> {
+    many_call(&BATCH, functions, jobs)
+}
+
+/// The call that decides `jobs` in order, in one run of `check_local` on the Cluster
+/// node it is sent to: the keys travel as arguments, after the packed values.
+pub(crate) fn node_batch_call<'a, 'j>(
+    functions: &'a AtomicBool,
+    jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+) -> Call<'a> {
+    many_call(&LOCAL, functions, jobs)
+}
+
+fn many_call<'a, 'j>(
+    script: &'static Script,
+    functions: &'a AtomicBool,
+    jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+) -> Call<'a> {
+    let (count, keys) = jobs
+        .clone()
+        .fold((0, 0), |(n, keys), job| (n + 1, keys + job.keys));
+    let declared = std::ptr::eq(script, *BATCH);
+    let mut call = script.call(functions, if declared { keys } else { 0 }, keys + 1 + count);
+    if declared {
+        for job in jobs.clone() {
+            for name in job.key_names() {
+                call.cmd.arg(name);
+            }
+        }
+    }
+    let counts: Vec<u8> = jobs.clone().map(|job| b'0' + job.keys as u8).collect();
+    call.cmd.arg(counts);
+    for job in jobs.clone() {
+        call.cmd.arg(&job.packed[..]);
+    }
+    if !declared {
+        for job in jobs {
+            for name in job.key_names() {
+                call.cmd.arg(name);
+            }
+        }
+    }
+    call
+}
+
+/// The Redis Cluster slot of the key `name`: CRC16 (XMODEM) of its hash tag (the text
+/// between the first `{` and the next `}`, when not empty), else of the whole name.
+fn key_slot(name: &[u8]) -> u16 {
+    let tag = name
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &name[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(name);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_follow_redis_cluster_keyslot() {
+        // The examples of the CLUSTER KEYSLOT documentation.
+        assert_eq!(key_slot(b"somekey"), 11058);
+        assert_eq!(key_slot(b"foo{hash_tag}"), 2515);
+        assert_eq!(key_slot(b"{hash_tag}bar"), 2515);
+        // An empty tag is no tag: the whole name counts.
+        assert_ne!(key_slot(b"a{}b"), key_slot(b""));
+        assert_eq!(
+            key_slot(b"{}{x}"),
+            crc16::State::<crc16::XMODEM>::calculate(b"{}{x}") % 16384
+        );
+    }
+}

@@ -1,0 +1,473 @@
+//! Loading the scripts and telling versions apart: the script forms and the function
+//! library of `lua/check.lua`, `SCRIPT LOAD` / `FUNCTION LOAD`, one [`Call`] of a script
+//! with what it does when the server lacks it (reload, resend, fall back to `EVALSHA` /
+//! `EVAL`), and the library tag that keeps stores of different versions sharing a server
+//! apart, which also names the libraries of other versions for
+//! [`RedisStore::unload_other_versions`](crate::RedisStore::unload_other_versions).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::LazyLock;
+
+use redis::aio::ConnectionLike;
+use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+
+/// A Lua script and its SHA1, run with EVALSHA; the decision script also as a Redis
+/// function library, run with FCALL.
+#[derive(Debug)]
+pub(crate) struct Script {
+    body: String,
+    sha: String,
+    function: Option<Function>,
+}
+
+/// A script as a Redis 7 function library: the library code and the function's name.
+/// Both carry the script's SHA1, so stores of different versions sharing a server each
+/// find their own.
+#[derive(Debug)]
+struct Function {
+    library: String,
+    name: String,
+}
+
+/// What every library name of the decision functions starts with, whatever the version;
+/// the library's tag follows.
+const LIBRARY_PREFIX: &str = "ratelimit_";
+/// The length of a library's tag: hex digits of the SHA1 of the script form of
+/// `check.lua`.
+const TAG_LEN: usize = 16;
+
+fn sha1(body: &str) -> String {
+    redis::Script::new(body).get_hash().to_owned()
+}
+
+impl Script {
+    fn new(body: String) -> Self {
+        let sha = sha1(&body);
+        Self {
+            body,
+            sha,
+            function: None,
+        }
+    }
+
+    /// check.lua as three scripts, `check`, `check_many` and `check_local`, and one
+    /// function library registering all three under names tagged with the SHA1 of the
+    /// first.
+    fn decision_scripts() -> (Self, Self, Self) {
+        let code = include_str!("../../lua/check.lua");
+        let one = format!("{code}{EVAL_TAIL}");
+        let sha = sha1(&one);
+        let tag = &sha[..TAG_LEN];
+        let library = format!(
+            "#!lua name={LIBRARY_PREFIX}{tag}\n{code}\n\
+             redis.register_function('ratelimit_check_{tag}', check)\n\
+             redis.register_function('ratelimit_batch_{tag}', check_many)\n\
+             redis.register_function{{function_name='ratelimit_local_{tag}', \
+             callback=check_local, flags={{'allow-cross-slot-keys'}}}}\n"
+        );
+        let local = Self {
+            function: Some(Function {
+                library: library.clone(),
+                name: format!("ratelimit_local_{tag}"),
+            }),
+            ..Self::new(format!("{code}{LOCAL_TAIL}"))
+        };
+        let many = Self {
+            function: Some(Function {
+                library: library.clone(),
+                name: format!("ratelimit_batch_{tag}"),
+            }),
+            ..Self::new(format!("{code}{BATCH_TAIL}"))
+        };
+        let one = Self {
+            function: Some(Function {
+                library,
+                name: format!("ratelimit_check_{tag}"),
+            }),
+            body: one,
+            sha,
+        };
+        (one, many, local)
+    }
+
+    /// The `SCRIPT LOAD` command for this script.
+    pub(crate) fn load_cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(&self.body);
+        cmd
+    }
+
+    /// The `FUNCTION LOAD` command for this script's library, if it has one.
+    pub(crate) fn function_load_cmd(&self) -> Option<Cmd> {
+        let function = self.function.as_ref()?;
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg(&function.library);
+        Some(cmd)
+    }
+
+    /// `FCALL <function>` when `functions` says the server has them and this script is a
+    /// library, else `EVALSHA <sha>`; then the number of keys, to be followed by the keys
+    /// and arguments.
+    pub(crate) fn call<'a>(
+        &'static self,
+        functions: &'a AtomicBool,
+        keys: usize,
+        capacity: usize,
+    ) -> Call<'a> {
+        let mut cmd = Cmd::with_capacity(3 + capacity, 64 + 48 * capacity);
+        let fcall = match &self.function {
+            Some(function) if functions.load(Ordering::Relaxed) => {
+                cmd.arg("FCALL").arg(function.name.as_str());
+                true
+            }
+            _ => {
+                cmd.arg("EVALSHA").arg(self.sha.as_str());
+                false
+            }
+        };
+        cmd.arg(keys);
+        Call {
+            script: self,
+            cmd,
+            fcall,
+            functions,
+        }
+    }
+}
+
+/// What the script form of check.lua appends to the file.
+const EVAL_TAIL: &str = "\nreturn check(KEYS, ARGV)\n";
+/// What the batch script form of check.lua appends to the file.
+const BATCH_TAIL: &str = "\nreturn check_many(KEYS, ARGV)\n";
+/// What the node batch script form of check.lua appends to the file.
+const LOCAL_TAIL: &str = "\nreturn check_local(KEYS, ARGV)\n";
+
+/// The decision script, the batch script and the node batch script; see `lua/check.lua` for their contracts.
+static DECISIONS: LazyLock<(Script, Script, Script)> = LazyLock::new(Script::decision_scripts);
+/// The decision script: one check.
+pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.0);
+/// The batch script: many checks in one call.
+pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.1);
+/// The node batch function: many checks of any slots one Cluster node serves, in one call.
+pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS.2);
+/// The block script; see `lua/block.lua` for its contract.
+pub(crate) static BLOCK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/block.lua").to_owned()));
+
+/// The refund script of lease mode; see `lua/refund.lua` for its contract.
+pub(crate) static REFUND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/refund.lua").to_owned()));
+
+/// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
+/// library, the function's name and the batch function's name.
+#[cfg(feature = "testing")]
+pub(crate) fn check_forms() -> [&'static str; 5] {
+    let function = CHECK.function.as_ref().expect("check.lua is a library");
+    let batch = BATCH.function.as_ref().expect("check.lua is a library");
+    [
+        &CHECK.body,
+        &CHECK.sha,
+        &function.library,
+        &function.name,
+        &batch.name,
+    ]
+}
+
+/// The scripts a store loads when it connects.
+pub(crate) fn scripts() -> [&'static Script; 3] {
+    [*CHECK, &BLOCK, &REFUND]
+}
+
+/// The name of the function library this version loads: `ratelimit_<tag>`.
+pub(crate) fn own_library() -> String {
+    format!("{LIBRARY_PREFIX}{}", &CHECK.sha[..TAG_LEN])
+}
+
+/// Whether the library `name` is the decision library of another version of this crate:
+/// `ratelimit_` and a tag of 16 lowercase hex digits, other than this version's. Any
+/// other name (another application's library) is never taken for one.
+pub(crate) fn is_other_version(name: &str) -> bool {
+    name.strip_prefix(LIBRARY_PREFIX).is_some_and(|tag| {
+        tag.len() == TAG_LEN
+            && tag.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            && name != own_library()
+    })
+}
+
+/// `FUNCTION LIST`: the libraries a server holds.
+pub(crate) fn function_list_cmd() -> Cmd {
+    let mut cmd = redis::cmd("FUNCTION");
+    cmd.arg("LIST");
+    cmd
+}
+
+/// `FUNCTION DELETE <library>`.
+pub(crate) fn function_delete_cmd(library: &str) -> Cmd {
+    let mut cmd = redis::cmd("FUNCTION");
+    cmd.arg("DELETE").arg(library);
+    cmd
+}
+
+/// The library names in a `FUNCTION LIST` reply: a list of libraries, each a flat list
+/// of field names and values (RESP2) or a map (RESP3); `None` for another shape.
+pub(crate) fn library_names(reply: &Value) -> Option<Vec<String>> {
+    let Value::Array(libraries) = reply else {
+        return None;
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) | Value::VerbatimString { text: s, .. } => Some(s.clone()),
+        _ => None,
+    };
+    libraries
+        .iter()
+        .map(|library| {
+            let fields: Vec<(&Value, &Value)> = match library {
+                Value::Array(items) => items.chunks_exact(2).map(|f| (&f[0], &f[1])).collect(),
+                Value::Map(pairs) => pairs.iter().map(|(k, v)| (k, v)).collect(),
+                _ => return None,
+            };
+            fields
+                .into_iter()
+                .find(|(k, _)| text(k).as_deref() == Some("library_name"))
+                .and_then(|(_, v)| text(v))
+        })
+        .collect()
+}
+
+/// Whether a `FUNCTION DELETE` failed only because the library is gone already.
+pub(crate) fn library_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Library not found")
+}
+
+/// Whether the server answered that it has no such function (a restart, `FUNCTION
+/// FLUSH`, a new node, another version's `unload_other_versions`).
+pub(crate) fn function_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
+}
+
+/// Whether the server does not know the command (FCALL before Redis 7).
+pub(crate) fn unknown_command(e: &RedisError) -> bool {
+    e.to_string().contains("unknown command")
+}
+
+/// Whether a `FUNCTION LOAD` failed only because the library is there already.
+pub(crate) fn already_loaded(e: &RedisError) -> bool {
+    e.to_string().contains("already exists")
+}
+
+/// One script call: `FCALL` of the decision function or `EVALSHA` of a script, resent
+/// after loading what the server lacks.
+#[derive(Debug)]
+pub(crate) struct Call<'a> {
+    script: &'static Script,
+    pub(crate) cmd: Cmd,
+    fcall: bool,
+    /// Cleared, for every later call of the store, when the server has no FCALL.
+    functions: &'a AtomicBool,
+}
+
+impl Call<'_> {
+    /// Runs the call. A server that lost the function library (restart, failover to a
+    /// node without it, another version's `unload_other_versions`) gets it again and
+    /// the call is resent, once; should the function be missing still (removed again
+    /// in between, or a library of that name without it), this call goes as EVALSHA of
+    /// the script form, which no `FUNCTION DELETE` touches, so it is decided all the
+    /// same and nothing loops. A server without functions (Redis 6.2) gets EVALSHA from
+    /// now on. EVALSHA falls back to EVAL (which also caches the script in the server
+    /// that answers) when that server does not know the script: after `SCRIPT FLUSH`, a
+    /// restart, or a failover. Every resend goes to the node owning the keys, which
+    /// makes it right for Redis Cluster too.
+    pub(crate) async fn invoke<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+    ) -> RedisResult<Value> {
+        match self.cmd.query_async(conn).await {
+            Err(e) if self.fcall && function_missing(&e) => {
+                tracing::debug!("rate-limit function not loaded in Redis; loading it");
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
+                    }
+                }
+                match self.cmd.query_async(conn).await {
+                    Err(e) if function_missing(&e) => {
+                        tracing::debug!(
+                            "rate-limit function still missing after loading it; \
+                             sending this call as a script"
+                        );
+                        let mut evalsha = redis::cmd("EVALSHA");
+                        evalsha.arg(self.script.sha.as_str());
+                        self.resend(conn, evalsha).await
+                    }
+                    other => other,
+                }
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                let mut evalsha = redis::cmd("EVALSHA");
+                evalsha.arg(self.script.sha.as_str());
+                self.resend(conn, evalsha).await
+            }
+            Err(e) if !self.fcall && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                tracing::debug!("rate-limit script not cached by Redis; sending it with EVAL");
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+
+    /// This call's keys and arguments after `head` (EVAL or EVALSHA and the script).
+    fn with_head(&self, mut head: Cmd) -> Cmd {
+        for arg in self.cmd.args_iter().skip(2) {
+            if let redis::Arg::Simple(bytes) = arg {
+                head.arg(bytes);
+            }
+        }
+        head
+    }
+
+    /// Sends the call as `head`, then as EVAL if the server does not know the script.
+    async fn resend<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        head: Cmd,
+    ) -> RedisResult<Value> {
+        match self.with_head(head).query_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(&self.script.body);
+                self.with_head(eval).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+
+    /// Runs the call on the Cluster node `routing` names. A node that lost the function
+    /// library gets it again (on every primary) and the call is resent there, once (a
+    /// function missing still fails the call, having run nothing: the caller sends its
+    /// checks one by one, through [`invoke`](Self::invoke)); a node without functions
+    /// fails the call, having run nothing, and turns FCALL off for the store.
+    pub(crate) async fn invoke_routed(
+        &self,
+        conn: &mut redis::cluster_async::ClusterConnection,
+        routing: &redis::cluster_routing::RoutingInfo,
+    ) -> RedisResult<Value> {
+        match route(conn, &self.cmd, routing).await {
+            Err(e) if self.fcall && function_missing(&e) => {
+                if let Some(load) = self.script.function_load_cmd() {
+                    match load.query_async::<Value>(conn).await {
+                        Err(e) if !already_loaded(&e) => return Err(e),
+                        _ => {}
+                    }
+                }
+                route(conn, &self.cmd, routing).await
+            }
+            Err(e) if self.fcall && unknown_command(&e) => {
+                // Nothing ran; the caller sends each check alone from now on.
+                tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
+                self.functions.store(false, Ordering::Relaxed);
+                Err(e)
+            }
+            other => other,
+        }
+    }
+}
+
+/// Sends `cmd` where `routing` says. A routed command answers Redis's error as a value;
+/// it is made an error here, so that a node without the function is told apart from a
+/// reply.
+async fn route(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    cmd: &Cmd,
+    routing: &redis::cluster_routing::RoutingInfo,
+) -> RedisResult<Value> {
+    conn.route_command(cmd.clone(), routing.clone())
+        .await
+        .and_then(Value::extract_error)
+}
+
+/// A request to Redis: a script call or a plain command.
+#[derive(Debug)]
+pub(crate) enum Request<'a> {
+    /// A script, with the NOSCRIPT fallback.
+    Call(Call<'a>),
+    /// A plain command.
+    Cmd(Cmd),
+}
+
+impl Request<'_> {
+    pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
+        match self {
+            Request::Call(call) => call.invoke(conn).await,
+            Request::Cmd(cmd) => cmd.query_async(conn).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_versions_are_told_by_name() {
+        let own = own_library();
+        assert!(!is_other_version(&own));
+        assert!(is_other_version("ratelimit_0123456789abcdef"));
+        for foreign in [
+            "ratelimit_0123456789ABCDEF",
+            "ratelimit_0123456789abcde",
+            "ratelimit_0123456789abcdef0",
+            "ratelimit_tools",
+            "ratelimit_",
+            "myapp_0123456789abcdef",
+            "0123456789abcdef",
+        ] {
+            assert!(!is_other_version(foreign), "{foreign}");
+        }
+        // The library this version loads is named as `own_library` says.
+        let library = CHECK.function.as_ref().expect("check.lua is a library");
+        assert!(library.library.starts_with(&format!("#!lua name={own}\n")));
+    }
+
+    #[test]
+    fn function_list_replies_name_their_libraries() {
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let resp2 = Value::Array(vec![
+            Value::Array(vec![
+                s("library_name"),
+                s("ratelimit_0123456789abcdef"),
+                s("engine"),
+                s("LUA"),
+                s("functions"),
+                Value::Array(vec![]),
+            ]),
+            Value::Array(vec![s("engine"), s("LUA"), s("library_name"), s("myapp")]),
+        ]);
+        assert_eq!(
+            library_names(&resp2),
+            Some(vec![
+                "ratelimit_0123456789abcdef".to_owned(),
+                "myapp".to_owned()
+            ])
+        );
+        let resp3 = Value::Array(vec![Value::Map(vec![
+            (s("library_name"), Value::SimpleString("myapp".into())),
+            (s("engine"), s("LUA")),
+        ])]);
+        assert_eq!(library_names(&resp3), Some(vec!["myapp".to_owned()]));
+        assert_eq!(library_names(&Value::Array(vec![])), Some(vec![]));
+        for bad in [
+            Value::Nil,
+            s("library_name"),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Array(vec![s("engine"), s("LUA")])]),
+        ] {
+            assert_eq!(library_names(&bad), None, "{bad:?}");
+        }
+    }
+}
