@@ -61,10 +61,10 @@
 --                   s = 0, or 2 when a value this script did not write was found at one
 --                   of the keys and discarded (the store owns its key namespace)
 --
--- Redis calls: TIME (without an injected time, or with a deadline), one MGET for block marker and state, one
--- SET of the state with its expiry when the check commits; a sliding log adds LLEN,
--- LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer counts). A value of another
--- type at a key reads as absent and is replaced.
+-- Redis calls: TIME (without an injected time, or with a deadline), one MGET for block
+-- marker and state, one SET of the state with its expiry when the check commits; a
+-- sliding log adds LLEN, LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer
+-- counts). A value of another type at a key reads as absent and is replaced.
 
 -- Cost: run with EVALSHA, every function below is created anew on each call, and each
 -- local it captures costs at creation. So the functions take their inputs as parameters,
