@@ -74,6 +74,15 @@ async fn the_eviction_policy_is_read_at_connect() {
     let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
     let store = RedisStore::connect(&evicting.url()).await.unwrap();
     assert_eq!(store.maxmemory_policy().as_deref(), Some("allkeys-lru"));
+    // Over the application's pool: read on the first call.
+    let pool = ratelimit_redis::bb8::Pool::builder()
+        .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(evicting.url()).unwrap())
+        .await
+        .unwrap();
+    let pooled = RedisStore::builder().build_with_pool(pool);
+    assert_eq!(pooled.maxmemory_policy(), None);
+    assert!(pooled.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+    assert_eq!(pooled.maxmemory_policy().as_deref(), Some("allkeys-lru"));
 
     let safe = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
     let store = RedisStore::connect(&safe.url()).await.unwrap();
