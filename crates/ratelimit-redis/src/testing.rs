@@ -323,6 +323,9 @@ impl RedisCluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "5000",
+                    // For tests that stall a node with DEBUG SLEEP.
+                    "--enable-debug-command",
+                    "yes",
                 ],
                 true,
             )?);
