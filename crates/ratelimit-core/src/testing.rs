@@ -19,7 +19,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::{Decision, ManualClock, Outcome, RuleSet, Store};
+use crate::{Clock, Decision, ManualClock, Outcome, RuleSet, Store};
 
 /// The conformance suite's start time: midnight UTC, so windows of up to a day align.
 pub const T0_US: u64 = 1_699_920_000_000_000;
@@ -144,6 +144,7 @@ macro_rules! __conformance_cases {
             sliding_window_precision_2_weights_half_windows,
             sliding_window_retry_after_is_the_first_admitting_instant,
             sliding_log_rules_share_one_log,
+            sliding_log_clock_stepping_back_counts_from_the_newest_entry,
             token_bucket_capacity_then_refill,
             gcra_burst_then_emission_interval,
             gcra_fractional_emission_interval,
@@ -437,6 +438,59 @@ pub mod cases {
         c.allowed(b"k", &r, 1, "at 12:34:40").await;
         c.denied(b"k", &r, 1, Duration::from_secs(1), "right after")
             .await;
+    }
+
+    /// Sliding log under a clock that steps back past the newest entry: the check is
+    /// decided and logged as if at the newest entry's time, and the times it reports
+    /// count from the clock's reading.
+    pub async fn sliding_log_clock_stepping_back_counts_from_the_newest_entry<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "sliding log: a clock stepping back counts from the newest entry",
+        );
+        let r = c.rules("3/s sliding-log");
+        let one = |d: &crate::Decision| {
+            (
+                d.is_allowed(),
+                d.rules()[0].remaining,
+                d.rules()[0].reset_after,
+            )
+        };
+        c.at(0);
+        c.allowed(b"k", &r, 1, "at 0").await;
+        c.at(1_500 * MS);
+        c.allowed(b"k", &r, 1, "at 1.5 s").await;
+        // Back to 0.5 s: as at 1.5 s, the entry of 0 has left the window.
+        c.at(500 * MS);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(
+            one(&d),
+            (true, 1, Duration::from_secs(2)),
+            "[{}] back at 0.5 s: {d:?}",
+            c.name
+        );
+        // Logged at 1.5 s, so the log stays newest first: the third unit is free at 1.5 s.
+        c.at(600 * MS);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(
+            one(&d),
+            (true, 0, Duration::from_millis(1_900)),
+            "[{}] back at 0.6 s: {d:?}",
+            c.name
+        );
+        c.at(700 * MS);
+        c.denied(b"k", &r, 1, Duration::from_millis(1_800), "back at 0.7 s")
+            .await;
+        c.at(2_499 * MS);
+        c.denied(b"k", &r, 3, Duration::from_millis(1), "at 2.499 s")
+            .await;
+        c.at(2_500 * MS);
+        let d = c.check(b"k", &r, 3).await;
+        assert!(d.is_allowed(), "[{}] at 2.5 s: {d:?}", c.name);
     }
 
     /// Token bucket: capacity then refill.
@@ -1134,6 +1188,9 @@ pub mod cases {
 pub enum Step {
     /// Move the clock forward by this many microseconds.
     Advance(u64),
+    /// Move the clock back by this many microseconds (Redis `TIME` after a failover to a
+    /// server with another clock can, and so can an injected clock).
+    Rewind(u64),
     /// Check `key` against rule set number `rules` with `cost`.
     Check {
         /// Key number (the key is the prefix plus this byte).
@@ -1186,6 +1243,10 @@ pub async fn run_trace<St: Store>(
         out.push(match step {
             Step::Advance(us) => {
                 clock.advance(Duration::from_micros(*us));
+                None
+            }
+            Step::Rewind(us) => {
+                clock.set(clock.now_us().saturating_sub(*us));
                 None
             }
             Step::Check {
@@ -1374,12 +1435,14 @@ pub mod strategy {
     }
 
     /// A trace over `rulesets` rule sets and three keys: mostly checks (cost 0 to 3, so
-    /// some exceed small capacities), clock steps from 0 to ~2 periods, and blocks.
+    /// some exceed small capacities), clock steps from 0 to ~2 periods, now and then a
+    /// step back (up to 2 s), and blocks.
     pub fn steps(rulesets: usize, len: usize) -> impl Strategy<Value = Vec<Step>> {
         let step = prop_oneof![
             8 => (0u8..3, 0..rulesets, prop_oneof![4 => Just(1u64), 1 => Just(0), 1 => 2u64..=3])
                 .prop_map(|(key, rules, cost)| Step::Check { key, rules, cost }),
             4 => prop_oneof![0u64..2_000, 0u64..200_000, 0u64..2_000_000, Just(60_000_000)].prop_map(Step::Advance),
+            1 => prop_oneof![1u64..2_000, 1u64..2_000_000].prop_map(Step::Rewind),
             1 => (0u8..3, proptest::option::of(1u64..3_000)).prop_map(|(key, ms)| Step::Block { key, ms }),
             1 => (0u8..3).prop_map(|key| Step::Unblock { key }),
             1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Reset { key, rules }),

@@ -36,13 +36,13 @@
 --
 -- ARGV[1]  the values as little-endian doubles (exact: every one is an integer < 2^53):
 --          injected (1: take `now`; 0: read the Redis server's TIME), now (µs since the
---          Unix epoch) when injected, else the caller's deadline on the Redis clock (0:
---          none; a check that starts later is not run), cost (0 peeks: evaluated as 1,
---          nothing written), TTL floor in ms (applied only under an injected clock, which
---          need not run at Redis's pace), number of rules n, state width (values in
---          KEYS[2] as this rule set writes it), entries the shared log keeps (0: no
---          sliding log), longest sliding-log period in µs, layout (the rule set's
---          fingerprint, below 2^52);
+--          Unix epoch) when injected, else 0, cost (0 peeks: evaluated as 1, nothing
+--          written), TTL floor in ms (applied only under an injected clock, which need
+--          not run at Redis's pace), number of rules n, state width (values in KEYS[2] as
+--          this rule set writes it), entries the shared log keeps (0: no sliding log),
+--          longest sliding-log period in µs, layout (the rule set's fingerprint, below
+--          2^52), the caller's deadline in µs on the Redis server's clock, whatever the
+--          check's own clock (0: none; a check that starts later is not run);
 --          then 6 values per rule: code, limit, period_us, a, b, id
 --            FIXED_WINDOW    1
 --            SLIDING_WINDOW  2   a = precision, b = sub-window length in µs
@@ -61,15 +61,16 @@
 -- Returns one string of little-endian doubles (all integers below 2^53, or -1; Redis
 -- turns a string into a reply at about half the cost of a table of 6 integers):
 --   {1, retry_us}   blocked; retry_us = -1 for a block without end
---   {3, now_us}     past the caller's deadline: nothing decided, nothing written
+--   {3, now_us}     past the caller's deadline (now_us on the Redis clock): nothing
+--                   decided, nothing written
 --   {s, delay_us, then per rule: allowed (1/0), remaining, reset_us, retry_us}
 --                   s = 0, or 2 when a value this script did not write was found at one
 --                   of the keys and discarded (the store owns its key namespace)
 --
--- Redis calls: TIME (without an injected time), one MGET for block marker and state, one
--- SET of the state with its expiry when the check commits; a sliding log adds LLEN,
--- LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer counts). A value of another
--- type at a key reads as absent and is replaced.
+-- Redis calls: TIME (without an injected time, or with a deadline), one MGET for block
+-- marker and state, one SET of the state with its expiry when the check commits; a
+-- sliding log adds LLEN, LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer
+-- counts). A value of another type at a key reads as absent and is replaced.
 
 -- Cost: run with EVALSHA, every function below is created anew on each call, and each
 -- local it captures costs at creation. So the functions take their inputs as parameters,
@@ -309,7 +310,16 @@ end
 
 -- Also takes the shared log's key, length and newest entry. Returns nil when the log
 -- holds an entry this script did not write.
+-- The log's time never goes back (a failover to a server with another clock, an injected
+-- clock): at `now` before the newest entry, the check is decided (window, verdict,
+-- remaining) as if at the newest entry's time, and commit logs it at that time, so the
+-- log stays newest first; retry and reset still count from `now`. As the core's
+-- algo/sliding_log.rs.
 local function sliding_log(now, c, key, log_len, newest, limit, period)
+  local t = now
+  if newest and newest > now then
+    t = newest
+  end
   local nth = nil
   local at = limit - c
   if at < log_len then
@@ -324,9 +334,9 @@ local function sliding_log(now, c, key, log_len, newest, limit, period)
   if hi > limit then
     hi = limit
   end
-  if newest and newest + period <= now then
+  if newest and newest + period <= t then
     hi = 0
-  elseif nth and nth + period > now then
+  elseif nth and nth + period > t then
     lo = at + 1
   end
   while lo < hi do
@@ -335,7 +345,7 @@ local function sliding_log(now, c, key, log_len, newest, limit, period)
     if not ts then
       return nil
     end
-    if ts + period > now then
+    if ts + period > t then
       lo = mid + 1
     else
       hi = mid
@@ -348,8 +358,8 @@ local function sliding_log(now, c, key, log_len, newest, limit, period)
   if nth then
     retry = nth + period - now
   end
-  -- After the push the newest entry is now.
-  return (not nth) or nth + period <= now, limit - lo, reset, retry, now + period, 0
+  -- After the push the newest entry is t.
+  return (not nth) or nth + period <= t, limit - lo, reset, retry, t + period, 0
 end
 
 local function token_bucket(now, c, st, new, off, limit, period, capacity)
@@ -590,24 +600,19 @@ end
 
 -- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
 -- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
--- or nil and the reply when the key is blocked or the check came past the caller's
--- deadline. Blocks come first: a blocked key consults no rule.
+-- or nil and the reply when the key is blocked. Blocks come first: a blocked key
+-- consults no rule. (check_one has turned away a check past its deadline.)
 -- In a batch, `redis_now` is the Redis time read once for all, and when `at` is set,
 -- got[at] and got[at + 1] are the block marker and state as read for all (alone: nil,
 -- nil, nil, read here).
-local function begin(key1, key2, injected, now_or_deadline, cost, redis_now, got, at)
+local function begin(key1, key2, injected, injected_now, cost, redis_now, got, at)
   local now
   if injected then
-    now = now_or_deadline
+    now = injected_now
   else
     now = redis_now
     if not now then
       now = redis_time()
-    end
-    if now_or_deadline > 0 and now > now_or_deadline then
-      -- The caller stopped waiting before Redis got to this check (a slow command, a
-      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
-      return nil, struct.pack('<dd', 3, now)
     end
   end
   if not at then
@@ -648,15 +653,26 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
       len) .. VERSION_SKEW)
   end
   -- The header in one C call (no text to parse); `pos` is where the rules start.
-  local injected, now_or_deadline, cost, ttl_floor, n, width, log_limit, log_period, layout,
-    pos = unpack_(HEADER_FORMAT, packed)
+  local injected, injected_now, cost, ttl_floor, n, width, log_limit, log_period, layout,
+    deadline, pos = unpack_(HEADER_FORMAT, packed)
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules of '
       .. 'at most %d, got %d', HEADER + PER_RULE * n, n, MAX_RULES, len / 8) .. VERSION_SKEW)
   end
+  if deadline > 0 then
+    -- The caller's deadline is on the Redis clock, whatever the check's own clock.
+    if not redis_now then
+      redis_now = redis_time()
+    end
+    if redis_now > deadline then
+      -- The caller stopped waiting before Redis got to this check (a slow command, a
+      -- fork, DEBUG SLEEP): decide nothing and charge nothing.
+      return struct.pack('<dd', 3, redis_now)
+    end
+  end
   injected = injected == 1
   local now, raw, status, c =
-    begin(key1, key2, injected, now_or_deadline, cost, redis_now, got, at)
+    begin(key1, key2, injected, injected_now, cost, redis_now, got, at)
   if not now then
     return raw
   end
@@ -820,10 +836,15 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     out[4 * i] = left
   end
 
+  -- The log's time: now, or its newest entry when the clock went back (see sliding_log).
+  local log_now = now
+  if newest and newest > now then
+    log_now = newest
+  end
   if log_limit > 0 then
-    -- The log marker: the log counts until its newest entry (now) leaves the longest
+    -- The log marker: the log counts until its newest entry (log_now) leaves the longest
     -- sliding-log window, the last of the rules' expiries.
-    new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, now + log_period
+    new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, log_now + log_period
   end
   local unit, ms = expiry_arg(injected, now, ttl_floor, state_expires)
   redis.call('SET', key2, encode(new, width, shape), unit, ms)
@@ -832,8 +853,8 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     if drop_log then
       redis.call('DEL', key3)
     end
-    -- Push `cost` copies of now in chunks (unpack has a stack limit); keep log_limit.
-    local stamp = fmt('%d', now)
+    -- Push `cost` copies of log_now in chunks (unpack has a stack limit); keep log_limit.
+    local stamp = fmt('%d', log_now)
     local left = cost
     while left > 0 do
       local chunk = {}
@@ -850,7 +871,7 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     if log_len + cost > log_limit then
       redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
     end
-    local unit, ms = expiry_arg(injected, now, ttl_floor, now + log_period)
+    local unit, ms = expiry_arg(injected, now, ttl_floor, log_now + log_period)
     if unit == 'PX' then
       redis.call('PEXPIRE', key3, ms)
     else

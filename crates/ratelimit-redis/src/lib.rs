@@ -47,7 +47,9 @@
 //! local fallback. Meanwhile the store reconnects by itself in the background, pausing
 //! 50 ms, then twice as long after each failed attempt, up to 2 s. Each (re)connection
 //! sets the connection up as the first one: loads the function library, reads `TIME`
-//! (for deadlines) and `maxmemory-policy`. Failed attempts are logged as a WARN at most
+//! (for deadlines) and `maxmemory-policy` (on a Cluster, from every master). A store
+//! over the application's pool or cluster connection does the same on its first call,
+//! and over a pool again after replacing dead connections. Failed attempts are logged as a WARN at most
 //! every 10 s with their count; the recovery as one INFO line.
 //! [`RedisStore::is_connected`] and [`RedisStore::connected`] tell whether a connection
 //! is up, for readiness probes.
@@ -157,7 +159,10 @@
 //!
 //! By default time comes from the Redis server's `TIME`, read inside the script: app
 //! servers with skewed clocks still agree. [`RedisStoreBuilder::clock`] injects a clock
-//! instead (tests, the conformance suite).
+//! instead (tests, the conformance suite). Either may go back (a failover to a server
+//! whose clock is behind, a test): every algorithm then decides as
+//! [`MemoryStore`](ratelimit_core::MemoryStore) does, the sliding log as if at its newest
+//! entry's time (see [`algo`](ratelimit_core::algo#a-clock-that-steps-back)).
 //!
 //! # Keys and TTLs
 //!
@@ -208,9 +213,9 @@
 //! - **Eviction.** An evicted key forgets what its client consumed, and the limit admits
 //!   more than configured. Run the limiter's Redis with `maxmemory-policy noeviction`:
 //!   `allkeys-*` policies evict any key, `volatile-*` ones any key with a TTL, and every
-//!   state key has one. The store reads the policy when it connects and logs a warning
-//!   (`tracing`, level WARN) for any other policy; [`RedisStore::maxmemory_policy`] tells
-//!   what it read. Under `noeviction` a full Redis refuses the writes: checks fail with
+//!   state key has one. The store reads the policy when it connects (on a Cluster, from
+//!   every master) and logs a warning (`tracing`, level WARN, naming the master on a
+//!   Cluster) for any other policy; [`RedisStore::maxmemory_policy`] tells what it read. Under `noeviction` a full Redis refuses the writes: checks fail with
 //!   [`RedisStoreError::Script`] (OOM) and the caller's failure policy decides, visibly.
 //! - **Restarts.** Without persistence (no RDB, no AOF) a restart empties Redis: every
 //!   client starts from a fresh state, so each may use its full limit again once, and
@@ -218,14 +223,16 @@
 //!   second of checks is forgotten. A failover to a replica loses the writes not yet
 //!   replicated (asynchronous replication), the same kind of loss.
 //! - **Timeouts.** A check that times out on the client may still reach Redis when the
-//!   server catches up (after a `DEBUG SLEEP`, a slow `KEYS`, a fork). With Redis `TIME`
-//!   the store sends each check's deadline on the Redis clock (learned from `TIME` at
-//!   connect; reply delays only make it later, never earlier), and the script decides
-//!   and charges nothing when it starts past it: a stall no longer turns into a burst of
-//!   charges the callers never saw. The bound is the clock estimate's error (the reply
-//!   time of the reading, well under a millisecond on a LAN). A store built over an
-//!   existing pool or connection has no reading and no deadlines, nor has an injected
-//!   clock.
+//!   server catches up (after a `DEBUG SLEEP`, a slow `KEYS`, a fork). The store sends
+//!   each check's deadline on the Redis clock (learned from `TIME` at connect, on a
+//!   Cluster from every master, the fastest clock winning; reply delays only make it
+//!   later, never earlier), and the script decides and charges nothing when it starts
+//!   past it: a stall no longer turns into a burst of charges the callers never saw. The
+//!   bound is the clock estimate's error (the reply time of the reading, well under a
+//!   millisecond on a LAN). This holds on an injected clock too (the deadline goes
+//!   beside the injected time, and the script reads `TIME` to compare), and for a store
+//!   over the application's pool or cluster connection from its first call on (that
+//!   call reads the clock; it has no deadline itself).
 //! - **Foreign values.** The store owns the keys under its prefix. A value it did not
 //!   write at a state or log key (another type, or bytes it cannot read) is read as an
 //!   empty state and replaced by the next check, with a warning in the log (at most one

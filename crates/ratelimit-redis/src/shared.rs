@@ -108,11 +108,9 @@ impl Shared {
     }
 
     fn time(&self) -> Time {
-        match self.now() {
-            Some(now) => Time::Injected(now),
-            None => Time::Redis {
-                deadline: self.redis_clock.deadline(self.timeout),
-            },
+        Time {
+            now: self.now(),
+            deadline: self.redis_clock.deadline(self.timeout),
         }
     }
 

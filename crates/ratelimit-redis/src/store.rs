@@ -290,7 +290,10 @@ impl RedisStoreBuilder {
     }
 
     /// A single-server store over a pool the application already has. Nothing is sent
-    /// until the first call; the scripts load on first use.
+    /// until the first call, which first sets the server up as [`build`](Self::build)
+    /// does at connect: loads the scripts, reads `TIME` (for the callers' deadlines,
+    /// from then on) and `maxmemory-policy`. So does the first call after the store
+    /// replaced dead pooled connections.
     ///
     /// For one round trip per check, build the pool with `test_on_check_out(false)`
     /// (bb8's default pings every connection it hands out); the store replaces
@@ -303,11 +306,12 @@ impl RedisStoreBuilder {
     /// task that sends batched checks).
     pub fn build_with_pool(self, pool: Pool<RedisConnectionManager>) -> RedisStore {
         let shared = self.shared_or_panic("build_with_pool");
-        self.store(Transport::Pool(Pooled::new(pool)), shared)
+        self.store(Transport::Pool(Pooled::new(pool, shared.clone())), shared)
     }
 
-    /// A Cluster store over a cluster connection the application already has. The
-    /// scripts load on first use, on each node.
+    /// A Cluster store over a cluster connection the application already has. As over a
+    /// pool, the first call first sets every master up (scripts, `TIME`,
+    /// `maxmemory-policy`).
     ///
     /// # Panics
     ///
@@ -416,10 +420,13 @@ impl RedisStore {
         &self.inner.shared.prefix
     }
 
-    /// The server's `maxmemory-policy` as read at the last (re)connection; `None` when it
-    /// could not be read (CONFIG forbidden), before the first connection, or for a store
-    /// built over an existing connection. Anything but `noeviction` can evict rate-limit
-    /// keys, which the store logs as a warning when it connects.
+    /// The server's `maxmemory-policy` as read at the last (re)connection (over the
+    /// application's pool or cluster connection: at its first call); `None` when it
+    /// could not be read (CONFIG forbidden) or before the first connection. On a Cluster
+    /// it is read from every master: a policy that can evict when a master has one
+    /// (each such master is named in a warning), else the one they have. Anything but
+    /// `noeviction` can evict rate-limit keys, which the store logs as a warning when it
+    /// connects.
     pub fn maxmemory_policy(&self) -> Option<String> {
         self.inner
             .shared

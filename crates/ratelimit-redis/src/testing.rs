@@ -323,6 +323,9 @@ impl RedisCluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "5000",
+                    // For tests that stall a node with DEBUG SLEEP.
+                    "--enable-debug-command",
+                    "yes",
                 ],
                 true,
             )?);
@@ -422,7 +425,10 @@ pub fn check_script() -> CheckScript {
 /// clock, in the script's layout (binary: two of them pack doubles).
 pub fn check_script_args(rules: &ratelimit_core::RuleSet, cost: u64) -> Vec<Vec<u8>> {
     crate::script::CheckArgs::to_args(
-        crate::script::Time::Redis { deadline: None },
+        crate::script::Time {
+            now: None,
+            deadline: None,
+        },
         cost,
         0,
         rules,

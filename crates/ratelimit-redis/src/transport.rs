@@ -111,13 +111,14 @@ impl Transport {
             SlotAddr::Master,
         )));
         let send = async {
-            match link.conn()? {
-                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await,
-                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await,
-            }
+            link.set_up().await?;
+            Ok::<_, Failure>(match link.conn()? {
+                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await?,
+                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await?,
+            })
         };
         match tokio::time::timeout(timeout, send).await {
-            Ok(reply) => reply.map_err(|e| failure(Failure::Redis(e), timeout)),
+            Ok(reply) => reply.map_err(|e| failure(e, timeout)),
             Err(_) => Err(RedisStoreError::Timeout(timeout)),
         }
     }
@@ -143,33 +144,14 @@ impl Transport {
             )]);
         }
         let mut conn = link.cluster_conn(timeout)?;
-        let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-        let reply = match tokio::time::timeout(timeout, conn.route_command(cmd, routing)).await {
-            Ok(reply) => reply.map_err(|e| classify(e, timeout))?,
+        let replies = match tokio::time::timeout(timeout, on_masters(&mut conn, cmd)).await {
+            Ok(replies) => replies.map_err(|e| classify(e, timeout))?,
             Err(_) => return Err(RedisStoreError::Timeout(timeout)),
         };
-        // Without a response policy the cluster connection answers with each node's
-        // reply under the node's address.
-        let Value::Map(replies) = reply else {
-            return Err(RedisStoreError::UnexpectedReply(format!(
-                "a command to every Cluster primary should answer per node, got {reply:?}"
-            )));
-        };
-        replies
+        Ok(replies
             .into_iter()
-            .map(|(address, reply)| {
-                let primary = Primary::parse(&address).ok_or_else(|| {
-                    RedisStoreError::UnexpectedReply(format!(
-                        "a Cluster node should be named host:port, got {address:?}"
-                    ))
-                })?;
-                let reply = match reply {
-                    Value::ServerError(e) => Err(classify(e.into(), timeout)),
-                    reply => Ok(reply),
-                };
-                Ok((primary, reply))
-            })
-            .collect()
+            .map(|(primary, reply)| (primary, reply.map_err(|e| classify(e, timeout))))
+            .collect())
     }
 
     /// Sends `cmd` to `primary` (one of those [`on_primaries`](Self::on_primaries)
@@ -236,6 +218,41 @@ impl Primary {
             port: port.parse().ok()?,
         })
     }
+}
+
+/// `cmd` on every master of a Cluster: each master's reply (an error reply as an error)
+/// under its address.
+async fn on_masters(
+    conn: &mut ClusterConnection,
+    cmd: Cmd,
+) -> RedisResult<Vec<(Primary, RedisResult<Value>)>> {
+    let unexpected = |detail: String| {
+        RedisError::from((ErrorKind::UnexpectedReturnType, "unexpected reply", detail))
+    };
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    // Without a response policy the cluster connection answers with each node's reply
+    // under the node's address.
+    let reply = conn.route_command(cmd, routing).await?;
+    let Value::Map(replies) = reply else {
+        return Err(unexpected(format!(
+            "a command to every Cluster primary should answer per node, got {reply:?}"
+        )));
+    };
+    replies
+        .into_iter()
+        .map(|(address, reply)| {
+            let primary = Primary::parse(&address).ok_or_else(|| {
+                unexpected(format!(
+                    "a Cluster node should be named host:port, got {address:?}"
+                ))
+            })?;
+            let reply = match reply {
+                Value::ServerError(e) => Err(e.into()),
+                reply => Ok(reply),
+            };
+            Ok((primary, reply))
+        })
+        .collect()
 }
 
 /// The store's error for a failed request.
@@ -324,6 +341,15 @@ impl Conn {
             Conn::Cluster(conn) => request.send(conn).await,
         }
     }
+
+    /// `cmd`'s reply from the server, or from every master of a Cluster by address; the
+    /// error of a reply stays with its node.
+    async fn each_master(&mut self, cmd: Cmd) -> RedisResult<Vec<(Primary, RedisResult<Value>)>> {
+        match self {
+            Conn::Multiplexed(conn) => Ok(vec![(Primary::Server, cmd.query_async(conn).await)]),
+            Conn::Cluster(conn) => on_masters(conn, cmd).await,
+        }
+    }
 }
 
 /// What a [`Link`] knows about its recent failures.
@@ -358,6 +384,11 @@ pub(crate) struct Link {
     failure_log: BoundedLog,
     /// On a Cluster, the node of each slot.
     nodes: NodeMap,
+    /// Over the application's connection: not yet set up as [`prepare`] sets up the
+    /// store's own connections. It is on the first call.
+    unprepared: std::sync::atomic::AtomicBool,
+    /// One setup at a time.
+    preparing: tokio::sync::Mutex<()>,
 }
 
 /// Which Cluster node serves each slot: a number per node, the same for every slot the
@@ -429,7 +460,25 @@ impl Link {
             attempts: tokio::sync::watch::Sender::new(0),
             failure_log: BoundedLog::new(),
             nodes: NodeMap::default(),
+            unprepared: std::sync::atomic::AtomicBool::new(false),
+            preparing: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// Sets up the application's connection on its first call (nothing to do for the
+    /// store's own connections, set up as they were opened).
+    async fn set_up(&self) -> Result<(), Failure> {
+        if !self.unprepared.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _one_at_a_time = self.preparing.lock().await;
+        if !self.unprepared.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (mut conn, _) = self.conn()?;
+        prepare(&mut conn, &self.shared).await?;
+        self.unprepared.store(false, Ordering::Release);
+        Ok(())
     }
 
     fn is_cluster(&self) -> bool {
@@ -478,6 +527,7 @@ impl Link {
     pub(crate) fn given(conn: ClusterConnection, shared: Arc<Shared>) -> Arc<Self> {
         let link = Self::new(Source::Given, shared, Duration::ZERO);
         link.install(vec![Conn::Cluster(conn)]);
+        link.unprepared.store(true, Ordering::Release);
         link
     }
 
@@ -518,11 +568,7 @@ impl Link {
     async fn attempt(&self) -> Result<(), Failure> {
         let connect = async {
             let conns = self.open().await?;
-            let mut first = conns[0].clone();
-            match &mut first {
-                Conn::Multiplexed(conn) => prepare(conn, &self.shared).await?,
-                Conn::Cluster(conn) => prepare(conn, &self.shared).await?,
-            }
+            prepare(&mut conns[0].clone(), &self.shared).await?;
             Ok::<_, Failure>(conns)
         };
         let result = match tokio::time::timeout(self.connect_timeout, connect).await {
@@ -703,6 +749,7 @@ impl Link {
     }
 
     async fn send(self: &Arc<Self>, request: &Request<'_>) -> Result<Value, Failure> {
+        self.set_up().await?;
         let mut attempts = self.attempts.subscribe();
         let (mut conn, generation) = self.conn()?;
         match conn.send(request).await {
@@ -759,44 +806,57 @@ fn jitter(pause: Duration) -> Duration {
 }
 
 /// Loads the scripts, reads the server's clock and its `maxmemory-policy` (warning when
-/// limiter keys can be evicted); remembers whether the server has functions.
-pub(crate) async fn prepare<C: ConnectionLike + Send>(
-    conn: &mut C,
-    shared: &Shared,
-) -> Result<(), Failure> {
-    let functions = load_scripts(conn).await?;
-    shared.functions.store(functions, Ordering::Relaxed);
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
-    shared
-        .redis_clock
-        .observe(secs * 1_000_000 + micros, Instant::now());
-    let policy = match redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("maxmemory-policy")
-        .query_async::<Value>(conn)
-        .await
-    {
-        Ok(reply) => policy_in(&reply),
-        Err(e) => {
-            // Managed services often rename or forbid CONFIG.
-            tracing::info!(
-                error = %e,
-                "cannot read maxmemory-policy; make sure the Redis server does not evict \
-                 rate-limit keys (maxmemory-policy noeviction)"
-            );
-            None
-        }
+/// limiter keys can be evicted); remembers whether the server has functions. On a
+/// Cluster, the clock and the policy are read from every master: the fastest clock
+/// sets the deadlines (see [`RedisClock`](script::RedisClock)), and each master whose
+/// policy can evict is warned about by address.
+async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
+    let functions = match conn {
+        Conn::Multiplexed(c) => load_scripts(c).await?,
+        Conn::Cluster(c) => load_scripts(c).await?,
     };
-    if let Some(policy) = &policy {
+    shared.functions.store(functions, Ordering::Relaxed);
+    for (_, reply) in conn.each_master(redis::cmd("TIME")).await? {
+        let (secs, micros): (u64, u64) =
+            redis::from_redis_value(reply?).map_err(RedisError::from)?;
+        shared
+            .redis_clock
+            .observe(secs * 1_000_000 + micros, Instant::now());
+    }
+    let mut config = redis::cmd("CONFIG");
+    config.arg("GET").arg("maxmemory-policy");
+    let mut read = Vec::new();
+    for (primary, reply) in conn.each_master(config).await? {
+        match reply {
+            Ok(reply) => read.extend(policy_in(&reply).map(|policy| (primary, policy))),
+            Err(e) => {
+                // Managed services often rename or forbid CONFIG.
+                tracing::info!(
+                    error = %e,
+                    ?primary,
+                    "cannot read maxmemory-policy; make sure the Redis server does not evict \
+                     rate-limit keys (maxmemory-policy noeviction)"
+                );
+            }
+        }
+    }
+    for (primary, policy) in &read {
         if let Some(why) = eviction_risk(policy) {
             tracing::warn!(
                 maxmemory_policy = %policy,
+                ?primary,
                 "Redis may evict rate-limit keys: {why}. An evicted key forgets what a client \
                  consumed, so limits admit more than configured. Set `maxmemory-policy \
                  noeviction` (or give the limiter a Redis of its own)."
             );
         }
     }
+    // The policy that can evict, if a master has one; else the one all have.
+    let policy = read
+        .iter()
+        .find(|(_, policy)| eviction_risk(policy).is_some())
+        .or(read.first())
+        .map(|(_, policy)| policy.clone());
     *shared
         .maxmemory_policy
         .write()
@@ -804,8 +864,7 @@ pub(crate) async fn prepare<C: ConnectionLike + Send>(
     Ok(())
 }
 
-/// The policy's value in a `CONFIG GET` reply: a map or a flat array on one server, one
-/// of those per node on a Cluster (the first one read wins; a fleet runs one policy).
+/// The policy's value in a `CONFIG GET` reply: a map or a flat array.
 fn policy_in(reply: &Value) -> Option<String> {
     match reply {
         Value::BulkString(bytes) => {
@@ -858,32 +917,65 @@ impl Repairs {
     }
 }
 
-/// One server through an application's `bb8` pool of multiplexed connections.
+/// One server through an application's `bb8` pool of multiplexed connections. The
+/// first call, and the first after dead connections were replaced, sets the server up
+/// as a [`Link`] does at each connection: the scripts loaded, `TIME` read (for the
+/// callers' deadlines), `maxmemory-policy` read.
 pub(crate) struct Pooled {
     pub(crate) pool: Pool<RedisConnectionManager>,
+    shared: Arc<Shared>,
     repairs: Repairs,
+    /// One more than the repair generation the server was last set up in; 0: never.
+    prepared: AtomicU64,
+    /// One setup at a time.
+    preparing: tokio::sync::Mutex<()>,
 }
 
 impl Pooled {
-    pub(crate) fn new(pool: Pool<RedisConnectionManager>) -> Self {
+    pub(crate) fn new(pool: Pool<RedisConnectionManager>, shared: Arc<Shared>) -> Self {
         Self {
             pool,
+            shared,
             repairs: Repairs::default(),
+            prepared: AtomicU64::new(0),
+            preparing: tokio::sync::Mutex::new(()),
         }
     }
 
     async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         let seen = self.repairs.seen();
-        match request.send(&mut self.checkout().await?).await {
-            Err(e) if is_connection_error(&e) => {
+        let first = async {
+            let mut conn = self.checkout().await?;
+            self.prepared(&conn).await?;
+            Ok::<_, Failure>(request.send(&mut conn).await?)
+        };
+        match first.await {
+            Err(Failure::Redis(e)) if is_connection_error(&e) => {
                 // Redis restarted or the network dropped the socket: replace the dead pooled
                 // connections and send once more.
                 tracing::debug!(error = %e, "Redis connection failed; reconnecting");
                 self.repairs.once(seen, || self.replace_dead()).await?;
-                Ok(request.send(&mut self.checkout().await?).await?)
+                let mut conn = self.checkout().await?;
+                self.prepared(&conn).await?;
+                Ok(request.send(&mut conn).await?)
             }
-            other => Ok(other?),
+            other => other,
         }
+    }
+
+    /// Sets the server up through `conn` unless it was since the last repair.
+    async fn prepared(&self, conn: &MultiplexedConnection) -> Result<(), Failure> {
+        let want = self.repairs.seen() + 1;
+        if self.prepared.load(Ordering::Acquire) == want {
+            return Ok(());
+        }
+        let _one_at_a_time = self.preparing.lock().await;
+        if self.prepared.load(Ordering::Acquire) == want {
+            return Ok(());
+        }
+        prepare(&mut Conn::Multiplexed(conn.clone()), &self.shared).await?;
+        self.prepared.store(want, Ordering::Release);
+        Ok(())
     }
 
     /// A handle on one of the pool's multiplexed connections. The pooled connection goes

@@ -160,9 +160,10 @@ fn a_deadline_passed_inside_a_batch_fails_only_that_check() {
         .unwrap();
     let rules: RuleSet = "1/min fixed-window".parse().unwrap();
     let fresh = check_script_args(&rules, 1).remove(0);
-    // The same values with a deadline 1 µs after the epoch: long past.
+    // The same values with a deadline (the header's 10th value) 1 µs after the epoch:
+    // long past.
     let mut late = fresh.clone();
-    late[8..16].copy_from_slice(&1.0f64.to_le_bytes());
+    late[72..80].copy_from_slice(&1.0f64.to_le_bytes());
     let run = |con: &mut redis::Connection, args: [&[u8]; 3]| -> Vec<f64> {
         let reply: Vec<u8> = redis::cmd("FCALL")
             .arg(script.batch_function)

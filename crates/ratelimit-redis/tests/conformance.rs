@@ -150,9 +150,9 @@ fn version_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
     (strategy::rule_set_versions(3), strategy::steps(3, 80))
 }
 
-/// Traces whose clock moves in whole milliseconds and whole periods, so that requests
-/// land exactly on window edges, log entries' expiry instants and bucket refill points,
-/// where a `<` for a `<=` would show.
+/// Traces whose clock moves (forward and back) in whole milliseconds and whole periods,
+/// so that requests land exactly on window edges, log entries' expiry instants and
+/// bucket refill points, where a `<` for a `<=` would show.
 fn aligned_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
     proptest::collection::vec(strategy::rule_set(), 1..=2).prop_flat_map(|sets| {
         let n = sets.len();
@@ -166,6 +166,8 @@ fn aligned_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
                 Just(1_000_000),
             ]
             .prop_map(Step::Advance),
+            1 => prop_oneof![(1u64..=8).prop_map(|ms| ms * 1_000), Just(1_000_000)]
+                .prop_map(Step::Rewind),
             1 => (0u8..2, proptest::option::of(1u64..20)).prop_map(|(key, ms)| Step::Block { key, ms }),
         ];
         (Just(sets), proptest::collection::vec(step, 1..80))

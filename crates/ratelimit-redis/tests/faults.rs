@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ratelimit_core::{RuleSet, Store};
+use ratelimit_core::testing::T0_US;
+use ratelimit_core::{ManualClock, RuleSet, Store};
 use ratelimit_redis::redis;
 use ratelimit_redis::testing::{RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE};
 use ratelimit_redis::{RedisStore, RedisStoreError};
@@ -424,7 +425,102 @@ async fn checks_that_timed_out_in_a_stalled_redis_charge_nothing() {
         .build(&server.url())
         .await
         .unwrap();
+    stalled_checks_charge_nothing(&server, &store).await;
+}
+
+/// As above, for a store on an injected clock: the deadline on Redis's clock goes
+/// beside the injected time.
+#[tokio::test]
+async fn checks_that_timed_out_charge_nothing_on_an_injected_clock() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .clock(ManualClock::new(T0_US))
+        .build(&server.url())
+        .await
+        .unwrap();
+    stalled_checks_charge_nothing(&server, &store).await;
+}
+
+/// As above, for a store over the application's pool: it reads Redis's clock on its
+/// first call.
+#[tokio::test]
+async fn checks_that_timed_out_charge_nothing_over_a_pool() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let pool = ratelimit_redis::bb8::Pool::builder()
+        .test_on_check_out(false)
+        .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(server.url()).unwrap())
+        .await
+        .unwrap();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .build_with_pool(pool);
+    stalled_checks_charge_nothing(&server, &store).await;
+}
+
+/// As above, for a store over the application's cluster connection: it reads every
+/// master's clock on its first call. Every master is stalled, wherever the key lives.
+#[tokio::test]
+async fn checks_that_timed_out_charge_nothing_over_a_given_cluster_connection() {
+    let cluster = RedisCluster::start();
+    let conn = redis::cluster::ClusterClient::new(cluster.urls())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(100))
+        .build_with_cluster_connection(conn);
     let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    store.check(b"warm", &rules, 1).await.unwrap();
+    let mut probes: Vec<_> = cluster
+        .nodes()
+        .iter()
+        .map(|node| {
+            let probe = common::conn(&node.url());
+            probe
+                .set_read_timeout(Some(Duration::from_millis(300)))
+                .unwrap();
+            probe
+        })
+        .collect();
+    let stalls: Vec<_> = cluster
+        .nodes()
+        .iter()
+        .map(|node| {
+            let url = node.url();
+            std::thread::spawn(move || {
+                let mut con = common::conn(&url);
+                redis::cmd("DEBUG").arg("SLEEP").arg("3").exec(&mut con)
+            })
+        })
+        .collect();
+    for probe in &mut probes {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis::cmd("PING").query::<String>(probe).is_ok() {
+            assert!(Instant::now() < deadline, "DEBUG SLEEP never began");
+        }
+    }
+    for _ in 0..10 {
+        let err = store.check(b"k", &rules, 1).await.unwrap_err();
+        assert!(matches!(err, RedisStoreError::Timeout(_)), "{err:?}");
+    }
+    for stall in stalls {
+        stall.join().unwrap().unwrap();
+    }
+    // The checks queued on the node's connection ahead of these ones: none was charged.
+    for i in 0..6 {
+        let d = store.check(b"k", &rules, 1).await.unwrap();
+        assert_eq!(d.is_allowed(), i < 5, "check {i}: {d:?}");
+    }
+}
+
+/// Stalls `server` with `DEBUG SLEEP` while 10 checks of `store` time out, lets Redis
+/// run them once it wakes, and requires that none was charged.
+async fn stalled_checks_charge_nothing(server: &RedisServer, store: &RedisStore) {
+    let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    // A first call on another key, as any store makes before a stall in production.
+    store.check(b"warm", &rules, 1).await.unwrap();
     let mut con = common::conn(&server.url());
     common::reset_stats(&mut con);
     let mut probe = common::conn(&server.url());

@@ -1,10 +1,10 @@
 //! One store over every topology: the primary Redis Sentinel names (across a failover),
-//! and what the store reads about the server at connect.
+//! and what the store reads about the server (or each Cluster master) at connect.
 
 use std::time::Duration;
 
 use ratelimit_core::{Outcome, RuleSet, Store};
-use ratelimit_redis::testing::{RedisSentinel, RedisServer, SENTINEL_SERVICE};
+use ratelimit_redis::testing::{RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE};
 use ratelimit_redis::{RedisStore, RedisStoreError};
 
 fn rules() -> RuleSet {
@@ -74,6 +74,15 @@ async fn the_eviction_policy_is_read_at_connect() {
     let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
     let store = RedisStore::connect(&evicting.url()).await.unwrap();
     assert_eq!(store.maxmemory_policy().as_deref(), Some("allkeys-lru"));
+    // Over the application's pool: read on the first call.
+    let pool = ratelimit_redis::bb8::Pool::builder()
+        .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(evicting.url()).unwrap())
+        .await
+        .unwrap();
+    let pooled = RedisStore::builder().build_with_pool(pool);
+    assert_eq!(pooled.maxmemory_policy(), None);
+    assert!(pooled.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+    assert_eq!(pooled.maxmemory_policy().as_deref(), Some("allkeys-lru"));
 
     let safe = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
     let store = RedisStore::connect(&safe.url()).await.unwrap();
@@ -84,4 +93,48 @@ async fn the_eviction_policy_is_read_at_connect() {
     let store = RedisStore::connect(&locked.url()).await.unwrap();
     assert_eq!(store.maxmemory_policy(), None);
     assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+}
+
+/// On a Cluster the policy is read from every master: one that can evict is reported,
+/// whichever master it is, by a store that connects itself and by one over the
+/// application's cluster connection (which reads it on its first call).
+#[tokio::test]
+async fn the_eviction_policy_is_read_from_every_cluster_master() {
+    let cluster = RedisCluster::start();
+    let set_policy = |node: &RedisServer, policy: &str| {
+        let reply = node
+            .command(&format!("CONFIG SET maxmemory-policy {policy}"))
+            .unwrap();
+        assert!(reply.starts_with("+OK"), "{reply}");
+    };
+    let store = RedisStore::builder()
+        .build_cluster(cluster.urls())
+        .await
+        .unwrap();
+    assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
+    for (i, bad) in cluster.nodes().iter().enumerate() {
+        set_policy(bad, "allkeys-lru");
+        let store = RedisStore::builder()
+            .build_cluster(cluster.urls())
+            .await
+            .unwrap();
+        assert_eq!(
+            store.maxmemory_policy().as_deref(),
+            Some("allkeys-lru"),
+            "the bad policy on master {i}"
+        );
+        let conn = ratelimit_redis::redis::cluster::ClusterClient::new(cluster.urls())
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap();
+        let given = RedisStore::builder().build_with_cluster_connection(conn);
+        assert!(given.check(b"k", &rules(), 1).await.unwrap().is_allowed());
+        assert_eq!(
+            given.maxmemory_policy().as_deref(),
+            Some("allkeys-lru"),
+            "over a given connection, the bad policy on master {i}"
+        );
+        set_policy(bad, "noeviction");
+    }
 }

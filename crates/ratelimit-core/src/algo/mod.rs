@@ -50,6 +50,17 @@
 //! and what it gives depends on the time only through states that expire, so until a
 //! check under the new rules commits, each check carries the same state again.
 //!
+//! # A clock that steps back
+//!
+//! Redis `TIME` after a failover to a server with another clock, or an injected clock,
+//! can go back. The sliding log's time never does: a check at a time before the log's
+//! newest entry is decided (which entries are in the window, whether the units fit, what
+//! remains) and logged as if at the newest entry's time, so the log stays newest first
+//! and never holds more than a rule's limit in one of its windows. `retry_after` and
+//! `reset_after` still count from the clock's reading: the entry a denial waits for
+//! leaves after the newest entry's time, when the log's time is the clock's again, so a
+//! retry that long after is admitted (nothing else being logged meanwhile).
+//!
 //! ```
 //! use ratelimit_core::algo::{decide, RuleState};
 //! use ratelimit_core::RuleSet;

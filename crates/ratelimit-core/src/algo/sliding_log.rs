@@ -3,6 +3,9 @@
 //! State: [`RuleState::Log`], one log shared by every sliding-log rule of a rule set (held
 //! in the slot of the first one) and kept to the largest of their limits. A rule of limit
 //! `L` admits `cost` units when the `(L − cost + 1)`-th newest entry has left its window.
+//!
+//! Under a clock that steps back, the log's time is never before its newest entry (the
+//! [module docs](super#a-clock-that-steps-back) of `algo`).
 
 use std::collections::VecDeque;
 
@@ -24,9 +27,11 @@ pub(super) fn evaluate(rule: &Rule, log: Option<&VecDeque<u64>>, now: u64, cost:
             next: Next::Log,
         };
     };
+    // The reported durations count from `now`; the verdict from the log's time.
+    let at = log_time(log, now);
     let nth = log.get((limit - cost) as usize).copied();
-    let allowed = nth.is_none_or(|ts| ts + period <= now);
-    let in_window = in_window(log, period, now).min(limit as usize);
+    let allowed = nth.is_none_or(|ts| ts + period <= at);
+    let in_window = in_window(log, period, at).min(limit as usize);
     Eval {
         allowed,
         remaining_before: limit - in_window as u64,
@@ -68,13 +73,20 @@ fn in_window(log: &VecDeque<u64>, period: u64, now: u64) -> usize {
     len - lo
 }
 
-/// Logs `cost` entries at `now`, keeping the newest `keep`.
+/// The log's time at a check at `now`: never before its newest entry.
+#[inline(always)]
+fn log_time(log: &VecDeque<u64>, now: u64) -> u64 {
+    log.front().map_or(now, |&newest| newest.max(now))
+}
+
+/// Logs `cost` entries at the log's time at `now`, keeping the newest `keep`.
 pub(super) fn commit(state: &mut RuleState, keep: u64, now: u64, cost: u64) {
     let keep = keep as usize;
     if !matches!(state, RuleState::Log(_)) {
         *state = RuleState::Log(Box::new(VecDeque::with_capacity(keep.min(64))));
     }
     if let RuleState::Log(log) = state {
+        let now = log_time(log, now);
         for _ in 0..cost {
             log.push_front(now);
         }

@@ -36,25 +36,38 @@ enum Code {
 /// side (the reply's shape is [`CheckReply`](super::CheckReply)'s).
 ///
 /// The one argument, `ARGV[1]`, packs [`HEADER`](Self::HEADER) values (injected, now,
-/// cost, TTL floor, rules, state width, log limit, log period, layout) and
+/// cost, TTL floor, rules, state width, log limit, log period, layout, deadline) and
 /// [`PER_RULE`](Self::PER_RULE) per rule (`code, limit, period_us, a, b, id`) as
 /// little-endian doubles, so that the script reads every argument in one C call instead
-/// of parsing text (the script derives the struct formats from the lengths).
+/// of parsing text (the script derives the struct formats from the lengths). The
+/// deadline is on the Redis clock whatever the check's own clock, so a check on an
+/// injected clock is turned away past it too.
 #[derive(Debug)]
 pub(crate) struct CheckArgs;
 
-/// Where a check takes its time from.
+/// Where a check takes its time from, and when its caller stops waiting.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Time {
-    /// The injected clock's reading.
-    Injected(u64),
-    /// Redis `TIME`, with the caller's deadline on that clock when known.
-    Redis { deadline: Option<u64> },
+pub(crate) struct Time {
+    /// The injected clock's reading; `None`: Redis `TIME`.
+    pub(crate) now: Option<u64>,
+    /// The caller's deadline on the Redis clock, when known (whatever `now` is).
+    pub(crate) deadline: Option<u64>,
+}
+
+impl Time {
+    /// An injected time without a deadline.
+    #[cfg(test)]
+    pub(crate) fn injected(now: u64) -> Self {
+        Self {
+            now: Some(now),
+            deadline: None,
+        }
+    }
 }
 
 impl CheckArgs {
     /// Values before the first rule.
-    pub(crate) const HEADER: usize = 9;
+    pub(crate) const HEADER: usize = 10;
     /// Values per rule.
     pub(crate) const PER_RULE: usize = 6;
 
@@ -113,13 +126,9 @@ impl CheckArgs {
         ttl_floor_ms: u64,
         rules: &RuleSet,
     ) -> impl Iterator<Item = u64> + '_ {
-        let (injected, now_or_deadline) = match time {
-            Time::Injected(now) => (1, now),
-            Time::Redis { deadline } => (0, deadline.unwrap_or(0)),
-        };
         let header = [
-            injected,
-            now_or_deadline,
+            u64::from(time.now.is_some()),
+            time.now.unwrap_or(0),
             cost,
             ttl_floor_ms.min(MAX_EXACT),
             rules.len() as u64,
@@ -127,6 +136,7 @@ impl CheckArgs {
             rules.log_limit(),
             rules.log_period_us(),
             Self::layout(rules),
+            time.deadline.unwrap_or(0),
         ];
         header.into_iter().chain(
             rules
@@ -211,7 +221,11 @@ mod tests {
         // The layout; entries of 2 + 2 (fixed window), 2 + 6 (sliding window), none (log),
         // 2 + 4 for each of the other four; the log marker.
         assert_eq!(CheckArgs::state_width(&r), 1 + 4 + 8 + 4 * 6 + 3);
-        let args = CheckArgs::to_args(Time::Injected(7), 2, 60_000, &r);
+        let time = Time {
+            now: Some(7),
+            deadline: Some(9),
+        };
+        let args = CheckArgs::to_args(time, 2, 60_000, &r);
         let count = CheckArgs::HEADER + CheckArgs::PER_RULE * r.len();
         assert_eq!(args.len(), 1);
         assert_eq!(args[0].len(), 8 * count);
@@ -221,10 +235,10 @@ mod tests {
             .collect();
         let layout = (r.fingerprint() & ((1 << 52) - 1)) as f64;
         assert_eq!(
-            values[..9],
-            [1.0, 7.0, 2.0, 60_000.0, 7.0, 40.0, 7.0, 1e6, layout]
+            values[..10],
+            [1.0, 7.0, 2.0, 60_000.0, 7.0, 40.0, 7.0, 1e6, layout, 9.0]
         );
-        assert_eq!(values[9..15], [1.0, 5.0, 1e6, 0.0, 0.0, ids[0] as f64]);
+        assert_eq!(values[10..16], [1.0, 5.0, 1e6, 0.0, 0.0, ids[0] as f64]);
     }
 
     /// Builds whatever rule the core accepts from arbitrary numbers.
@@ -279,11 +293,11 @@ mod tests {
                 let set = RuleSet::new(vec![rule]).unwrap();
                 let now = now & MAX_EXACT;
                 if set.check_cost(cost).is_ok() {
-                    for value in CheckArgs::values(Time::Injected(now), cost, u64::MAX, &set) {
+                    for value in CheckArgs::values(Time::injected(now), cost, u64::MAX, &set) {
                         prop_assert!(value <= MAX_EXACT, "{}: {} is not exact in Lua", set.rules()[0], value);
                     }
                 }
-                let args = CheckArgs::to_args(Time::Injected(now), cost, u64::MAX, &set);
+                let args = CheckArgs::to_args(Time::injected(now), cost, u64::MAX, &set);
                 prop_assert_eq!(args[0].len(), 8 * (CheckArgs::HEADER + CheckArgs::PER_RULE));
             }
         }
