@@ -1,0 +1,259 @@
+//! Instructions a redis-server executes per decision, counted by callgrind: a figure that
+//! stays the same from run to run on a shared machine, where CPU time moves by a third.
+//!
+//! Starts `redis-server` under `valgrind --tool=callgrind` on a free port, loads the
+//! store's function library, and counts (between `callgrind_control -z` and `-d`) what
+//! the server runs for each row, per decision:
+//!
+//! - `PING`: one `PING` per decision, 64 to a write, as 64 tasks send them through one
+//!   multiplexed connection: the floor of any request;
+//! - the least an exact limiter with a TTL on every key can ask of Redis per decision,
+//!   batched as the store batches: a function that reads every key with one `MGET`,
+//!   writes one 56-byte state with `SET .. PXAT` per check and replies 48 bytes per check;
+//! - `check_many` of `lua/check.lua` on batches of 64 checks, one rule and four rules.
+//!
+//! Every key is a new one for its round, so every check is admitted and writes its state.
+//!
+//! ```sh
+//! apt-get install valgrind   # Debian; callgrind_control comes with it
+//! cargo run --release -p ratelimit-bench --example redis_instructions
+//! # ROUNDS (20) batches of 64 per row
+//! ```
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ratelimit_bench::env_or;
+use ratelimit_core::RuleSet;
+use ratelimit_redis::testing::{check_script, check_script_args};
+use redis::Connection;
+
+/// Checks per batch, the store's default `max_batch`.
+const BATCH: usize = 64;
+
+/// The least work per decision: read every key at once, write each state with its expiry,
+/// reply per check. What any exact design with a TTL on every key does.
+const FLOOR_LIBRARY: &str = r#"#!lua name=ratelimit_floor
+local function floor(KEYS, ARGV)
+  local got = redis.call('MGET', unpack(KEYS))
+  local t = redis.call('TIME')
+  local at = string.format('%d', math.ceil((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000) + 1000)
+  local out = {}
+  for i = 2, #KEYS, 2 do
+    redis.call('SET', KEYS[i], ARGV[1], 'PXAT', at)
+    out[#out + 1] = ARGV[2]
+  end
+  return table.concat(out)
+end
+redis.register_function('ratelimit_floor', floor)
+"#;
+
+struct Server {
+    child: Child,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn main() {
+    let rounds = env_or("ROUNDS", 20) as usize;
+    let server = start();
+    let mut con = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let script = check_script();
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg(script.library)
+        .query(&mut con)
+        .unwrap();
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg(FLOOR_LIBRARY)
+        .query(&mut con)
+        .unwrap();
+
+    println!("redis-server instructions per decision (callgrind), {rounds} batches of {BATCH}\n");
+    println!("| row | instructions / decision | × PING |");
+    println!("|---|---:|---:|");
+    let ping = count(&server, &mut con, rounds, |con, _| {
+        let mut pipe = redis::pipe();
+        for _ in 0..BATCH {
+            pipe.cmd("PING");
+        }
+        let _: Vec<String> = pipe.query(con).unwrap();
+    });
+    println!("| `PING`, {BATCH} to a write (the floor) | {ping:.0} | 1.00x |");
+    let floor = count(&server, &mut con, rounds, |con, round| {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg("ratelimit_floor").arg(2 * BATCH);
+        for i in 0..BATCH {
+            cmd.arg(format!("floor:{{{round}:{i}}}:b"))
+                .arg(format!("floor:{{{round}:{i}}}:s"));
+        }
+        cmd.arg(vec![7u8; 56]).arg(vec![0u8; 48]);
+        let _: Vec<u8> = cmd.query(con).unwrap();
+    });
+    println!(
+        "| least an exact limiter asks: `MGET`, `SET .. PXAT` and a reply per check | {floor:.0} | {:.2}x |",
+        floor / ping
+    );
+    for (name, rules) in [
+        (
+            "`check_many`, `100/s gcra burst=100`",
+            "100/s gcra burst=100",
+        ),
+        (
+            "`check_many`, 4 rules (gcra, sliding p=1, fixed, token)",
+            "100/s gcra burst=10; 1000/min sliding-window precision=1; 10000/h fixed-window; \
+             100000/day token-bucket capacity=1000",
+        ),
+    ] {
+        let rules: RuleSet = rules.parse().expect("rules");
+        let args = check_script_args(&rules, 1);
+        assert_eq!(args.len(), 1, "one packed argument per check");
+        // Block marker and state: none of these rules is a sliding log.
+        let keys = 2;
+        let cost = count(&server, &mut con, rounds, |con, round| {
+            let mut cmd = redis::cmd("FCALL");
+            cmd.arg(script.batch_function).arg(keys * BATCH);
+            for i in 0..BATCH {
+                cmd.arg(format!("check:{{{round}:{i}}}:b"))
+                    .arg(format!("check:{{{round}:{i}}}:s"));
+            }
+            cmd.arg(vec![b'0' + keys as u8; BATCH]);
+            for _ in 0..BATCH {
+                cmd.arg(&args[0][..]);
+            }
+            let reply: Vec<u8> = cmd.query(con).unwrap();
+            assert!(reply.len() >= BATCH * 48, "every check decided");
+        });
+        println!("| {name} | {cost:.0} | {:.2}x |", cost / ping);
+    }
+}
+
+/// Instructions per decision of `rounds` runs of `batch` (each `BATCH` decisions), after
+/// one run to warm up.
+fn count(
+    server: &Server,
+    con: &mut Connection,
+    rounds: usize,
+    mut batch: impl FnMut(&mut Connection, usize),
+) -> f64 {
+    batch(con, usize::MAX);
+    callgrind(server, "-z");
+    for round in 0..rounds {
+        batch(con, round);
+    }
+    let total = callgrind(server, "-d");
+    total as f64 / (rounds * BATCH) as f64
+}
+
+/// Runs `callgrind_control <flag>` on the server; after `-d`, the instructions of the dump.
+fn callgrind(server: &Server, flag: &str) -> u64 {
+    let before = dumps(&server.dir);
+    let status = Command::new("callgrind_control")
+        .arg(flag)
+        .arg(server.child.id().to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("callgrind_control (valgrind) on PATH");
+    assert!(status.success(), "callgrind_control {flag}");
+    if flag != "-d" {
+        return 0;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let new: Vec<PathBuf> = dumps(&server.dir)
+            .into_iter()
+            .filter(|p| !before.contains(p))
+            .collect();
+        if let Some(total) = new.iter().find_map(|p| summary(p)) {
+            return total;
+        }
+        assert!(Instant::now() < deadline, "no callgrind dump");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn dumps(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| Some(e.ok()?.path()))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("cg."))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The `summary:` (or `totals:`) line of a complete callgrind dump.
+fn summary(path: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("summary:")
+                .or_else(|| l.strip_prefix("totals:"))
+        })?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn start() -> Server {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("ratelimit-callgrind-{port}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let child = Command::new("valgrind")
+        .arg("--tool=callgrind")
+        .arg(format!("--callgrind-out-file={}/cg.%p", dir.display()))
+        .args([
+            "redis-server",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .current_dir(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("valgrind and redis-server on PATH");
+    let server = Server { child, dir, port };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) {
+            if let Ok(mut con) = client.get_connection() {
+                if redis::cmd("PING").query::<String>(&mut con).is_ok() {
+                    return server;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "redis-server under callgrind did not start"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
