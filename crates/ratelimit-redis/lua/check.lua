@@ -598,53 +598,12 @@ local function redis_time()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- The time, the stored state (raw), the status (0, or 2 when a foreign block marker was
--- dropped) and the units to weigh (cost, at least 1: a peek weighs as one) of a check;
--- or nil and the reply when the key is blocked. Blocks come first: a blocked key
--- consults no rule. (check_one has turned away a check past its deadline.)
--- In a batch, `redis_now` is the Redis time read once for all, and when `at` is set,
--- got[at] and got[at + 1] are the block marker and state as read for all (alone: nil,
--- nil, nil, read here).
-local function begin(key1, key2, injected, injected_now, cost, redis_now, got, at)
-  local now
-  if injected then
-    now = injected_now
-  else
-    now = redis_now
-    if not now then
-      now = redis_time()
-    end
-  end
-  if not at then
-    got, at = redis.call('MGET', key1, key2), 1
-  end
-  local status = 0
-  local block = got[at]
-  if block then
-    if block == 'inf' then
-      return nil, struct.pack('<dd', 1, -1)
-    end
-    local untl = tonumber(block)
-    if untl and untl > now then
-      return nil, struct.pack('<dd', 1, untl - now)
-    end
-    if not untl then
-      status = 2
-    end
-    redis.call('DEL', key1)
-  end
-  local c = cost
-  if c < 1 then
-    c = 1
-  end
-  return now, got[at + 1], status, c
-end
-
 local VERSION_SKEW = ' values; the store and the script are from different versions'
 
--- One check on its keys and packed values; in a batch with the batch's Redis time and
--- reads (see `begin`). Evaluates every rule on the state as it stands and commits all or
--- nothing.
+-- One check on its keys and packed values. In a batch, `redis_now` is the Redis time read
+-- once for all, and when `at` is set, got[at] and got[at + 1] are the block marker and
+-- state as read for all (alone: nil, nil, nil, read here). Evaluates every rule on the
+-- state as it stands and commits all or nothing.
 local function check_one(key1, key2, key3, packed, redis_now, got, at)
   local fmt, unpack_ = string.format, struct.unpack
   local len = #packed
@@ -670,11 +629,40 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
       return struct.pack('<dd', 3, redis_now)
     end
   end
+
+  -- The time: injected, or Redis's (read once for a batch, `redis_now`).
   injected = injected == 1
-  local now, raw, status, c =
-    begin(key1, key2, injected, injected_now, cost, redis_now, got, at)
-  if not now then
-    return raw
+  local now = injected_now
+  if not injected then
+    now = redis_now or redis_time()
+  end
+  -- The block marker and the state: read for the whole batch (got[at], got[at + 1]), or
+  -- here (alone, or when an earlier check of the batch wrote them). Blocks come first: a
+  -- blocked key consults no rule.
+  if not at then
+    got, at = redis.call('MGET', key1, key2), 1
+  end
+  local status = 0
+  local block = got[at]
+  if block then
+    if block == 'inf' then
+      return struct.pack('<dd', 1, -1)
+    end
+    local untl = tonumber(block)
+    if untl and untl > now then
+      return struct.pack('<dd', 1, untl - now)
+    end
+    if not untl then
+      -- Not a marker this store wrote: dropped, and said.
+      status = 2
+    end
+    redis.call('DEL', key1)
+  end
+  local raw = got[at + 1]
+  -- The units to weigh: a peek (cost 0) weighs as one.
+  local c = cost
+  if c < 1 then
+    c = 1
   end
 
   -- The state's struct format, or '' when it is too wide for one struct call (it is then
