@@ -195,7 +195,8 @@ impl Lease {
 fn refusal(decision: &Decision, until: u64, now: u64) -> Decision {
     let left = Duration::from_micros(until.saturating_sub(now));
     if decision.outcome() == Outcome::Blocked {
-        return Decision::blocked(Some(left));
+        // A block without end stays one: the time left is only until it is asked about.
+        return Decision::blocked(decision.retry_after().map(|_| left));
     }
     Decision::from_rules(
         decision.rules().iter().map(|r| RuleOutcome {
@@ -364,9 +365,20 @@ impl Leases {
                 slot.lease = Some(lease);
                 answer
             } else {
-                if let Some(retry) = decision.retry_after() {
-                    let retry = u64::try_from(retry.as_micros()).unwrap_or(u64::MAX);
-                    slot.refused = Some((now.saturating_add(retry.max(1)), decision.clone()));
+                let until = match decision.retry_after() {
+                    Some(retry) => {
+                        let retry = u64::try_from(retry.as_micros()).unwrap_or(u64::MAX);
+                        Some(now.saturating_add(retry.max(1)))
+                    }
+                    // A block without end: asked about again after a lease length, as a
+                    // new block is noticed within one.
+                    None if decision.outcome() == Outcome::Blocked => {
+                        Some(now.saturating_add(length))
+                    }
+                    None => None,
+                };
+                if let Some(until) = until {
+                    slot.refused = Some((until, decision.clone()));
                 }
                 decision.clone()
             }

@@ -109,13 +109,15 @@
 //! When Redis refuses a reservation, the instance asks once more for what Redis said is
 //! left (at least the check's own cost). When that is refused too, it answers refusals
 //! locally, with the refusal's fields and the time left as `retry_after`, until that
-//! `retry_after` has passed, then asks again. A local answer says, per rule: the limit;
-//! as remaining, the units this instance still holds; the reset Redis gave at the
-//! reservation less the time since.
+//! `retry_after` has passed, then asks again; a block without end is answered locally
+//! the same way, without a `retry_after`, and asked about again after each lease length
+//! (so an unblock, like a new block, is noticed within one). A local answer says, per
+//! rule: the limit; as remaining, the units this instance still holds; the reset Redis
+//! gave at the reservation less the time since.
 //!
 //! Units a lease did not spend go back when it ends (`refund` in `lua/check.lua`): on the
-//! key's next check, and from a sweep that runs every half lease length for as long as the store
-//! lives ([`RedisStore::sweep_leases`] runs it at once), so a key that goes quiet returns
+//! key's next check, and from a sweep that runs every half lease length for as long as
+//! the store lives ([`RedisStore::sweep_leases`] runs it at once), so a key that goes quiet returns
 //! its units within about one lease length. A fixed window gets them back if the window
 //! is still the reservation's. GCRA, leaky meters and token buckets get back the part of
 //! the charge that has not drained yet by the time of the refund: units whose time has

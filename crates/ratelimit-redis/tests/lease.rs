@@ -335,3 +335,40 @@ fn redis_down_spends_what_is_leased_then_fails() {
         assert!(store.check(b"k", &rules, 1).await.is_err());
     });
 }
+
+/// A block without end is answered locally for a lease length at a time, as a refusal
+/// with an end is until then: no call per check, no retry time made up, and an unblock
+/// noticed within a lease.
+#[test]
+fn an_endless_block_is_answered_locally() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "1000/s gcra burst=400".parse().unwrap();
+    runtime().block_on(async {
+        let clock = ManualClock::new(T0_US);
+        let store = store_on(&server.url(), "endless", &clock, Some(LEASE)).await;
+        for _ in 0..10 {
+            assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+        }
+        store.block(b"k", None).await.unwrap();
+        clock.advance(LEASE);
+        let blocked = |d: &Decision| {
+            assert_eq!(d.outcome(), ratelimit_core::Outcome::Blocked);
+            assert_eq!(d.retry_after(), None, "an endless block has no retry time");
+        };
+        // The first checks after the lease went to Redis (its rate fell while idle).
+        for _ in 0..5 {
+            blocked(&store.check(b"k", &rules, 1).await.unwrap());
+            clock.advance(LEASE / 20);
+        }
+        let before = function_calls(&mut con);
+        for _ in 0..10 {
+            clock.advance(LEASE / 20);
+            blocked(&store.check(b"k", &rules, 1).await.unwrap());
+        }
+        assert_eq!(function_calls(&mut con), before);
+        store.unblock(b"k").await.unwrap();
+        clock.advance(LEASE);
+        assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    });
+}
