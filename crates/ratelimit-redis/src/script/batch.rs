@@ -123,7 +123,7 @@ fn many_call<'a, 'j>(
     // Each check's number of keys; `check_many` also learns which checks share their
     // client key with an earlier one (2 more), as those read their keys again after it:
     // a hash set here costs less than the table that would find them there.
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::with_capacity(if declared { count } else { 0 });
     let counts: Vec<u8> = jobs
         .clone()
         .map(|job| {
