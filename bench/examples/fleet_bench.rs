@@ -40,7 +40,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::Zipf;
 use ratelimit_bench::{cpu_seconds, env_or};
 use ratelimit_core::{Algorithm, Rule, RuleSet, Store};
-use ratelimit_redis::testing::RedisCluster;
+use ratelimit_redis::testing::{wait_connected, RedisCluster};
 use ratelimit_redis::RedisStore;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -90,9 +90,9 @@ async fn main() -> Result<(), Error> {
     }
     let mut stores = Vec::with_capacity(instances);
     for _ in 0..instances {
-        stores.push(Arc::new(
-            builder.clone().build_cluster(cluster.urls()).await?,
-        ));
+        let store = builder.clone().build_cluster(cluster.urls()).await?;
+        wait_connected(&store).await;
+        stores.push(Arc::new(store));
     }
 
     let key_names: Arc<Vec<Vec<u8>>> = Arc::new(

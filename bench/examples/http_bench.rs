@@ -37,6 +37,7 @@ use axum::routing::get;
 use axum::Router;
 use ratelimit_bench::{cpu_seconds, env_or};
 use ratelimit_core::MemoryStore;
+use ratelimit_redis::testing::wait_connected;
 use ratelimit_redis::RedisStore;
 use ratelimit_tower::{PeerIp, RateLimitLayer};
 use tower_governor::governor::GovernorConfigBuilder;
@@ -110,6 +111,7 @@ fn main() -> Result<(), Error> {
         redis_builder = redis_builder.pool_size(size);
     }
     let redis_store = rt.block_on(redis_builder.build(&redis_url))?;
+    rt.block_on(wait_connected(&redis_store));
     let redis = RateLimitLayer::builder(redis_store, PeerIp::new())
         .namespace("http-bench")
         .rules(RULES)?

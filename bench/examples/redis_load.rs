@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use ratelimit_bench::env_or;
 use ratelimit_core::{RuleSet, Store};
+use ratelimit_redis::testing::wait_connected;
 use ratelimit_redis::RedisStore;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -39,6 +40,7 @@ async fn main() {
         .build(&url)
         .await
         .unwrap();
+    wait_connected(&store).await;
     // Warm up: the function loaded, every key's state written once.
     for k in 0..keys.min(1000) {
         store

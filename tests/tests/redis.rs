@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use axum::routing::get;
 use axum::Router;
 use ratelimit_e2e::{client, one, TestServer};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 use ratelimit_tower::{FailurePolicy, GlobalKey, PeerIp, RateLimitLayer};
 
@@ -26,6 +26,7 @@ async fn instance_and_store(
         .build(url)
         .await
         .expect("connect to the test redis-server");
+    wait_connected(&store).await;
     let layer = RateLimitLayer::builder(store.clone(), PeerIp::new())
         .namespace("e2e-instance")
         .rules(rules)
@@ -149,9 +150,7 @@ async fn failure_policies_when_redis_is_gone() {
     // Back up (and empty): decisions come from Redis again, on fresh connections, once
     // the store has reconnected by itself.
     redis.restart();
-    tokio::time::timeout(Duration::from_secs(20), closed_store.connected())
-        .await
-        .expect("the store reconnects by itself");
+    wait_connected(&closed_store).await;
     let mut back = Vec::new();
     for _ in 0..3 {
         back.push(
@@ -171,6 +170,7 @@ async fn failure_policies_when_redis_is_gone() {
 async fn global_key_through_redis() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.unwrap();
+    wait_connected(&store).await;
     let layer = RateLimitLayer::builder(store, GlobalKey)
         .namespace("e2e-global")
         .rules("3/h sliding-log name=global")

@@ -2,10 +2,9 @@
 //! policies, then limits through Redis once Redis is up, without a restart.
 
 use std::num::NonZeroU32;
-use std::time::Duration;
 
 use ratelimit_e2e::{client, TestServer};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 
 #[allow(dead_code)]
 #[path = "../../examples/redis_fleet.rs"]
@@ -37,10 +36,9 @@ async fn the_fleet_example_starts_without_redis_and_limits_through_it_once_up() 
 
     // Up: the same instance, not restarted, now shares the limit with a second one.
     redis.restart();
-    tokio::time::timeout(Duration::from_secs(20), store.connected())
-        .await
-        .expect("the store reconnects by itself");
+    wait_connected(&store).await;
     let (other, _) = redis_fleet::store_from_env().await.unwrap();
+    wait_connected(&other).await;
     let b = TestServer::start(redis_fleet::app(other, two).unwrap()).await;
     let mut admitted = 0;
     for i in 0..14 {

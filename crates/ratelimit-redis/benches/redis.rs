@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use ratelimit_core::{ManualClock, RuleSet, Store};
 use ratelimit_redis::redis::{self, aio::MultiplexedConnection};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 use tokio::sync::Barrier;
 
@@ -391,6 +391,7 @@ async fn throughput(server: &RedisServer, con: &MultiplexedConnection) {
         .build(&url)
         .await
         .unwrap();
+    wait_connected(&store).await;
     let total = decisions_per_round();
     // Warm up both paths (connections, script cache, allocator).
     store_throughput(&store, &rules, total / 10).await;
@@ -601,6 +602,7 @@ async fn store_cpu(url: &str, con: &mut MultiplexedConnection, rules: &RuleSet) 
             .build(url)
             .await
             .unwrap();
+        wait_connected(&store).await;
         stores.push((store, clock));
     }
     let m = measured(con, |task, gate| {
@@ -754,6 +756,7 @@ async fn long_keys(url: &str, con: &MultiplexedConnection) {
         .build(url)
         .await
         .unwrap();
+    wait_connected(&store).await;
     let rules: RuleSet = "1000000/s gcra burst=1000000".parse().unwrap();
     let short = b"203.0.113.7:80ab".to_vec();
     let long = vec![b'k'; 1 << 20];
@@ -867,7 +870,9 @@ async fn batching(url: &str, con: &MultiplexedConnection) {
                 Some(wait) => builder.batch_wait(wait),
                 None => builder,
             };
-            builder.build(&url).await.unwrap()
+            let store = builder.build(&url).await.unwrap();
+            wait_connected(&store).await;
+            store
         }
     };
     type Row = (String, Option<RedisStore>, RuleSet);

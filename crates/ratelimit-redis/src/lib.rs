@@ -295,7 +295,8 @@
 //! # Features
 //!
 //! - `testing`: `testing::RedisServer`, `testing::RedisCluster` and
-//!   `testing::RedisSentinel`, throwaway servers on free ports for tests.
+//!   `testing::RedisSentinel`, throwaway servers on free ports for tests, and
+//!   `testing::wait_connected`, which waits for a store's first connection.
 
 // docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -8,14 +8,18 @@
 //! skips. Servers keep nothing on disk (no RDB, no AOF) and log to a temporary directory,
 //! whose log tail is part of any startup error.
 //!
+//! A store's first connection may outlast its connect timeout on a loaded machine; the
+//! store is then returned disconnected and fails its checks until it reconnects in the
+//! background. A test that needs Redis waits for the connection with [`wait_connected`].
+//!
 //! ```no_run
-//! use ratelimit_redis::testing::RedisServer;
+//! use ratelimit_redis::testing::{wait_connected, RedisServer};
 //! use ratelimit_redis::RedisStore;
 //!
 //! # async fn run() {
 //! let server = RedisServer::start();
 //! let store = RedisStore::connect(&server.url()).await.unwrap();
-//! # let _ = store;
+//! wait_connected(&store).await;
 //! # }
 //! ```
 
@@ -29,6 +33,33 @@ use std::time::{Duration, Instant};
 
 /// How long a server or cluster may take to come up.
 const STARTUP: Duration = Duration::from_secs(20);
+
+/// How long a test waits for a store's connection: the limit of [`wait_connected`], and
+/// a connect timeout for a test whose build must see what Redis answers (a Sentinel that
+/// does not know the service).
+pub const CONNECT_WAIT: Duration = Duration::from_secs(30);
+
+/// Waits until `store` holds a connection to Redis.
+///
+/// Building a store never waits longer than its connect timeout (1 s by default): when
+/// the first connection, with its setup (loading the functions, `TIME`, `CONFIG GET`),
+/// takes longer, as it can on a loaded test machine, the store comes back disconnected
+/// and its checks fail with
+/// [`RedisStoreError::Connection`](crate::RedisStoreError::Connection)
+/// until it reconnects in the background. A test that needs Redis waits here after
+/// building its store; a test of starting without Redis does not.
+///
+/// # Panics
+///
+/// When the store has no connection after [`CONNECT_WAIT`].
+pub async fn wait_connected(store: &crate::RedisStore) {
+    if tokio::time::timeout(CONNECT_WAIT, store.connected())
+        .await
+        .is_err()
+    {
+        panic!("no connection to Redis within {CONNECT_WAIT:?}");
+    }
+}
 
 static DIRS: AtomicU64 = AtomicU64::new(0);
 

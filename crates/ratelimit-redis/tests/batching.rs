@@ -11,7 +11,7 @@ use std::time::Duration;
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{ManualClock, MemoryStore, RuleSet, Store};
 use ratelimit_redis::redis;
-use ratelimit_redis::testing::{check_script, check_script_args, RedisServer};
+use ratelimit_redis::testing::{check_script, check_script_args, wait_connected, RedisServer};
 use ratelimit_redis::{RedisStore, RedisStoreError};
 
 async fn store(server: &RedisServer, prefix: &str, clock: Option<ManualClock>) -> RedisStore {
@@ -23,7 +23,9 @@ async fn store(server: &RedisServer, prefix: &str, clock: Option<ManualClock>) -
         Some(clock) => builder.clock(clock),
         None => builder,
     };
-    builder.build(&server.url()).await.expect("store")
+    let store = builder.build(&server.url()).await.expect("store");
+    wait_connected(&store).await;
+    store
 }
 
 /// Batch calls and single calls since the last reset.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{ManualClock, RuleSet, Store};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 
 const SERVERS: usize = 4;
@@ -23,7 +23,9 @@ async fn fleet(url: &str, prefix: &str, clock: Option<ManualClock>) -> Vec<Redis
             Some(clock) => builder.clock(clock.clone()),
             None => builder,
         };
-        stores.push(builder.build(url).await.expect("store"));
+        let store = builder.build(url).await.expect("store");
+        wait_connected(&store).await;
+        stores.push(store);
     }
     stores
 }

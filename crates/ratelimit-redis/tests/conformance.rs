@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
 use ratelimit_core::{Clock, ManualClock, MemoryStore, Rule, RuleSet, Store};
-use ratelimit_redis::testing::{RedisCluster, RedisServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
 use ratelimit_redis::RedisStore;
 use tokio::runtime::Runtime;
 
@@ -36,13 +36,15 @@ fn single(
     move |clock| {
         let url = url.clone();
         Box::pin(async move {
-            RedisStore::builder()
+            let store = RedisStore::builder()
                 .prefix(&fresh_prefix(tag))
                 .clock(clock)
                 .timeout(TIMEOUT)
                 .build(&url)
                 .await
-                .expect("store")
+                .expect("store");
+            wait_connected(&store).await;
+            store
         })
     }
 }
@@ -54,13 +56,15 @@ fn clustered(
     move |clock| {
         let urls = urls.clone();
         Box::pin(async move {
-            RedisStore::builder()
+            let store = RedisStore::builder()
                 .prefix(&fresh_prefix(tag))
                 .clock(clock)
                 .timeout(TIMEOUT)
                 .build_cluster(&urls)
                 .await
-                .expect("cluster store")
+                .expect("cluster store");
+            wait_connected(&store).await;
+            store
         })
     }
 }
@@ -270,6 +274,8 @@ fn two_rule_versions_at_once_share_one_key() {
                 .build(&url)
         };
         let (a, b) = (store().await.unwrap(), store().await.unwrap());
+        wait_connected(&a).await;
+        wait_connected(&b).await;
         let mem_clock = ManualClock::new(T0_US);
         let memory = MemoryStore::builder().clock(mem_clock.clone()).build();
         let mut admitted = [0; 2];

@@ -5,7 +5,7 @@ use std::time::Duration;
 use ratelimit_core::{Outcome, RuleSet, Store};
 use ratelimit_redis::bb8;
 use ratelimit_redis::bb8_redis::RedisConnectionManager;
-use ratelimit_redis::testing::{RedisCluster, RedisServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
 use ratelimit_redis::RedisStore;
 
 #[tokio::test]
@@ -13,6 +13,7 @@ async fn crate_docs_example() {
     let server = RedisServer::start();
     // As in the crate docs, with the server's URL.
     let store = RedisStore::connect(&server.url()).await.unwrap();
+    wait_connected(&store).await;
     // The DomainTools rules: 1 per second, 20 per minute, 200 per hour, 800 per day.
     let rules: RuleSet =
         "1/s sliding-log; 20/min sliding-log; 200/h sliding-log; 800/day sliding-log"
@@ -44,6 +45,7 @@ async fn redis_store_docs_example() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let rules: RuleSet = "10/s gcra burst=20; 1000/h sliding-window precision=6"
         .parse()
         .unwrap();
@@ -60,6 +62,7 @@ async fn cluster_store_docs_example() {
         .build_cluster(cluster.urls())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let rules: RuleSet = "1/s sliding-log; 20/min sliding-log".parse().unwrap();
     assert!(store
         .check(b"user-42", &rules, 1)

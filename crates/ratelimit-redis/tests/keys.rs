@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ratelimit_core::{Outcome, RuleSet, Store};
 use ratelimit_redis::redis;
-use ratelimit_redis::testing::{RedisCluster, RedisServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
 use ratelimit_redis::{RedisStore, RedisStoreError};
 
 /// Client keys chosen to break naive key building.
@@ -125,6 +125,7 @@ async fn awkward_keys_stay_apart_and_behind_the_prefix() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let keys = awkward_keys();
     exercise(&store, &keys).await;
     let mut con = common::conn(&server.url());
@@ -138,6 +139,7 @@ async fn awkward_keys_stay_apart_and_behind_the_prefix() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&other).await;
     for key in &keys {
         let d = other.check(key, &rules(), 1).await.unwrap();
         assert!(d.is_allowed(), "{key:?} under another prefix: {d:?}");
@@ -167,6 +169,7 @@ async fn each_clients_keys_share_one_cluster_slot() {
         .build_cluster(cluster.urls())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let keys = awkward_keys();
     exercise(&store, &keys).await;
 
@@ -217,6 +220,7 @@ async fn a_mebibyte_key_is_one_client_under_a_bounded_name() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let rules: RuleSet = "2/min fixed-window".parse().unwrap();
     let mut huge = vec![b'k'; 1 << 20];
     assert!(store.check(&huge, &rules, 1).await.unwrap().is_allowed());

@@ -11,7 +11,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{Algorithm, Clock, Decision, ManualClock, RuleSet, Store};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 
 const LEASE: Duration = Duration::from_millis(20);
@@ -45,7 +45,9 @@ async fn store_on(
         Some(length) => builder.lease(length),
         None => builder,
     };
-    builder.build(url).await.expect("store")
+    let store = builder.build(url).await.expect("store");
+    wait_connected(&store).await;
+    store
 }
 
 fn runtime() -> tokio::runtime::Runtime {

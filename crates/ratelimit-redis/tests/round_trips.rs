@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use ratelimit_core::{RuleSet, Store};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 
 #[tokio::test]
@@ -18,6 +18,7 @@ async fn one_call_per_check_whatever_the_number_of_rules() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let mut con = common::conn(&server.url());
     let sets = [
         "10/s gcra burst=10",
@@ -87,6 +88,7 @@ async fn without_functions_checks_use_evalsha() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&connected).await;
     let pool = ratelimit_redis::bb8::Pool::builder()
         .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(server.url()).unwrap())
         .await

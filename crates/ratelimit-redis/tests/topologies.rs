@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use ratelimit_core::{Outcome, RuleSet, Store};
-use ratelimit_redis::testing::{RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE};
+use ratelimit_redis::testing::{
+    wait_connected, RedisCluster, RedisSentinel, RedisServer, CONNECT_WAIT, SENTINEL_SERVICE,
+};
 use ratelimit_redis::{RedisStore, RedisStoreError};
 
 fn rules() -> RuleSet {
@@ -19,6 +21,7 @@ async fn sentinel_store_follows_a_failover_without_losing_counts() {
         .build_sentinel([set.url()], SENTINEL_SERVICE)
         .await
         .unwrap();
+    wait_connected(&store).await;
     assert!(store.pool().is_none());
     let rules = rules();
     for _ in 0..6 {
@@ -56,7 +59,10 @@ async fn sentinel_store_follows_a_failover_without_losing_counts() {
 #[tokio::test]
 async fn sentinel_misconfiguration_is_an_error() {
     let set = RedisSentinel::start();
+    // The Sentinels' answer comes with the first connection attempt; an attempt that
+    // outlasts the connect timeout (a loaded machine) would start the store unconnected.
     let err = RedisStore::builder()
+        .connect_timeout(CONNECT_WAIT)
         .build_sentinel([set.url()], "no-such-service")
         .await
         .unwrap_err();
@@ -73,6 +79,7 @@ async fn sentinel_misconfiguration_is_an_error() {
 async fn the_eviction_policy_is_read_at_connect() {
     let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
     let store = RedisStore::connect(&evicting.url()).await.unwrap();
+    wait_connected(&store).await;
     assert_eq!(store.maxmemory_policy().as_deref(), Some("allkeys-lru"));
     // Over the application's pool: read on the first call.
     let pool = ratelimit_redis::bb8::Pool::builder()
@@ -86,11 +93,13 @@ async fn the_eviction_policy_is_read_at_connect() {
 
     let safe = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
     let store = RedisStore::connect(&safe.url()).await.unwrap();
+    wait_connected(&store).await;
     assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
 
     // A server that forbids CONFIG (as managed services do) still serves the store.
     let locked = RedisServer::start_with(&["--rename-command", "CONFIG", "\"\""]);
     let store = RedisStore::connect(&locked.url()).await.unwrap();
+    wait_connected(&store).await;
     assert_eq!(store.maxmemory_policy(), None);
     assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{ManualClock, Outcome, RuleSet, Store};
 use ratelimit_redis::redis::{self, Connection};
-use ratelimit_redis::testing::RedisServer;
+use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 
 const MS: u64 = 1_000;
@@ -47,6 +47,7 @@ async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() 
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&store).await;
 
     // GCRA, 10/s: one request moves the theoretical arrival time 100 ms past now.
     let gcra: RuleSet = "10/s gcra burst=5".parse().unwrap();
@@ -137,7 +138,9 @@ async fn app_servers_with_skewed_clocks_agree_through_redis_time() {
     // two app servers, and the only clock is Redis's.
     let server = RedisServer::start();
     let a = RedisStore::connect(&server.url()).await.unwrap();
+    wait_connected(&a).await;
     let b = RedisStore::connect(&server.url()).await.unwrap();
+    wait_connected(&b).await;
     let rules: RuleSet = "2/min gcra burst=2".parse().unwrap();
     assert!(a.check(b"k", &rules, 1).await.unwrap().is_allowed());
     assert!(b.check(b"k", &rules, 1).await.unwrap().is_allowed());
@@ -171,6 +174,7 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
     // A 60 s floor (the default), however short the state's life on the injected clock.
     // Ranges leave a second for a slow machine between the check and PTTL.
     let floored = store("f", Duration::from_secs(60)).await.unwrap();
+    wait_connected(&floored).await;
     assert!(floored.check(b"a", &gcra, 1).await.unwrap().is_allowed());
     let (pttl, _) = pttl_at(&mut con, &state_key("f", "61"));
     assert!((59_000..=60_000).contains(&pttl), "{pttl}");
@@ -181,6 +185,7 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
 
     // Without a floor the TTL is the state's own life: 100 ms.
     let exact = store("e", Duration::ZERO).await.unwrap();
+    wait_connected(&exact).await;
     assert!(exact.check(b"a", &gcra, 1).await.unwrap().is_allowed());
     let (pttl, _) = pttl_at(&mut con, &state_key("e", "61"));
     assert!((1..=100).contains(&pttl), "{pttl}");
@@ -211,6 +216,7 @@ async fn a_clients_state_lives_as_long_as_its_longest_rule_and_no_longer() {
         .build(&server.url())
         .await
         .unwrap();
+    wait_connected(&store).await;
     let expires_at_ms = |con: &mut Connection| {
         let (pttl, now_ms) = pttl_at(con, &state_key("t", "61"));
         assert!(pttl > 0, "{pttl}");

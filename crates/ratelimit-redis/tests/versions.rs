@@ -16,7 +16,7 @@ use ratelimit_core::testing::T0_US;
 use ratelimit_core::{Decision, ManualClock, MemoryStore, RuleSet, Store};
 use ratelimit_redis::redis::{self, Connection};
 use ratelimit_redis::testing::{
-    check_script, RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE,
+    check_script, wait_connected, RedisCluster, RedisSentinel, RedisServer, SENTINEL_SERVICE,
 };
 use ratelimit_redis::RedisStore;
 
@@ -109,11 +109,13 @@ fn set_of<const N: usize>(names: [&str; N]) -> BTreeSet<String> {
 }
 
 async fn store(server: &RedisServer) -> RedisStore {
-    RedisStore::builder()
+    let store = RedisStore::builder()
         .timeout(Duration::from_secs(5))
         .build(&server.url())
         .await
-        .expect("store")
+        .expect("store");
+    wait_connected(&store).await;
+    store
 }
 
 #[tokio::test]
@@ -148,6 +150,7 @@ async fn through_sentinel_the_primary_and_so_its_replica_are_cleaned() {
         .build_sentinel([set.url()], SENTINEL_SERVICE)
         .await
         .unwrap();
+    wait_connected(&store).await;
     let mut primary = common::conn(&set.primary().url());
     let mut replica = common::conn(&set.replica().url());
     // WAIT covers this connection's writes, and so all that the stream carried before.

@@ -24,6 +24,7 @@ pub(crate) async fn cluster_stores(
         .build_cluster(cluster.urls())
         .await
         .expect("store");
+    ratelimit_redis::testing::wait_connected(&redis).await;
     let memory = ratelimit_core::MemoryStore::builder()
         .clock(clock.clone())
         .build();
