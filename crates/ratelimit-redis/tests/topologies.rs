@@ -120,6 +120,7 @@ async fn the_eviction_policy_is_read_from_every_cluster_master() {
         .build_cluster(cluster.urls())
         .await
         .unwrap();
+    wait_connected(&store).await;
     assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
     for (i, bad) in cluster.nodes().iter().enumerate() {
         set_policy(bad, "allkeys-lru");
@@ -127,6 +128,7 @@ async fn the_eviction_policy_is_read_from_every_cluster_master() {
             .build_cluster(cluster.urls())
             .await
             .unwrap();
+        wait_connected(&store).await;
         assert_eq!(
             store.maxmemory_policy().as_deref(),
             Some("allkeys-lru"),
