@@ -880,6 +880,19 @@ local function check(KEYS, ARGV)
   return check_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], nil, nil, nil)
 end
 
+-- A check of a batch that failed, as the batch's reply carries it: the doubles
+-- {-1, length} and that many bytes of message. `r` is what failed it: an error reply, an
+-- error raised, or a message.
+local function failure(r)
+  local msg
+  if type(r) == 'table' and r.err then
+    msg = r.err
+  else
+    msg = tostring(r)
+  end
+  return struct.pack('<dd', -1, #msg) .. msg
+end
+
 -- Many decisions in one call, in order, each decided as `check` decides it alone but for
 -- one TIME read and one MGET of every key for all. The store sends what queued while its
 -- previous call was in flight.
@@ -900,7 +913,7 @@ local function check_many(KEYS, ARGV)
     return redis.error_reply('RLARGS check_many expects 1 + ' .. n .. ' arguments, got '
       .. #ARGV .. VERSION_SKEW)
   end
-  local byte, pcall, type, pack = string.byte, pcall, type, struct.pack
+  local byte, pcall, type = string.byte, pcall, type
   local k = 0
   for i = 1, n do
     local m = byte(counts, i) - 48
@@ -936,13 +949,7 @@ local function check_many(KEYS, ARGV)
     if ok and type(r) == 'string' then
       out[i] = r
     else
-      local msg
-      if type(r) == 'table' and r.err then
-        msg = r.err
-      else
-        msg = tostring(r)
-      end
-      out[i] = pack('<dd', -1, #msg) .. msg
+      out[i] = failure(r)
     end
   end
   return table.concat(out, '', 1, n)
@@ -967,7 +974,7 @@ end
 local function check_local(_, ARGV)
   local counts = ARGV[1]
   local n = #counts
-  local byte, pcall, type, pack = string.byte, pcall, type, struct.pack
+  local byte, pcall, type = string.byte, pcall, type
   local keys_total = 0
   for i = 1, n do
     keys_total = keys_total + byte(counts, i) - 48
@@ -990,21 +997,15 @@ local function check_local(_, ARGV)
       got = redis.pcall('MGET', b, s)
     end
     k = k + m
-    local msg
     if type(got) == 'table' and got.err then
-      msg = 'RLMOVED ' .. got.err
+      out[i] = failure('RLMOVED ' .. got.err)
     else
       local ok, r = pcall(check_one, b, s, l, ARGV[i + 1], now, got, 1)
       if ok and type(r) == 'string' then
         out[i] = r
-      elseif type(r) == 'table' and r.err then
-        msg = r.err
       else
-        msg = tostring(r)
+        out[i] = failure(r)
       end
-    end
-    if msg then
-      out[i] = pack('<dd', -1, #msg) .. msg
     end
   end
   return table.concat(out, '', 1, n)
