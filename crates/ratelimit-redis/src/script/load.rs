@@ -168,9 +168,11 @@ pub(crate) fn check_forms() -> [&'static str; 5] {
     ]
 }
 
-/// The scripts a store loads when it connects.
-pub(crate) fn scripts() -> [&'static Script; 3] {
-    [*CHECK, &BLOCK, *REFUND]
+/// The scripts a store loads when it connects. The decision script's library holds the
+/// batch, node batch and refund functions too; the script forms of those (Redis 6.2) are
+/// sent with `EVAL` the first time the server does not know them.
+pub(crate) fn scripts() -> [&'static Script; 2] {
+    [*CHECK, &BLOCK]
 }
 
 /// The name of the function library this version loads: `ratelimit_<tag>`.
