@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::Zipf;
-use ratelimit_bench::{cpu_seconds, env_or};
+use ratelimit_bench::{cpu_seconds, env_or, redis_cpu_seconds};
 use ratelimit_core::{Algorithm, Rule, RuleSet, Store};
 use ratelimit_redis::testing::{wait_connected, RedisCluster};
 use ratelimit_redis::RedisStore;
@@ -288,11 +288,6 @@ async fn drive(
 /// A master's CPU seconds and decision calls so far.
 fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats, Error> {
     let cpu = node.command("INFO cpu")?;
-    let field = |name: &str| -> f64 {
-        cpu.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
-            .unwrap_or(0.0)
-    };
     let stats = node.command("INFO commandstats")?;
     let calls = stats
         .lines()
@@ -303,7 +298,7 @@ fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats,
         })
         .sum();
     Ok(NodeStats {
-        cpu_s: field("used_cpu_user") + field("used_cpu_sys"),
+        cpu_s: redis_cpu_seconds(&cpu),
         calls,
     })
 }

@@ -72,16 +72,13 @@ fn main() {
         .get_connection()
         .unwrap();
     let script = check_script();
-    let _: String = redis::cmd("FUNCTION")
-        .arg("LOAD")
-        .arg(script.library)
-        .query(&mut con)
-        .unwrap();
-    let _: String = redis::cmd("FUNCTION")
-        .arg("LOAD")
-        .arg(FLOOR_LIBRARY)
-        .query(&mut con)
-        .unwrap();
+    for library in [script.library, FLOOR_LIBRARY] {
+        let _: String = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg(library)
+            .query(&mut con)
+            .unwrap();
+    }
 
     println!("redis-server instructions per decision (callgrind), {rounds} batches of {BATCH}\n");
     println!("| row | instructions / decision | × PING |");

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ratelimit_bench::env_or;
+use ratelimit_bench::{env_or, redis_cpu_seconds};
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::testing::wait_connected;
 use ratelimit_redis::RedisStore;
@@ -90,8 +90,5 @@ async fn server_cpu(con: &mut redis::aio::MultiplexedConnection) -> f64 {
         .query_async(con)
         .await
         .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("used_cpu_user:") || l.starts_with("used_cpu_sys:"))
-        .filter_map(|l| l.split_once(':')?.1.trim().parse::<f64>().ok())
-        .sum()
+    redis_cpu_seconds(&info)
 }

@@ -41,3 +41,16 @@ fn clock_ticks_per_second() -> f64 {
             .unwrap_or(100.0)
     })
 }
+
+/// `used_cpu_user + used_cpu_sys` of a Redis server, in seconds, from the text of its
+/// `INFO cpu` (0 for a field it lacks).
+pub fn redis_cpu_seconds(info: &str) -> f64 {
+    ["used_cpu_user", "used_cpu_sys"]
+        .iter()
+        .map(|name| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+                .unwrap_or(0.0)
+        })
+        .sum()
+}
