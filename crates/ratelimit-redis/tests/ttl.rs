@@ -37,10 +37,8 @@ fn log_key(prefix: &str, client_hex: &str) -> String {
     format!("{prefix}:{{k{client_hex}}}:l")
 }
 
-#[tokio::test]
-async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() {
-    let server = RedisServer::start();
-    let mut con = common::conn(&server.url());
+/// A connected store under prefix `t` on Redis `TIME`.
+async fn redis_time_store(server: &RedisServer) -> RedisStore {
     let store = RedisStore::builder()
         .prefix("t")
         .timeout(Duration::from_secs(5))
@@ -48,6 +46,14 @@ async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() 
         .await
         .unwrap();
     wait_connected(&store).await;
+    store
+}
+
+#[tokio::test]
+async fn with_redis_time_keys_expire_exactly_when_their_state_stops_mattering() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let store = redis_time_store(&server).await;
 
     // GCRA, 10/s: one request moves the theoretical arrival time 100 ms past now.
     let gcra: RuleSet = "10/s gcra burst=5".parse().unwrap();
@@ -210,13 +216,7 @@ async fn with_an_injected_clock_ttls_have_a_floor() {
 async fn a_clients_state_lives_as_long_as_its_longest_rule_and_no_longer() {
     let server = RedisServer::start();
     let mut con = common::conn(&server.url());
-    let store = RedisStore::builder()
-        .prefix("t")
-        .timeout(Duration::from_secs(5))
-        .build(&server.url())
-        .await
-        .unwrap();
-    wait_connected(&store).await;
+    let store = redis_time_store(&server).await;
     let expires_at_ms = |con: &mut Connection| {
         let (pttl, now_ms) = pttl_at(con, &state_key("t", "61"));
         assert!(pttl > 0, "{pttl}");
