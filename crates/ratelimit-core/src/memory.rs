@@ -6,7 +6,7 @@ use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::algo::{carry, decide, decide_one_then, RuleState};
+use crate::algo::{carry, decide, decide_one_then, refund, RuleState};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
@@ -472,6 +472,28 @@ impl<C: Clock> MemoryStore<C> {
         t.decision
     }
 
+    /// The synchronous form of [`Store::refund`]: gives back `cost` units that a check
+    /// of `key` under `rules` charged at `charged_at`; nothing when the key's state was
+    /// since written under other rules, or has been dropped.
+    pub fn refund_now(&self, key: &[u8], rules: &RuleSet, cost: u64, charged_at: u64) -> bool {
+        if cost == 0 {
+            return false;
+        }
+        let now = self.clock.now_us();
+        let held = StoredKey::new(key);
+        let (hash, shard) = self.locate(held.as_bytes());
+        let mut shard = shard.lock();
+        let found = shard
+            .table
+            .find_mut(hash, |e| e.holds(held.as_bytes(), held.is_digest()));
+        match found {
+            Some(entry) if entry.rules.same_as(rules) => {
+                refund(rules, &mut entry.states, cost, charged_at, now)
+            }
+            _ => false,
+        }
+    }
+
     /// The synchronous form of [`Store::block`].
     pub fn block_now(&self, key: &[u8], duration: Option<Duration>) {
         let now = self.clock.now_us();
@@ -635,6 +657,26 @@ impl<C: Clock> Store for MemoryStore<C> {
     ) -> impl Future<Output = Result<(), Self::Error>> + Send {
         self.reset_now(key, rules);
         ready(Ok(()))
+    }
+
+    fn refund(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        ready(Ok(self.refund_now(key, rules, cost, charged_at)))
+    }
+
+    fn refund_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        Some(Ok(self.refund_now(key, rules, cost, charged_at)))
     }
 
     fn now_us(&self) -> u64 {

@@ -66,6 +66,39 @@ pub trait Store: Send + Sync + 'static {
         rules: &RuleSet,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
+    /// Gives back `cost` units that a check of `key` under `rules` charged, for a request
+    /// that turned out not to count (charging by outcome). `charged_at` is a reading of
+    /// [`Store::now_us`] taken before that check. Per algorithm, as
+    /// [`algo`](crate::algo#giving-units-back) says: never more than was charged, never
+    /// into another window; a key whose state was since written under other rules gets
+    /// nothing back. Answers whether anything was given back.
+    ///
+    /// The default gives nothing back (and answers `false`): a store that cannot refund
+    /// charges every request, which limits more, never less.
+    fn refund(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        let _ = (key, rules, cost, charged_at);
+        std::future::ready(Ok(false))
+    }
+
+    /// Gives back at once, without a future, when the store can (an in-process store);
+    /// `None` means "call [`Store::refund`]". The default answers `None`.
+    fn refund_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        let _ = (key, rules, cost, charged_at);
+        None
+    }
+
     /// The time on this store's clock, in microseconds since the Unix epoch.
     ///
     /// Whatever keeps time beside a store (a middleware's cache of recent denials, say)
@@ -126,6 +159,26 @@ impl<S: Store> Store for Arc<S> {
         rules: &RuleSet,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send {
         (**self).reset(key, rules)
+    }
+
+    fn refund(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        (**self).refund(key, rules, cost, charged_at)
+    }
+
+    fn refund_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        (**self).refund_sync(key, rules, cost, charged_at)
     }
 
     fn now_us(&self) -> u64 {

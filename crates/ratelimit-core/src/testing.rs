@@ -100,6 +100,13 @@ impl<'a, St: Store> Case<'a, St> {
         self.clock.set(T0_US + offset_us);
     }
 
+    async fn refund(&self, key: &[u8], rules: &RuleSet, cost: u64, charged_at: u64) -> bool {
+        self.store
+            .refund(key, rules, cost, charged_at)
+            .await
+            .unwrap_or_else(|e| panic!("[{}] refund failed: {e}", self.name))
+    }
+
     async fn block(&self, key: &[u8], d: Option<Duration>) {
         self.store
             .block(key, d)
@@ -167,6 +174,12 @@ macro_rules! __conformance_cases {
             rule_change_period_changed_starts_afresh,
             rule_change_named_rules_follow_their_names,
             rule_change_sliding_log_carries_while_a_log_rule_remains,
+            refund_fixed_window_only_in_the_window_charged,
+            refund_sliding_window_into_the_sub_window_charged,
+            refund_sliding_log_removes_the_entry,
+            refund_token_bucket_up_to_capacity,
+            refund_gcra_and_leaky_bucket_move_the_arrival_time_back,
+            refund_every_rule_and_nothing_after_the_rules_changed,
         );
     };
 }
@@ -1180,6 +1193,193 @@ pub mod cases {
             "[{}] the peek under other rules left the log to its writers",
             c.name
         );
+    }
+
+    /// Charging by outcome, fixed window: a refund gives units back while the window
+    /// charged is still counted, and nothing once another window counts.
+    pub async fn refund_fixed_window_only_in_the_window_charged<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "refund: fixed window, window charged only");
+        let r = c.rules("3/min fixed-window");
+        c.at(10 * S);
+        let t = c.store.now_us();
+        c.allowed(b"k", &r, 3, "the window's 3").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(50), "spent")
+            .await;
+        assert!(c.refund(b"k", &r, 1, t).await, "[{}] a unit back", c.name);
+        c.allowed(b"k", &r, 1, "the unit given back").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(50), "spent again")
+            .await;
+        // The next window: a charge of the last one is not given to it.
+        c.at(70 * S);
+        c.allowed(b"k", &r, 1, "first of the next window").await;
+        assert!(
+            !c.refund(b"k", &r, 1, t).await,
+            "[{}] a charge of an ended window gave a unit to the next one",
+            c.name
+        );
+        c.allowed(b"k", &r, 2, "the rest of the next window").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(50), "next window spent")
+            .await;
+    }
+
+    /// Charging by outcome, sliding window counter: into the sub-window charged, and
+    /// nothing once it has left the state.
+    pub async fn refund_sliding_window_into_the_sub_window_charged<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "refund: sliding window, sub-window charged");
+        let r = c.rules("4/min sliding-window precision=2");
+        c.at(10 * S);
+        let t1 = c.store.now_us();
+        c.allowed(b"k", &r, 2, "two in the first half-minute").await;
+        c.at(40 * S);
+        c.allowed(b"k", &r, 2, "two in the second").await;
+        assert!(
+            !c.check(b"k", &r, 1).await.is_allowed(),
+            "[{}] spent",
+            c.name
+        );
+        assert!(c.refund(b"k", &r, 1, t1).await, "[{}] a unit back", c.name);
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(d.rules()[0].remaining, 1, "[{}] {d:?}", c.name);
+        // Three minutes on, the first half-minute has left the state.
+        c.at(190 * S);
+        c.allowed(b"k", &r, 1, "a new charge").await;
+        assert!(
+            !c.refund(b"k", &r, 1, t1).await,
+            "[{}] a sub-window that left the state took a refund",
+            c.name
+        );
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(d.rules()[0].remaining, 3, "[{}] {d:?}", c.name);
+    }
+
+    /// Charging by outcome, sliding log: the charge's entry leaves the log.
+    pub async fn refund_sliding_log_removes_the_entry<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "refund: sliding log, the entry removed");
+        let r = c.rules("2/min sliding-log");
+        c.at(0);
+        let t0 = c.store.now_us();
+        c.allowed(b"k", &r, 1, "at 0 s").await;
+        c.at(10 * S);
+        let t1 = c.store.now_us();
+        c.allowed(b"k", &r, 1, "at 10 s").await;
+        c.at(20 * S);
+        c.denied(b"k", &r, 1, Duration::from_secs(40), "full").await;
+        assert!(c.refund(b"k", &r, 1, t1).await, "[{}] 10 s back", c.name);
+        c.allowed(b"k", &r, 1, "at 20 s, in the entry's place")
+            .await;
+        // The log holds 20 s and 0 s: the entry of 0 s goes, so the window next frees at
+        // 80 s, when the entry of 20 s leaves.
+        c.at(30 * S);
+        assert!(c.refund(b"k", &r, 1, t0).await, "[{}] 0 s back", c.name);
+        c.allowed(b"k", &r, 1, "at 30 s").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(50), "full again")
+            .await;
+    }
+
+    /// Charging by outcome, token bucket: tokens go back, never past the capacity.
+    pub async fn refund_token_bucket_up_to_capacity<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "refund: token bucket, up to capacity");
+        let r = c.rules("1/s token-bucket capacity=5");
+        c.at(S);
+        let t = c.store.now_us();
+        c.allowed(b"k", &r, 5, "the bucket").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "empty").await;
+        assert!(c.refund(b"k", &r, 2, t).await, "[{}] two back", c.name);
+        c.allowed(b"k", &r, 2, "the two given back").await;
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "empty again")
+            .await;
+        // More than was ever taken fills the bucket and no more.
+        assert!(c.refund(b"k", &r, 50, t).await, "[{}] fifty back", c.name);
+        assert_eq!(c.count_allowed(b"k", &r, 8).await, 5, "[{}] capped", c.name);
+    }
+
+    /// Charging by outcome, GCRA and the leaky bucket: the arrival time moves back by the
+    /// units' intervals, never before now (an idle key gets nothing to lend).
+    pub async fn refund_gcra_and_leaky_bucket_move_the_arrival_time_back<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "refund: GCRA, arrival time back");
+        for (key, text) in [
+            (&b"gcra"[..], "10/s gcra burst=2"),
+            (&b"meter"[..], "10/s leaky-bucket mode=meter capacity=2"),
+        ] {
+            c.at(S);
+            let r = c.rules(text);
+            let t = c.store.now_us();
+            c.allowed(key, &r, 2, text).await;
+            c.denied(key, &r, 1, Duration::from_millis(100), text).await;
+            assert!(
+                c.refund(key, &r, 1, t).await,
+                "[{}] {text}: one back",
+                c.name
+            );
+            c.allowed(key, &r, 1, text).await;
+            c.denied(key, &r, 1, Duration::from_millis(100), text).await;
+            // Idle a second later: a refund lends nothing.
+            c.at(2 * S);
+            assert!(
+                !c.refund(key, &r, 5, t).await,
+                "[{}] {text}: an idle key took a refund",
+                c.name
+            );
+            assert_eq!(c.count_allowed(key, &r, 5).await, 2, "[{}] {text}", c.name);
+        }
+        // What drained since the charge is not given back: another check may have taken
+        // it. A at 10 s, B 50 ms later, A's refund then: the state is as if only B had
+        // come (one more fits the burst of 2, then 100 ms to wait).
+        let r = c.rules("10/s gcra burst=2");
+        c.at(10 * S);
+        let t = c.store.now_us();
+        c.allowed(b"drained", &r, 1, "A").await;
+        c.at(10 * S + 50 * MS);
+        c.allowed(b"drained", &r, 1, "B").await;
+        assert!(c.refund(b"drained", &r, 1, t).await, "[{}] A back", c.name);
+        c.allowed(b"drained", &r, 1, "the burst's second").await;
+        c.denied(
+            b"drained",
+            &r,
+            1,
+            Duration::from_millis(100),
+            "as without A",
+        )
+        .await;
+    }
+
+    /// Charging by outcome, several rules: every rule gets the units back; a key whose
+    /// state was since written under other rules gets nothing.
+    pub async fn refund_every_rule_and_nothing_after_the_rules_changed<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "refund: every rule; nothing after a change");
+        let r = c.rules("2/s fixed-window; 3/min fixed-window");
+        c.at(10 * S + 100 * MS);
+        let t = c.store.now_us();
+        c.allowed(b"k", &r, 2, "2/s").await;
+        assert!(c.refund(b"k", &r, 2, t).await, "[{}] both back", c.name);
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(
+            (d.rules()[0].remaining, d.rules()[1].remaining),
+            (2, 3),
+            "[{}] {d:?}",
+            c.name
+        );
+        let other = c.rules("2/s fixed-window; 4/min fixed-window");
+        c.allowed(b"k", &other, 1, "under other rules").await;
+        assert!(
+            !c.refund(b"k", &r, 1, t).await,
+            "[{}] a state of other rules took a refund",
+            c.name
+        );
+        let d = c.check(b"k", &other, 0).await;
+        assert_eq!(d.rules()[1].remaining, 3, "[{}] {d:?}", c.name);
     }
 }
 

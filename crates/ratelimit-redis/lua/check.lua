@@ -1134,3 +1134,165 @@ local function refund(KEYS, ARGV)
   redis.call('SET', KEYS[1], table.concat(parts), 'KEEPTTL')
   return 1
 end
+
+-- Gives back units a check charged, for a request that turned out not to count (charging
+-- by outcome): the core's `algo::refund`. Never more than was charged, never into another
+-- window; a state written under another rule set gets nothing back.
+--
+-- KEYS[1]  rule state of the client key (see the top of this file)
+-- KEYS[2]  shared sliding log of the client key, only when a rule is a sliding log
+--
+-- ARGV[1]  the check's packed values, as for a check (the header's cost is the units to
+--          give back; its deadline is not read)
+-- ARGV[2]  the charge's time, µs, a reading of the caller's clock (the injected one, or
+--          its reading of the Redis clock) taken before the check: at or before the
+--          moment the check was decided
+--
+-- Per rule:
+--   fixed window       count -= cost, only while the counted window is the charge's
+--   sliding window     the charge's sub-window's count -= cost, while the state keeps it
+--   sliding log        the oldest `cost` entries logged at or after the charge's time go
+--   token bucket       level += g, at most the capacity
+--   GCRA, leaky bucket tat -= g, never below now
+-- where g = cost x period - (now - charged) x limit, at least 0: the part of the charge
+-- not yet drained (what drained may have gone to other checks meanwhile). The keys keep
+-- their TTLs (KEEPTTL): a refund only makes the state expire sooner in truth.
+--
+-- Returns 1 when something was given back, 0 otherwise.
+local function give_back(KEYS, ARGV)
+  local packed = ARGV[1]
+  local len = #packed
+  if len < 8 * HEADER or len % 8 ~= 0 then
+    return redis.error_reply(string.format('RLARGS give_back takes its values as doubles, '
+      .. 'got %d bytes', len) .. VERSION_SKEW)
+  end
+  local injected, injected_now, cost, _, n, width, log_limit, _, layout, _, pos =
+    struct.unpack(HEADER_FORMAT, packed)
+  if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
+    return redis.error_reply(string.format('RLARGS give_back expects %d packed values for '
+      .. '%d rules, got %d', HEADER + PER_RULE * n, n, len / 8) .. VERSION_SKEW)
+  end
+  local charged = tonumber(ARGV[2])
+  if not charged or cost < 1 then
+    return 0
+  end
+  local now = injected_now
+  if injected ~= 1 then
+    now = redis_time()
+  end
+  local ok, raw = pcall(redis.call, 'GET', KEYS[1])
+  if not ok or not raw then
+    return 0
+  end
+  local shape = ''
+  if width <= 1000 then
+    shape = FORMATS[width] or doubles(width)
+  end
+  local st = decode(raw, width, shape)
+  if not st or st[1] ~= layout then
+    return 0
+  end
+
+  local changed, logged, off = false, false, 1
+  local elapsed = now - charged
+  if elapsed < 0 then
+    elapsed = 0
+  end
+  local dirty = false
+  for _ = 1, n do
+    local code, limit, period, a, b, id
+    code, limit, period, a, b, id, pos = struct.unpack(RULE_FORMAT, packed, pos)
+    -- The undrained part of the charge, in 1/limit µs (compared before a product that
+    -- could pass 2^53 is formed).
+    local give = 0
+    if elapsed < cost * period / limit + 1 then
+      give = cost * period - elapsed * limit
+      if give < 0 then
+        give = 0
+      end
+    end
+    if code == GCRA or code == LEAKY_BUCKET then
+      off = off + 4
+      local us, frac = st[off + 1], st[off + 2]
+      if give > 0 and (us > now or (us == now and frac > 0)) then
+        local left = (us - now) * limit + frac - give
+        if left < 0 then
+          left = 0
+        end
+        local q, r = divmod(left, limit)
+        st[off + 1], st[off + 2], dirty = now + q, r, true
+      end
+      off = off + 2
+    elseif code == TOKEN_BUCKET then
+      off = off + 4
+      local full = a * period
+      local level = st[off + 1]
+      if give > 0 and level < full then
+        level = level + give
+        if level > full then
+          level = full
+        end
+        st[off + 1], dirty = level, true
+      end
+      off = off + 2
+    elseif code == FIXED_WINDOW then
+      off = off + 2
+      if st[off + 1] == divmod(charged, period) and st[off + 2] > 0 then
+        local count = st[off + 2] - cost
+        if count < 0 then
+          count = 0
+        end
+        st[off + 2], dirty = count, true
+      end
+      off = off + 2
+    elseif code == SLIDING_WINDOW then
+      off = off + 2
+      local idx, k = st[off + 1], divmod(charged, b)
+      if k <= idx and idx - k <= a then
+        local j = off + 2 + idx - k
+        if st[j] > 0 then
+          local count = st[j] - cost
+          if count < 0 then
+            count = 0
+          end
+          st[j], dirty = count, true
+        end
+      end
+      off = off + a + 2
+    elseif code == SLIDING_LOG and not logged then
+      logged = true
+      -- Newest first: the entries at or after the charge are a prefix; its last `cost`
+      -- are the oldest of them. Marked, then removed in one LREM.
+      local ok2, entries = pcall(redis.call, 'LRANGE', KEYS[2], 0, log_limit - 1)
+      if ok2 then
+        local since = 0
+        for i = 1, #entries do
+          local stamp = tonumber(entries[i])
+          if not stamp or stamp < charged then
+            break
+          end
+          since = i
+        end
+        local take = cost
+        if take > since then
+          take = since
+        end
+        if take > 0 then
+          for i = since - take, since - 1 do
+            redis.call('LSET', KEYS[2], i, 'x')
+          end
+          redis.call('LREM', KEYS[2], take, 'x')
+          changed = true
+        end
+      end
+    end
+  end
+  if dirty then
+    redis.call('SET', KEYS[1], encode(st, width, shape), 'KEEPTTL')
+    changed = true
+  end
+  if changed then
+    return 1
+  end
+  return 0
+end

@@ -11,7 +11,9 @@ use ratelimit_core::{Clock, RuleSet};
 use redis::Cmd;
 
 use crate::keys::KeyNames;
-use crate::script::{self, block_us, Call, CheckArgs, CheckJob, Time, BLOCK, CHECK, MAX_EXACT};
+use crate::script::{
+    self, block_us, Call, CheckArgs, CheckJob, Time, BLOCK, CHECK, GIVE_BACK, MAX_EXACT,
+};
 
 /// The configuration of a store.
 pub(crate) struct Shared {
@@ -87,6 +89,16 @@ impl RedisClock {
         self.offset_us.fetch_max(offset, Ordering::Relaxed);
     }
 
+    /// The time on the Redis clock now, at or before the server's own reading (on a
+    /// Cluster, the fastest master's), once a reading arrived.
+    pub(crate) fn now(&self) -> Option<u64> {
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        if offset == i64::MIN {
+            return None;
+        }
+        u64::try_from(self.local_us(Instant::now()).saturating_add(offset)).ok()
+    }
+
     /// The instant `timeout` from now on the Redis clock, once a reading arrived.
     fn deadline(&self, timeout: Duration) -> Option<u64> {
         let offset = self.offset_us.load(Ordering::Relaxed);
@@ -160,6 +172,31 @@ impl Shared {
         jobs: impl Iterator<Item = &'j CheckJob> + Clone,
     ) -> Call<'a> {
         script::node_batch_call(&self.functions, jobs)
+    }
+
+    /// Gives back `cost` units a check of `key` under `rules` charged at `charged_at`.
+    pub(crate) fn give_back_call(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> Call<'_> {
+        let has_log = rules.log_limit() > 0;
+        let keys = 1 + usize::from(has_log);
+        let mut call = GIVE_BACK.call(&self.functions, keys, keys + 2);
+        let mut names = KeyNames::new(&self.prefix, key);
+        call.cmd.arg(names.state());
+        if has_log {
+            call.cmd.arg(names.log());
+        }
+        let time = Time {
+            now: self.now(),
+            deadline: None,
+        };
+        CheckArgs::write(&mut call.cmd, time, cost, self.ttl_floor_ms, rules);
+        call.cmd.arg(charged_at);
+        call
     }
 
     pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {

@@ -581,10 +581,37 @@ impl Store for RedisStore {
         Ok(())
     }
 
-    /// The injected clock's time when one is set; otherwise this host's clock, the best
-    /// local reading of the Redis server's `TIME`.
+    /// Gives back units through the function library's `give_back` (a script on Redis
+    /// 6.2), straight to Redis in lease mode too: the charge is in Redis's state either
+    /// way. `charged_at` is a reading of [`now_us`](Store::now_us) taken before the check.
+    async fn refund(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> Result<bool, RedisStoreError> {
+        if cost == 0 {
+            return Ok(false);
+        }
+        let call = self
+            .inner
+            .shared
+            .give_back_call(key, rules, cost, charged_at);
+        let reply = self.run(Request::Call(call)).await?;
+        Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// The injected clock's time when one is set; otherwise this host's reading of the
+    /// Redis server's `TIME` (learned from `TIME` replies, never ahead of the server's
+    /// own; on a Cluster, of the fastest master's), or this host's clock until a reading
+    /// arrives.
     fn now_us(&self) -> u64 {
-        self.inner.shared.now_us()
+        let shared = &self.inner.shared;
+        match shared.clock {
+            Some(_) => shared.now_us(),
+            None => shared.redis_clock.now().unwrap_or_else(|| shared.now_us()),
+        }
     }
 
     /// Always: every process connected to the same Redis shares the state.

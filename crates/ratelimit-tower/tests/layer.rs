@@ -105,6 +105,15 @@ impl<S: Store> Store for Counting<S> {
     fn reset(&self, key: &[u8], r: &RuleSet) -> impl Future<Output = Result<(), S::Error>> + Send {
         self.inner.reset(key, r)
     }
+    fn refund(
+        &self,
+        key: &[u8],
+        r: &RuleSet,
+        cost: u64,
+        at: u64,
+    ) -> impl Future<Output = Result<bool, S::Error>> + Send {
+        self.inner.refund(key, r, cost, at)
+    }
     fn now_us(&self) -> u64 {
         self.inner.now_us()
     }

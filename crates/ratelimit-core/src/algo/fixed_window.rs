@@ -48,3 +48,17 @@ pub(super) fn expires_at(rule: &Rule, state: &RuleState) -> u64 {
         _ => 0,
     }
 }
+
+/// Gives back `cost` units charged at `charged_at`, only while the counted window is the
+/// one `charged_at` falls in: a unit charged in a window that has ended is not given to
+/// the next one. Returns whether the state changed.
+pub(super) fn refund(rule: &Rule, state: &mut RuleState, cost: u64, charged_at: u64) -> bool {
+    match state {
+        RuleState::Window { index, count } if *index == rule.span_div().div(charged_at) => {
+            let before = *count;
+            *count = count.saturating_sub(cost);
+            *count != before
+        }
+        _ => false,
+    }
+}

@@ -97,3 +97,26 @@ pub(super) fn carry(old: &Rule, rule: &Rule, state: &RuleState, now: u64) -> Rul
     }
     RuleState::Tat { us, frac }
 }
+
+/// Moves the TAT back by `give` (in 1/limit µs), never before `now` (a TAT in the past is
+/// an idle key already). Returns whether the state changed.
+pub(super) fn refund(rule: &Rule, state: &mut RuleState, give: u64, now: u64) -> bool {
+    let RuleState::Tat { us, frac } = *state else {
+        return false;
+    };
+    if !(us > now || (us == now && frac > 0)) {
+        return false;
+    }
+    // How far ahead of now the TAT is, in 1/limit µs: units used × period.
+    let ahead = (us - now) * rule.limit() + frac;
+    if give == 0 {
+        return false;
+    }
+    let left = ahead.saturating_sub(give);
+    let (whole, frac) = rule.limit_div().div_rem(left);
+    *state = RuleState::Tat {
+        us: now + whole,
+        frac,
+    };
+    true
+}

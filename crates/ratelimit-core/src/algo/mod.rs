@@ -50,6 +50,33 @@
 //! and what it gives depends on the time only through states that expire, so until a
 //! check under the new rules commits, each check carries the same state again.
 //!
+//! # Giving units back
+//!
+//! A request that turns out not to count (a successful login, where only failures are
+//! limited) gives back what its check charged, with [`refund`]: the check charged as
+//! always, so concurrent requests never pass the limit; the refund then returns, at
+//! most, what that charge took, and never into another window:
+//!
+//! * fixed window: the units come off the count only while the window counted is the
+//!   one the charge fell in;
+//! * sliding window counter: off the sub-window the charge fell in, while the state
+//!   still counts it;
+//! * sliding log: the charge's entries leave the log (the oldest of those logged since
+//!   the charge);
+//! * token bucket: the tokens go back, up to the capacity;
+//! * GCRA and leaky bucket: the theoretical arrival time moves back by the units'
+//!   emission intervals, never before now.
+//!
+//! For the token bucket, GCRA and the leaky bucket, what goes back is the part of the
+//! charge that has not drained since it was made (the charge less `rate × elapsed`):
+//! what drained may have been taken by other checks meanwhile, on a state that would
+//! have been idle but for the charge, and giving it back too would lend. A request that
+//! answers within a small part of the emission interval gives back almost all of it.
+//!
+//! The time of the charge is a reading of the store's clock taken before the check, so
+//! it is at or before the moment the store decided: a window that has moved on since
+//! then is never mistaken for the charge's.
+//!
 //! # A clock that steps back
 //!
 //! Redis `TIME` after a failover to a server with another clock, or an injected clock,
@@ -224,6 +251,61 @@ pub fn carry(
         });
     }
     out
+}
+
+/// Gives back `cost` units that a check of `rules` charged at `charged_at` (a reading of
+/// the store's clock taken before the check), at `now`, to `states` (written under
+/// `rules`), as the [module docs](self#giving-units-back) say: never more than was
+/// charged, never into another window. Returns whether any state changed.
+///
+/// The caller must have checked that `states` were written under `rules` (a state of
+/// other rules gets nothing back: its usage cannot be told apart from the charge's).
+pub fn refund(
+    rules: &RuleSet,
+    states: &mut [RuleState],
+    cost: u64,
+    charged_at: u64,
+    now: u64,
+) -> bool {
+    debug_assert_eq!(states.len(), rules.len());
+    let mut changed = false;
+    let mut log_done = false;
+    for (rule, state) in rules.rules().iter().zip(states.iter_mut()) {
+        changed |= match rule.algorithm() {
+            Algorithm::FixedWindow => fixed_window::refund(rule, state, cost, charged_at),
+            Algorithm::SlidingWindow { precision } => {
+                sliding_window::refund(rule, precision, state, cost, charged_at)
+            }
+            // The shared log is in the first sliding-log rule's slot.
+            Algorithm::SlidingLog if !log_done => {
+                log_done = true;
+                sliding_log::refund(state, cost, charged_at)
+            }
+            Algorithm::SlidingLog => false,
+            Algorithm::TokenBucket { capacity } => token_bucket::refund(
+                rule,
+                capacity,
+                state,
+                undrained(rule, cost, charged_at, now),
+            ),
+            Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
+                gcra::refund(rule, state, undrained(rule, cost, charged_at, now), now)
+            }
+        };
+    }
+    changed
+}
+
+/// The part of a charge of `cost` units made at `charged_at` that has not drained by
+/// `now`, in units of 1/limit µs (a TAT's, or a bucket level's, tokens × period): the
+/// charge minus what the rule's rate has let through since. What has drained may have
+/// been taken by other checks meanwhile, on a state that would have been idle (or full)
+/// but for the charge; giving it back too would admit more than if the charge had never
+/// been made.
+fn undrained(rule: &Rule, cost: u64, charged_at: u64, now: u64) -> u64 {
+    let charge = cost.saturating_mul(rule.period_us());
+    let drained = now.saturating_sub(charged_at).saturating_mul(rule.limit());
+    charge.saturating_sub(drained)
 }
 
 /// [`decide`] for several rules, all or nothing.

@@ -101,6 +101,22 @@ pub(super) fn expires_at(rule: &Rule, log: Option<&VecDeque<u64>>) -> u64 {
         .map_or(0, |newest| newest + rule.period_us())
 }
 
+/// Removes `cost` entries of a charge made at `charged_at` or later: the oldest of the
+/// entries logged since then. The charge's own entries are among them (a check logs at
+/// its own time, or later when the clock went back); where another check's entries are
+/// taken in their place, they are older ones, which leave the window no later than the
+/// charge's would have. Returns whether the log changed.
+pub(super) fn refund(state: &mut RuleState, cost: u64, charged_at: u64) -> bool {
+    let RuleState::Log(log) = state else {
+        return false;
+    };
+    // Newest first: the entries at or after `charged_at` are a prefix.
+    let since = log.partition_point(|&t| t >= charged_at);
+    let take = since.min(usize::try_from(cost).unwrap_or(usize::MAX));
+    log.drain(since - take..since);
+    take > 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -135,3 +135,27 @@ pub(super) fn expires_at(rule: &Rule, precision: u64, state: &RuleState) -> u64 
         None => 0,
     }
 }
+
+/// Gives back `cost` units into the sub-window `charged_at` falls in, while the state
+/// still counts it. A check counts into the newest sub-window when the clock went back, so
+/// the charge sits in that sub-window or a later one: giving back to an earlier one, which
+/// weighs less from then on, never gives back more than was taken. Returns whether the
+/// state changed.
+pub(super) fn refund(
+    rule: &Rule,
+    precision: u64,
+    state: &mut RuleState,
+    cost: u64,
+    charged_at: u64,
+) -> bool {
+    let k = rule.span_div().div(charged_at);
+    match state {
+        RuleState::Counters { index, counts } if k <= *index && *index - k <= precision => {
+            let slot = &mut counts[(*index - k) as usize];
+            let before = *slot;
+            *slot = slot.saturating_sub(cost);
+            *slot != before
+        }
+        _ => false,
+    }
+}

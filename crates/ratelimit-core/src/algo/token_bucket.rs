@@ -89,3 +89,15 @@ pub(super) fn carry(
         last,
     }
 }
+
+/// Puts `give` (tokens × period) back, up to the bucket's capacity. Returns whether the
+/// state changed.
+pub(super) fn refund(rule: &Rule, capacity: u64, state: &mut RuleState, give: u64) -> bool {
+    let RuleState::Tokens { level, .. } = state else {
+        return false;
+    };
+    let full = capacity * rule.period_us();
+    let before = *level;
+    *level = level.saturating_add(give).min(full);
+    *level != before
+}

@@ -54,7 +54,7 @@ impl Script {
 
     /// check.lua as one script per entry point (`ENTRIES`), and one function library
     /// registering all of them under names tagged with the SHA1 of the first.
-    fn decision_scripts() -> [Self; 4] {
+    fn decision_scripts() -> [Self; 5] {
         // A library's top level cannot reach `string` while it loads, so the struct
         // formats come made.
         let code = format!(
@@ -131,16 +131,17 @@ impl Script {
 
 /// check.lua's entry points: the name in the library (after `ratelimit_`), the Lua
 /// function and the function's flags.
-const ENTRIES: [(&str, &str, &str); 4] = [
+const ENTRIES: [(&str, &str, &str); 5] = [
     ("check", "check", ""),
     ("batch", "check_many", ""),
     ("local", "check_local", "'allow-cross-slot-keys'"),
     ("refund", "refund", ""),
+    ("give_back", "give_back", ""),
 ];
 
 /// check.lua's scripts, in the order of `ENTRIES`; see `lua/check.lua` for their
 /// contracts.
-static DECISIONS: LazyLock<[Script; 4]> = LazyLock::new(Script::decision_scripts);
+static DECISIONS: LazyLock<[Script; 5]> = LazyLock::new(Script::decision_scripts);
 /// The decision script: one check.
 pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[0]);
 /// The batch script: many checks in one call.
@@ -149,6 +150,8 @@ pub(crate) static BATCH: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS
 pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[2]);
 /// The refund of lease mode: units a lease did not spend, given back.
 pub(crate) static REFUND: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[3]);
+/// The refund of charging by outcome: units a check charged, given back.
+pub(crate) static GIVE_BACK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[4]);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../lua/block.lua").to_owned()));
