@@ -1,9 +1,11 @@
-//! The start-up the example apps share ([`serve::serve`]), and the logic of the
-//! `live_limits` example (`live`, with the `live` feature), which the end-to-end tests use.
+//! The start-up the example apps share ([`serve::serve`]), and the apps of the examples
+//! the end-to-end tests drive: `login` (charging by outcome) and `live_limits` (`live`,
+//! with the `live` feature).
 //!
 //! The HTTP benchmark is the `ratelimit-bench` package and the algorithm explorer the
 //! `ratelimit-explore` package, so that their dependencies stay out of these examples.
 
 #[cfg(feature = "live")]
 pub mod live;
+pub mod login;
 pub mod serve;

@@ -9,6 +9,7 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::charge::{Charge, Refund, Settled};
 use crate::headers::Fields;
 use crate::limiter::{CheckFuture, Pass, Verdict};
 
@@ -23,6 +24,7 @@ pin_project! {
         #[pin]
         state: State<Svc, Svc::Future, ReqBody, ResBody>,
         fields: Option<Fields>,
+        charge: Option<Box<Charge>>,
     }
 }
 
@@ -46,6 +48,11 @@ pin_project! {
         Replied {
             response: Option<Response<ResponseBody<ResBody>>>,
         },
+        // The response, held until the units it gave back are back in the store.
+        Refunding {
+            refund: Refund,
+            response: Option<Response<ResponseBody<ResBody>>>,
+        },
     }
 }
 
@@ -56,8 +63,12 @@ where
     /// An admitted request: `ready` (polled ready) is called now, or a clone of it after
     /// the delay.
     pub(crate) fn pass(pass: Pass, req: Request<ReqBody>, ready: &mut Svc) -> Self {
-        let (state, fields) = State::pass(pass, req, ready);
-        Self { state, fields }
+        let (state, fields, charge) = State::pass(pass, req, ready);
+        Self {
+            state,
+            fields,
+            charge,
+        }
     }
 
     pub(crate) fn reply(response: Response<ResponseBody<ResBody>>) -> Self {
@@ -66,6 +77,7 @@ where
                 response: Some(response),
             },
             fields: None,
+            charge: None,
         }
     }
 
@@ -76,6 +88,7 @@ where
                 call: Some(Box::new((inner, req))),
             },
             fields: None,
+            charge: None,
         }
     }
 }
@@ -86,7 +99,11 @@ where
 {
     /// Where an admitted request goes: the decision into its extensions, then the call
     /// (at once, without cloning the ready service) or the wait.
-    fn pass(pass: Pass, mut req: Request<ReqBody>, ready: &mut Svc) -> (Self, Option<Fields>) {
+    fn pass(
+        pass: Pass,
+        mut req: Request<ReqBody>,
+        ready: &mut Svc,
+    ) -> (Self, Option<Fields>, Option<Box<Charge>>) {
         if let Some(decision) = pass.decision {
             req.extensions_mut().insert(*decision);
         }
@@ -100,7 +117,7 @@ where
                 call: Some(Box::new((take_ready(ready), req))),
             }
         };
-        (state, pass.fields)
+        (state, pass.fields, pass.charge)
     }
 }
 
@@ -123,9 +140,10 @@ where
                 StateProj::Checking { check, call } => match ready!(check.as_mut().poll(cx)) {
                     Verdict::Pass(pass) => {
                         let (mut inner, req) = *call.take().expect("polled after completion");
-                        let (state, fields) = State::pass(pass, req, &mut inner);
+                        let (state, fields, charge) = State::pass(pass, req, &mut inner);
                         this.state.set(state);
                         *this.fields = fields;
+                        *this.charge = charge;
                     }
                     Verdict::Refuse(refusal) => {
                         let pending = call.as_ref().expect("polled after completion");
@@ -141,10 +159,39 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some(fields) = this.fields.take() {
-                        fields.apply(response.headers_mut());
+                    let Some(charge) = this.charge.take() else {
+                        if let Some(fields) = this.fields.take() {
+                            fields.apply(response.headers_mut());
+                        }
+                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    };
+                    let (parts, body) = response.into_parts();
+                    let ratelimit = this.fields.as_mut().map(|f| &mut f.ratelimit);
+                    let (response, refund) = match charge.settle(&parts, ratelimit) {
+                        Settled::Panicked(refund) => (crate::rejection::internal_error(), refund),
+                        settled => {
+                            let mut response = Response::from_parts(parts, body);
+                            if let Some(fields) = this.fields.take() {
+                                fields.apply(response.headers_mut());
+                            }
+                            let refund = match settled {
+                                Settled::Refunded(refund) => refund,
+                                _ => None,
+                            };
+                            (response.map(ResponseBody::inner), refund)
+                        }
+                    };
+                    match refund {
+                        None => return Poll::Ready(Ok(response)),
+                        Some(refund) => this.state.set(State::Refunding {
+                            refund,
+                            response: Some(response),
+                        }),
                     }
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                }
+                StateProj::Refunding { refund, response } => {
+                    ready!(refund.as_mut().poll(cx));
+                    return Poll::Ready(Ok(response.take().expect("polled after completion")));
                 }
                 StateProj::Replied { response } => {
                     return Poll::Ready(Ok(response.take().expect("polled after completion")))
@@ -164,6 +211,7 @@ where
             State::Delaying { .. } => "delaying",
             State::Calling { .. } => "calling",
             State::Replied { .. } => "replied",
+            State::Refunding { .. } => "refunding",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)

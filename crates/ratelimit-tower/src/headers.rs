@@ -209,6 +209,37 @@ impl Policy {
         Some(value.expect("names and digits are valid header text"))
     }
 
+    /// A `RateLimit` value this policy wrote, with `cost` more units left in every item
+    /// (at most the item's quota): the field of a request whose units went back.
+    pub(crate) fn refunded(&self, value: &HeaderValue, cost: u64) -> Option<HeaderValue> {
+        let mut rest = value.as_bytes();
+        let mut out = Vec::with_capacity(rest.len() + 8 * self.items.len());
+        let mut digits = itoa::Buffer::new();
+        for (i, item) in self.items.iter().enumerate() {
+            if i > 0 {
+                rest = rest.strip_prefix(b", ")?;
+                out.extend_from_slice(b", ");
+            }
+            rest = rest.strip_prefix(&*item.prefix)?;
+            let end = rest.iter().position(|&b| b == b';')?;
+            let remaining: u64 = std::str::from_utf8(&rest[..end]).ok()?.parse().ok()?;
+            out.extend_from_slice(&item.prefix);
+            out.extend_from_slice(
+                digits
+                    .format(remaining.saturating_add(cost).min(item.quota))
+                    .as_bytes(),
+            );
+            rest = &rest[end..];
+            let next = rest
+                .windows(2)
+                .position(|w| w == b", ")
+                .unwrap_or(rest.len());
+            out.extend_from_slice(&rest[..next]);
+            rest = &rest[next..];
+        }
+        HeaderValue::from_bytes(&out).ok()
+    }
+
     /// Writes the `RateLimit` value into `out` (at least `max_len` long); its length.
     fn write(&self, outcomes: &[RuleOutcome], elapsed: Duration, out: &mut [u8]) -> usize {
         let mut len = 0;

@@ -14,7 +14,7 @@ use crate::cost::UnitCost;
 use crate::deny_cache::{DenyCache, DenyCacheConfig};
 use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
-use crate::limiter::Limiter;
+use crate::limiter::{ChargeWhen, Limiter};
 use crate::limits::{Limits, LimitsHandle, Live, Settings};
 use crate::namespace;
 use crate::policy::{FailurePolicy, MissingKey};
@@ -100,6 +100,8 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             max_delay: DEFAULT_MAX_DELAY,
             deny_cache: Some(DenyCacheConfig::default()),
             store_timeout: None,
+            charge_when: None,
+            refund_refused: true,
         }
     }
 }
@@ -246,6 +248,8 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     max_delay: Duration,
     deny_cache: Option<DenyCacheConfig>,
     store_timeout: Option<Duration>,
+    charge_when: Option<ChargeWhen>,
+    refund_refused: bool,
 }
 
 impl<S, K, C, T> fmt::Debug for RateLimitLayerBuilder<S, K, C, T> {
@@ -287,6 +291,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             max_delay: self.max_delay,
             deny_cache: self.deny_cache,
             store_timeout: self.store_timeout,
+            charge_when: self.charge_when,
+            refund_refused: self.refund_refused,
         }
     }
 
@@ -464,6 +470,49 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
+    /// Charges by outcome: a response for which `counts` answers `false` gives its
+    /// request's units back at once (a successful login, when only failures are limited).
+    ///
+    /// The check before the handler still charges and still refuses when the budget is
+    /// spent, so concurrent requests never pass the limit (the charge is given back, not
+    /// lent); a response that does not count then returns what its check took, through
+    /// [`Store::refund`](ratelimit_core::Store::refund): never more, and never into
+    /// another window (see [`algo`](ratelimit_core::algo#giving-units-back)). The
+    /// `RateLimit` field of such a response shows the units back. The predicate sees the
+    /// response head: its status, its headers (a gRPC call's `grpc-status` when the call
+    /// failed at once) and its extensions. A predicate that panics fails that request
+    /// with 500 and an `ERROR`, and gives its units back.
+    ///
+    /// ```
+    /// use ratelimit_core::MemoryStore;
+    /// use ratelimit_tower::{key::PeerIp, RateLimitLayer};
+    ///
+    /// // 5 failed logins per 15 minutes per address; successful ones are free.
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new())
+    ///     .rules("5/15min fixed-window name=failed-logins")?
+    ///     .namespace("login")
+    ///     .charge_when(|res: &http::response::Parts| !res.status.is_success())
+    ///     .build()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn charge_when(
+        mut self,
+        counts: impl Fn(&http::response::Parts) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.charge_when = Some(Arc::new(counts));
+        self
+    }
+
+    /// Whether a request refused by a rate-limit layer further in (a stacked
+    /// `route_layer`, say: its response carries [`Refused`](crate::Refused)) gives back
+    /// what this layer charged it. On by default, so that a refused request consumes
+    /// nothing from any budget; off, the outer layer's charge stays (and its admitted
+    /// requests cost no allocation for the refund they might need).
+    pub fn refund_refused(mut self, enabled: bool) -> Self {
+        self.refund_refused = enabled;
+        self
+    }
+
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
@@ -515,6 +564,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             max_delay: self.max_delay,
             deny_cache: self.deny_cache.map(DenyCache::new),
             store_timeout: self.store_timeout,
+            charge_when: self.charge_when,
+            refund_refused: self.refund_refused,
+            refund_log: Arc::new(BoundedLog::new()),
         };
         Ok(RateLimitLayer {
             limiter: Arc::new(limiter),

@@ -423,6 +423,7 @@
 struct ReadmeDoctests;
 
 mod body;
+mod charge;
 mod cost;
 mod deny_cache;
 mod error;
@@ -442,6 +443,7 @@ mod service;
 mod tier;
 
 pub use body::ResponseBody;
+pub use charge::Refused;
 pub use cost::{RequestCost, UnitCost};
 pub use deny_cache::DenyCacheConfig;
 pub use error::BuildError;

@@ -11,6 +11,7 @@ use http::{Response, StatusCode};
 use ratelimit_core::Decision;
 
 use crate::body::ResponseBody;
+use crate::charge::Refused;
 use crate::grpc::{self, Code};
 use crate::headers::{ceil_secs, write_refusal};
 
@@ -285,8 +286,23 @@ impl Refusal {
             self.policy,
             self.ratelimit,
         );
+        // The layers around this one give back what they charged.
+        response.extensions_mut().insert(Refused);
         response.map(ResponseBody::own)
     }
+}
+
+/// The answer to a request whose charge predicate panicked.
+pub(crate) fn internal_error<B>() -> Response<ResponseBody<B>> {
+    let mut response = Response::new(ResponseBody::own(Bytes::from_static(
+        b"internal error while rate limiting\n",
+    )));
+    *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
 }
 
 #[cfg(test)]

@@ -8,7 +8,8 @@ use http::{Extensions, Request};
 use ratelimit_core::{Decision, Outcome, Store};
 
 use super::state::Limiter;
-use super::verdict::{Begin, Pass, Verdict};
+use super::verdict::{Begin, Charged, Pass, Verdict};
+use crate::charge::{Charge, Settle};
 use crate::cost::RequestCost;
 use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
@@ -57,6 +58,12 @@ where
             Err(verdict) => return Begin::Now(this.finish(verdict)),
         };
         let tier = &version.tiers[check.tier];
+        // Read before the check, so that it is at or before the moment the store decides.
+        let charged_at = if this.settles() {
+            this.store.now_us()
+        } else {
+            0
+        };
         // `Store::check`'s future borrows the key and the rules, so a named response future
         // could only hold it boxed; a store that decides in process answers here instead
         // and the request costs no allocation.
@@ -64,14 +71,44 @@ where
             Some(result) => {
                 let result = result.map_err(|e| e.to_string());
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
-                Begin::Now(this.finish(verdict))
+                let verdict = this.finish(verdict);
+                Begin::Now(Self::keep_charge(this, verdict, || {
+                    (arc_swap::Guard::into_inner(version), check, charged_at)
+                }))
             }
             None => Begin::Later(Self::check_later(
                 this,
                 arc_swap::Guard::into_inner(version),
                 check,
+                charged_at,
             )),
         }
+    }
+
+    /// Keeps what an admitted request was charged in its pass, when the layer settles
+    /// charges on the response (charging by outcome, refusals further in).
+    fn keep_charge(
+        this: &Arc<Self>,
+        mut verdict: Verdict,
+        charge: impl FnOnce() -> (Arc<Version>, Check, u64),
+    ) -> Verdict {
+        if let Verdict::Pass(pass) = &mut verdict {
+            if pass.charged != Charged::No && this.settles() {
+                let (version, check, charged_at) = charge();
+                if check.cost > 0 {
+                    pass.charge = Some(Box::new(Charge {
+                        settle: Arc::clone(this) as Arc<dyn Settle>,
+                        version,
+                        tier: check.tier,
+                        key: check.key,
+                        cost: check.cost,
+                        charged_at,
+                        by_fallback: pass.charged == Charged::Fallback,
+                    }));
+                }
+            }
+        }
+        verdict
     }
 
     /// Extracts the key, selects the tier and prices the request; or the verdict that
@@ -113,7 +150,12 @@ where
 
     /// The store's answer for a store that does not decide in process, with the store
     /// timeout, inside a span so that its latency shows in traces.
-    fn check_later(this: &Arc<Self>, version: Arc<Version>, check: Check) -> super::CheckFuture {
+    fn check_later(
+        this: &Arc<Self>,
+        version: Arc<Version>,
+        check: Check,
+        charged_at: u64,
+    ) -> super::CheckFuture {
         let limiter = Arc::clone(this);
         let tier = &version.tiers[check.tier];
         let span = tracing::debug_span!(
@@ -132,7 +174,8 @@ where
                 },
             };
             let verdict = limiter.decided(tier, &check, result, None);
-            limiter.finish(verdict)
+            let verdict = limiter.finish(verdict);
+            Self::keep_charge(&limiter, verdict, || (version, check, charged_at))
         };
         Box::pin(tracing::Instrument::instrument(future, span))
     }
@@ -261,6 +304,8 @@ where
             delay,
             fields,
             decision,
+            charge: None,
+            charged: Charged::Store,
         })
     }
 
@@ -286,7 +331,13 @@ where
                     .as_ref()
                     .expect("built with the fallback policy");
                 match fallback.check_now(key, rules, cost) {
-                    Ok(decision) => self.plan(tier, key, cost, decision, extensions),
+                    Ok(decision) => match self.plan(tier, key, cost, decision, extensions) {
+                        Verdict::Pass(pass) => Verdict::Pass(Pass {
+                            charged: Charged::Fallback,
+                            ..pass
+                        }),
+                        refused => refused,
+                    },
                     Err(e) => self.cost_exceeded(tier, key, &e),
                 }
             }
@@ -381,6 +432,8 @@ where
                 ..Fields::default()
             }),
             decision: None,
+            charge: None,
+            charged: Charged::No,
         })
     }
 }

@@ -5,8 +5,9 @@
 
 mod decide;
 mod refuse;
+mod settle;
 mod state;
 mod verdict;
 
-pub(crate) use state::Limiter;
+pub(crate) use state::{ChargeWhen, Limiter};
 pub(crate) use verdict::{Begin, CheckFuture, Pass, Verdict};

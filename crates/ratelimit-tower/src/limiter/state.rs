@@ -38,4 +38,20 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) max_delay: Duration,
     pub(crate) deny_cache: Option<DenyCache>,
     pub(crate) store_timeout: Option<Duration>,
+    /// Whether a response counts (charging by outcome); `None`: every response counts.
+    pub(crate) charge_when: Option<ChargeWhen>,
+    /// Whether a refusal by a rate-limit layer further in gives this layer's units back.
+    pub(crate) refund_refused: bool,
+    /// Refunds that failed.
+    pub(crate) refund_log: Arc<BoundedLog>,
+}
+
+/// The predicate of [`charge_when`](crate::RateLimitLayerBuilder::charge_when).
+pub(crate) type ChargeWhen = Arc<dyn Fn(&http::response::Parts) -> bool + Send + Sync>;
+
+impl<S, K, C, T> Limiter<S, K, C, T> {
+    /// Whether an admitted request's charge is kept until its response.
+    pub(crate) fn settles(&self) -> bool {
+        self.charge_when.is_some() || self.refund_refused
+    }
 }

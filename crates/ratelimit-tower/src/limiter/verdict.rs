@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use ratelimit_core::Decision;
 
+use crate::charge::Charge;
 use crate::headers::Fields;
 use crate::rejection::Refusal;
 
@@ -23,6 +24,20 @@ pub(crate) struct Pass {
     /// Boxed: only a decision that arrives later (from a store that is not in process)
     /// travels in the verdict, and a verdict is moved several times.
     pub(crate) decision: Option<Box<Decision>>,
+    /// What the store charged, to be given back if the response says it does not
+    /// count; only when the layer settles charges.
+    pub(crate) charge: Option<Box<Charge>>,
+    /// The request was charged: by the store, or by the fallback store.
+    pub(crate) charged: Charged,
+}
+
+/// Who charged an admitted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Charged {
+    /// Nobody: passed unchecked, or a peek.
+    No,
+    Store,
+    Fallback,
 }
 
 impl Verdict {
@@ -31,6 +46,8 @@ impl Verdict {
         delay: Duration::ZERO,
         fields: None,
         decision: None,
+        charge: None,
+        charged: Charged::No,
     });
 }
 

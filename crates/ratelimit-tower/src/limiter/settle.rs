@@ -1,0 +1,101 @@
+//! The limiter's side of charging by outcome: the predicate and the refund.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use http::response::Parts;
+use http::HeaderValue;
+use ratelimit_core::Store;
+
+use super::state::Limiter;
+use crate::charge::{Charge, Refund, Settle};
+use crate::key::KeyDigest;
+
+impl<S, K, C, T> Settle for Limiter<S, K, C, T>
+where
+    S: Store,
+    K: Send + Sync + 'static,
+    C: Send + Sync + 'static,
+    T: Send + Sync + 'static,
+{
+    fn counts(&self, parts: &Parts) -> Result<bool, ()> {
+        let Some(predicate) = &self.charge_when else {
+            return Ok(true);
+        };
+        catch_unwind(AssertUnwindSafe(|| predicate(parts))).map_err(|_| {
+            tracing::error!(
+                namespace = &*self.namespace,
+                "rate limit: the charge_when predicate panicked; the request fails with 500 \
+                 and its units are given back"
+            );
+        })
+    }
+
+    fn refunds_refused(&self) -> bool {
+        self.refund_refused
+    }
+
+    fn refund(&self, charge: Box<Charge>) -> Option<Refund> {
+        let tier = &charge.version.tiers[charge.tier];
+        if charge.by_fallback {
+            if let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) {
+                fallback.refund_now(&charge.key, rules, charge.cost, charge.charged_at);
+            }
+            return None;
+        }
+        if let Some(result) =
+            self.store
+                .refund_sync(&charge.key, &tier.rules, charge.cost, charge.charged_at)
+        {
+            if let Err(e) = result {
+                self.report_refund_failure(&charge, &e.to_string());
+            }
+            return None;
+        }
+        let store = std::sync::Arc::clone(&self.store);
+        let timeout = self.store_timeout;
+        let report = std::sync::Arc::clone(&self.refund_log);
+        Some(Box::pin(async move {
+            let tier = &charge.version.tiers[charge.tier];
+            let call = store.refund(&charge.key, &tier.rules, charge.cost, charge.charged_at);
+            let error = match timeout {
+                None => call.await.err().map(|e| e.to_string()),
+                Some(t) => match tokio::time::timeout(t, call).await {
+                    Ok(r) => r.err().map(|e| e.to_string()),
+                    Err(_) => Some(format!("no answer within the store timeout of {t:?}")),
+                },
+            };
+            if let Some(error) = error {
+                if let Some(count) = report.hit(store.now_us()) {
+                    refund_failed(&charge, tier.client_key(&charge.key), &error, count);
+                }
+            }
+        }))
+    }
+
+    fn refunded_field(&self, charge: &Charge, value: &HeaderValue) -> Option<HeaderValue> {
+        let tier = &charge.version.tiers[charge.tier];
+        tier.policy.refunded(value, charge.cost)
+    }
+}
+
+impl<S: Store, K, C, T> Limiter<S, K, C, T> {
+    fn report_refund_failure(&self, charge: &Charge, error: &str) {
+        if let Some(count) = self.refund_log.hit(self.store.now_us()) {
+            let tier = &charge.version.tiers[charge.tier];
+            refund_failed(charge, tier.client_key(&charge.key), error, count);
+        }
+    }
+}
+
+/// A refund that failed leaves the units charged: the client is limited more than it
+/// should be, never less.
+fn refund_failed(charge: &Charge, client: &[u8], error: &str, count: u64) {
+    tracing::warn!(
+        key = %KeyDigest(client),
+        units = charge.cost,
+        error,
+        requests = count,
+        "rate limit: giving back a request's units failed; they stay charged \
+         (reported at most every 10 s, with the refunds since the last report)"
+    );
+}
