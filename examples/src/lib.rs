@@ -8,4 +8,6 @@
 #[cfg(feature = "live")]
 pub mod live;
 pub mod login;
+#[cfg(feature = "redis")]
+pub mod outbound;
 pub mod serve;

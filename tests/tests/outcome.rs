@@ -3,6 +3,7 @@
 //! stacked layers giving back what a refused request was charged.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::http::StatusCode as AxumStatus;
 use axum::routing::{get, post};
@@ -82,8 +83,11 @@ async fn concurrent_failed_logins_get_exactly_five_in_memory() {
     concurrent_failures_get_exactly_five(&server).await;
 }
 
+/// A store with a timeout long enough for a loaded machine: the layer fails open on a
+/// store timeout by default, which would admit unchecked failures.
 async fn redis_store(server: &RedisServer) -> RedisStore {
     let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
         .build(&server.url())
         .await
         .expect("connect to the test redis-server");
@@ -195,5 +199,36 @@ async fn the_field_shows_the_unit_back_and_a_panicking_predicate_is_a_500() {
         one(&ok, "ratelimit").unwrap(),
         r#""errors";r=2;t=60"#,
         "the panicking request's unit came back"
+    );
+}
+
+/// Two instances sharing a RedisStore, 20 callers each, call a local partner for 5 s
+/// through a `ThrottleLayer` of `10/s leaky-bucket mode=shaper burst=20`: no second gets
+/// more than 10 plus the burst, at least 90 % of the rate is used, and no caller fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_an_outbound_rate_and_wait_for_their_turns() {
+    use ratelimit_examples::outbound::{callers, partner};
+    let redis = RedisServer::start();
+    let (addr, arrivals) = partner(0).await.unwrap();
+    let length = Duration::from_secs(5);
+    let a = tokio::spawn(callers(redis_store(&redis).await, addr, 20, length));
+    let b = tokio::spawn(callers(redis_store(&redis).await, addr, 20, length));
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    assert_eq!((a.failed, b.failed), (0, 0), "{a:?} {b:?}");
+    let per_second = arrivals.lock().unwrap().clone();
+    let total: u32 = per_second.values().sum();
+    assert_eq!(u64::from(total), a.ok + b.ok, "{per_second:?}");
+    assert!(
+        per_second.values().all(|&n| n <= 10 + 20),
+        "a second above the rate plus the burst: {per_second:?}"
+    );
+    // Callers start at once and keep going until 5 s have passed: at least 45 calls.
+    assert!(total >= 45, "{total} calls in 5 s at 10/s: {per_second:?}");
+    // And never more than the shaper lets through: 10/s over the run, plus the one call
+    // served at once.
+    let seconds = per_second.len() as u32;
+    assert!(
+        total <= 10 * seconds + 1,
+        "{total} calls in {seconds} s: {per_second:?}"
     );
 }

@@ -56,6 +56,8 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod util;
+#[cfg(feature = "tokio")]
+mod wait;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use decision::{Decision, Outcome, RuleOutcome};
@@ -65,3 +67,5 @@ pub use rule::{
     Algorithm, LeakyMode, Rule, RuleSet, MAX_EXACT_PRODUCT, MAX_LOG_LIMIT, MAX_PRECISION, MAX_RULES,
 };
 pub use store::Store;
+#[cfg(feature = "tokio")]
+pub use wait::{StoreExt, WaitError};

@@ -440,6 +440,7 @@ mod namespace;
 mod policy;
 mod rejection;
 mod service;
+pub mod throttle;
 mod tier;
 
 pub use body::ResponseBody;
@@ -457,4 +458,5 @@ pub use limits::{Limits, LimitsHandle};
 pub use policy::{FailurePolicy, MissingKey};
 pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectReason, Rejection};
 pub use service::RateLimit;
+pub use throttle::{Throttle, ThrottleError, ThrottleLayer};
 pub use tier::{OneTier, SelectTier};
