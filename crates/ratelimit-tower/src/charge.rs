@@ -96,7 +96,7 @@ impl Charge {
                 }
             }
         }
-        if let Some(Some(value)) = ratelimit {
+        if let Some(Some(value)) = ratelimit.map(|slot| slot.as_mut()) {
             if let Some(v) = self.settle.refunded_field(&self, value) {
                 *value = v;
             }

@@ -70,9 +70,10 @@ where
         match this.store.check_sync(&check.key, &tier.rules, check.cost) {
             Some(result) => {
                 let result = result.map_err(|e| e.to_string());
+                let charged = this.charged(&result);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 let verdict = this.finish(verdict);
-                Begin::Now(Self::keep_charge(this, verdict, || {
+                Begin::Now(Self::keep_charge(this, verdict, charged, || {
                     (arc_swap::Guard::into_inner(version), check, charged_at)
                 }))
             }
@@ -90,10 +91,11 @@ where
     fn keep_charge(
         this: &Arc<Self>,
         mut verdict: Verdict,
+        charged: Charged,
         charge: impl FnOnce() -> (Arc<Version>, Check, u64),
     ) -> Verdict {
         if let Verdict::Pass(pass) = &mut verdict {
-            if pass.charged != Charged::No && this.settles() {
+            if charged != Charged::No && this.settles() {
                 let (version, check, charged_at) = charge();
                 if check.cost > 0 {
                     pass.charge = Some(Box::new(Charge {
@@ -103,7 +105,7 @@ where
                         key: check.key,
                         cost: check.cost,
                         charged_at,
-                        by_fallback: pass.charged == Charged::Fallback,
+                        by_fallback: charged == Charged::Fallback,
                     }));
                 }
             }
@@ -111,9 +113,21 @@ where
         verdict
     }
 
+    /// Who charges a request on the store's answer `result`, should the layer pass it.
+    fn charged<E>(&self, result: &Result<Decision, E>) -> Charged {
+        match result {
+            Ok(decision) if decision.is_allowed() => Charged::Store,
+            Err(_) if self.failure_policy == FailurePolicy::Fallback => Charged::Fallback,
+            Ok(_) | Err(_) => Charged::No,
+        }
+    }
+
     /// Extracts the key, selects the tier and prices the request; or the verdict that
     /// needs no store call (an exemption, a misconfiguration, a cost above capacity, a
     /// denial still in the deny cache).
+    // The early verdicts are refusals (boxed) and unchecked passes; a pass is as large
+    // as it is so that the in-process path allocates nothing.
+    #[allow(clippy::result_large_err)]
     fn prepare<B>(&self, version: &Version, req: &Request<B>) -> Result<Check, Verdict>
     where
         K: KeyExtractor<B>,
@@ -173,9 +187,10 @@ where
                     Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
                 },
             };
+            let charged = limiter.charged(&result);
             let verdict = limiter.decided(tier, &check, result, None);
             let verdict = limiter.finish(verdict);
-            Self::keep_charge(&limiter, verdict, || (version, check, charged_at))
+            Self::keep_charge(&limiter, verdict, charged, || (version, check, charged_at))
         };
         Box::pin(tracing::Instrument::instrument(future, span))
     }
@@ -208,6 +223,7 @@ where
     }
 
     /// The index of the request's tier, or the refusal of a misconfigured selector.
+    #[allow(clippy::result_large_err)]
     fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> Result<usize, Verdict>
     where
         T: SelectTier<B>,
@@ -305,7 +321,6 @@ where
             fields,
             decision,
             charge: None,
-            charged: Charged::Store,
         })
     }
 
@@ -331,13 +346,7 @@ where
                     .as_ref()
                     .expect("built with the fallback policy");
                 match fallback.check_now(key, rules, cost) {
-                    Ok(decision) => match self.plan(tier, key, cost, decision, extensions) {
-                        Verdict::Pass(pass) => Verdict::Pass(Pass {
-                            charged: Charged::Fallback,
-                            ..pass
-                        }),
-                        refused => refused,
-                    },
+                    Ok(decision) => self.plan(tier, key, cost, decision, extensions),
                     Err(e) => self.cost_exceeded(tier, key, &e),
                 }
             }
@@ -433,7 +442,6 @@ where
             }),
             decision: None,
             charge: None,
-            charged: Charged::No,
         })
     }
 }

@@ -27,14 +27,12 @@ pub(crate) struct Pass {
     /// What the store charged, to be given back if the response says it does not
     /// count; only when the layer settles charges.
     pub(crate) charge: Option<Box<Charge>>,
-    /// The request was charged: by the store, or by the fallback store.
-    pub(crate) charged: Charged,
 }
 
-/// Who charged an admitted request.
+/// Who charged a request the store's answer admits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Charged {
-    /// Nobody: passed unchecked, or a peek.
+    /// Nobody: denied, or the store failed and the layer did not fall back.
     No,
     Store,
     Fallback,
@@ -47,7 +45,6 @@ impl Verdict {
         fields: None,
         decision: None,
         charge: None,
-        charged: Charged::No,
     });
 }
 
