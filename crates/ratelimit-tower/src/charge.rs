@@ -15,7 +15,7 @@ use http::response::Parts;
 use http::HeaderValue;
 
 use crate::limits::Version;
-use crate::tier::StoreKey;
+use crate::tier::{StoreKey, TierRef};
 
 /// Marks a response refused by a [`RateLimitLayer`](crate::RateLimitLayer) (a 429, a
 /// block, a store outage failing closed, any refusal): the layers around it give back
@@ -30,7 +30,7 @@ pub struct Refused;
 pub(crate) struct Charge {
     pub(crate) settle: Arc<dyn Settle>,
     pub(crate) version: Arc<Version>,
-    pub(crate) tier: usize,
+    pub(crate) tier: TierRef,
     pub(crate) key: StoreKey,
     pub(crate) cost: u64,
     /// The store's clock, read before the check.

@@ -1,5 +1,6 @@
 use std::borrow::Borrow;
 use std::fmt;
+use std::future::Future;
 use std::num::NonZeroU32;
 use std::panic::Location;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use ratelimit_core::{ConfigError, Rule, RuleSet, Store};
 use tower_layer::Layer;
 
 use crate::cost::UnitCost;
+use crate::customer::{self, Customers, Resolver, DEFAULT_CUSTOMER_CACHE, DEFAULT_CUSTOMER_TTL};
 use crate::deny_cache::{DenyCache, DenyCacheConfig};
 use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
@@ -102,6 +104,8 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             store_timeout: None,
             charge_when: None,
             refund_refused: true,
+            resolver: None,
+            customer_cache: (DEFAULT_CUSTOMER_CACHE, DEFAULT_CUSTOMER_TTL),
         }
     }
 }
@@ -250,6 +254,8 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     store_timeout: Option<Duration>,
     charge_when: Option<ChargeWhen>,
     refund_refused: bool,
+    resolver: Option<Resolver>,
+    customer_cache: (u64, Duration),
 }
 
 impl<S, K, C, T> fmt::Debug for RateLimitLayerBuilder<S, K, C, T> {
@@ -293,6 +299,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_timeout: self.store_timeout,
             charge_when: self.charge_when,
             refund_refused: self.refund_refused,
+            resolver: self.resolver,
+            customer_cache: self.customer_cache,
         }
     }
 
@@ -513,6 +521,62 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
+    /// Limits per customer: `resolve` answers a client key's own rules (from a database,
+    /// a config service), `None` for the tier's rules. A customer with a contract of its
+    /// own (A 1,000/min, B 50/min, thousands of them) needs no rebuild of the limits.
+    ///
+    /// Answers are cached per client key and tier, at most
+    /// [`customer_cache`](Self::customer_cache) of them (100,000 by default), each for its
+    /// time to live (60 s by default): the hot path reads the cache without a lock, and
+    /// the resolver runs at most once per key per time to live, concurrent requests of an
+    /// unknown key sharing one call. A customer's rules decide on the client's state in
+    /// the tier it stands in (the same store keys), so usage carries when the customer's
+    /// limits change or go, as it does for [changed limits](crate#changing-limits).
+    /// Metric labels stay those of the tier (rules named by position), whatever the
+    /// number of customers.
+    ///
+    /// A resolver that fails or panics gives the tier's rules, with a `WARN` at most every
+    /// 10 s; its answer is cached like any other (it is asked again after the time to
+    /// live). A rule set it answers has passed [`RuleSet`]'s validation, as any rule text
+    /// must: parse the customer's rule text in the resolver and answer the parse error as
+    /// its error, which gives the tier's rules. A store outage falls back on the tier's
+    /// fallback rules. The key is the client's, as the key extractor gives it: put the
+    /// resolver behind authentication, or every unknown key costs a resolver call.
+    ///
+    /// ```
+    /// use ratelimit_core::{MemoryStore, RuleSet};
+    /// use ratelimit_tower::{HeaderKey, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), HeaderKey::new("x-api-key"))
+    ///     .rules("100/min name=plan")?
+    ///     .namespace("api")
+    ///     .limits_for(|key: &[u8]| {
+    ///         let contract = match key {
+    ///             b"acme" => Some("1000/min name=plan"),
+    ///             _ => None,
+    ///         };
+    ///         async move { contract.map(str::parse::<RuleSet>).transpose() }
+    ///     })
+    ///     .build()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn limits_for<F, Fut, E>(mut self, resolve: F) -> Self
+    where
+        F: Fn(&[u8]) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Option<RuleSet>, E>> + Send + 'static,
+        E: fmt::Display,
+    {
+        self.resolver = Some(customer::resolver(resolve));
+        self
+    }
+
+    /// The size and time to live of the cache of [`limits_for`](Self::limits_for)'s
+    /// answers (100,000 and 60 s by default).
+    pub fn customer_cache(mut self, max_entries: u64, ttl: Duration) -> Self {
+        self.customer_cache = (max_entries, ttl);
+        self
+    }
+
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
@@ -543,6 +607,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             namespace::warn_implicit(self.location);
         }
         let store = Arc::new(self.store);
+        let namespace_arc: Arc<str> = namespace.as_str().into();
         let limiter = Limiter {
             fallback: fallback.then(|| fallback_store(&store)),
             store,
@@ -550,7 +615,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             cost: self.cost,
             select: self.select,
             live: Arc::new(live),
-            namespace: namespace.into(),
+            namespace: namespace.as_str().into(),
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,
             omitted_key_status: self.omitted_key_status,
@@ -567,6 +632,14 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             charge_when: self.charge_when,
             refund_refused: self.refund_refused,
             refund_log: Arc::new(BoundedLog::new()),
+            customers: self.resolver.map(|r| {
+                Arc::new(Customers::new(
+                    r,
+                    self.customer_cache.0,
+                    self.customer_cache.1,
+                ))
+            }),
+            namespace_arc,
         };
         Ok(RateLimitLayer {
             limiter: Arc::new(limiter),

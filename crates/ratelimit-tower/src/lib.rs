@@ -244,6 +244,76 @@
 //! `RateLimit-Policy` a client sees is that of the instance that answered. Once every
 //! instance has reloaded, the fleet enforces the new limits, on usage that carried.
 //!
+//! # Counting only some outcomes
+//!
+//! A login guard limits failed logins, not logins: "5 failures per 15 minutes per
+//! address; successful logins are free". [`charge_when`](RateLimitLayerBuilder::charge_when)
+//! says which responses count. The check before the handler charges as always and
+//! refuses when the budget is spent, so 50 concurrent wrong guesses get exactly 5 tries
+//! (a limiter that only counts after the response lets every one of them through); a
+//! response that does not count gives its units back at once, through
+//! [`Store::refund`](ratelimit_core::Store::refund), never more than its check took and
+//! never into another window (a fixed window that rolled over in between keeps its new
+//! count). The response's `RateLimit` field shows the units back.
+//!
+//! ```
+//! use ratelimit_core::MemoryStore;
+//! use ratelimit_tower::{PeerIp, RateLimitLayer};
+//!
+//! let guard = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new())
+//!     .rules("5/15min sliding-log name=failed-logins")?
+//!     .namespace("login")
+//!     .charge_when(|res: &http::response::Parts| res.status == http::StatusCode::UNAUTHORIZED)
+//!     .build()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! What it costs: a request that gives back makes a second store call (in process: a
+//! lock and a few integer operations; on Redis: one more round trip, which the response
+//! waits for, so that the client's next request finds its units back). For the token
+//! bucket, GCRA and the leaky bucket, what goes back is the part of the charge that has
+//! not drained since the check (a handler that answers in a fraction of the emission
+//! interval gives back nearly all of it): what drained may have gone to other requests
+//! meanwhile. The `login` example is a whole app.
+//!
+//! **A refused request consumes nothing, across stacked layers too.** A request that a
+//! layer further in refuses (a route's own limit under a site-wide one) was charged by
+//! the layers around it; its response carries [`Refused`], and they give their units back
+//! (on by default; [`refund_refused(false)`](RateLimitLayerBuilder::refund_refused) keeps
+//! the outer charge, and spares admitted requests the small allocation the refund would
+//! need).
+//!
+//! gRPC: a call refused or failed at once is a trailers-only response, its `grpc-status`
+//! in the head the predicate sees (`res.headers.get("grpc-status")`); a streamed call's
+//! status comes in the trailers, after the predicate has run, and such a call counts.
+//!
+//! # Limits per customer
+//!
+//! Tiers cover plans; a customer with a contract of its own (A 1,000/min, B 50/min,
+//! thousands of them, edited in a database) is a resolver:
+//! [`limits_for`](RateLimitLayerBuilder::limits_for) answers a client key's own rules, or
+//! `None` for its tier's. The answers are cached (100,000 customers for 60 s by default,
+//! [`customer_cache`](RateLimitLayerBuilder::customer_cache)): a cached customer costs
+//! the hot path one lock-free lookup, the resolver runs at most once per key per time to
+//! live, and concurrent requests of an unknown key wait for one shared call. A customer
+//! decides on its client's state in the tier it stands in, so its usage carries when its
+//! contract changes; metrics keep the tier's labels, whatever the number of customers. A
+//! resolver that fails or panics gives the tier's rules and a `WARN` (at most every 10 s).
+//!
+//! # Waiting for a turn (outbound calls)
+//!
+//! Several instances of a service calling a partner API that allows 10 calls a second
+//! together: each call should wait for its turn, not fail. [`ThrottleLayer`] puts a
+//! client service (a hyper client, a tonic `Channel`, any `Service<Request>`) behind a
+//! store's limits, and [`StoreExt::until_ready`](ratelimit_core::StoreExt::until_ready)
+//! does the same without tower. With a shaping rule (`leaky-bucket mode=shaper`) a wait
+//! is one store call and one sleep: the store hands each caller its own slot, fleet-wide
+//! through Redis, with no retry loop and no thundering herd; with other rules the caller
+//! sleeps until the units fit (with a jitter) and asks again. A call whose turn is further
+//! away than the maximum wait fails with [`ThrottleError::TooLong`], saying how long it
+//! would have waited, and is not charged. See the [`throttle`] module and the `outbound`
+//! example (two processes sharing a Redis store).
+//!
 //! # gRPC
 //!
 //! The layer goes on a tonic server as it goes on an axum router:
@@ -425,6 +495,7 @@ struct ReadmeDoctests;
 mod body;
 mod charge;
 mod cost;
+mod customer;
 mod deny_cache;
 mod error;
 mod fallback;
@@ -446,6 +517,7 @@ mod tier;
 pub use body::ResponseBody;
 pub use charge::Refused;
 pub use cost::{RequestCost, UnitCost};
+pub use customer::{DEFAULT_CUSTOMER_CACHE, DEFAULT_CUSTOMER_TTL};
 pub use deny_cache::DenyCacheConfig;
 pub use error::BuildError;
 pub use future::ResponseFuture;

@@ -1,11 +1,14 @@
 //! Rules chosen per request: tiers (plans) and the selector that picks one.
 
+use std::sync::Arc;
+
 use http::Request;
 use ratelimit_core::RuleSet;
 
 #[cfg(feature = "metrics")]
 use crate::headers::rule_names;
 use crate::headers::Policy;
+use crate::limits::Version;
 #[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
 use crate::namespace::key_prefix;
@@ -85,15 +88,38 @@ impl Tier {
             #[cfg(feature = "metrics")]
             metrics: Metrics::new(namespace, name, &rule_names(&rules), failure_policy),
             prefix: key_prefix(namespace, name),
-            min_capacity: rules
-                .rules()
-                .iter()
-                .map(|r| r.capacity())
-                .min()
-                .unwrap_or(0),
+            min_capacity: min_capacity(&rules),
             rules,
             fallback_rules,
             generation: 0,
+        }
+    }
+
+    /// The tier of a customer with rules of its own, in place of this one: the same name
+    /// and store keys (so a customer's usage carries when its limits change, and back to
+    /// the tier's), its own rules and fields; metric labels name its rules by position,
+    /// so that they stay bounded however many customers there are. A store outage falls
+    /// back on this tier's fallback rules.
+    pub(crate) fn customer(
+        &self,
+        namespace: &str,
+        rules: RuleSet,
+        failure_policy: FailurePolicy,
+    ) -> Tier {
+        #[cfg(not(feature = "metrics"))]
+        let _ = failure_policy;
+        #[cfg(feature = "metrics")]
+        let names: Vec<String> = (0..rules.len()).map(|i| format!("customer-{i}")).collect();
+        Tier {
+            name: self.name.clone(),
+            policy: Policy::new(&rules, namespace),
+            #[cfg(feature = "metrics")]
+            metrics: Metrics::new(namespace, &self.name, &names, failure_policy),
+            prefix: self.prefix.clone(),
+            min_capacity: min_capacity(&rules),
+            rules,
+            fallback_rules: self.fallback_rules.clone(),
+            generation: self.generation,
         }
     }
 
@@ -112,6 +138,36 @@ impl Tier {
         key.extend_from_slice(client);
         key
     }
+}
+
+/// A request's tier: one of the current limits' tiers, or a customer's own.
+#[derive(Clone)]
+pub(crate) enum TierRef {
+    /// The tier at this position of the version's tiers.
+    Index(usize),
+    /// A customer's tier (see [`Tier::customer`]).
+    Own(Arc<Tier>),
+}
+
+impl TierRef {
+    /// The tier, in `version` when it is one of its tiers.
+    #[inline]
+    pub(crate) fn get<'a>(&'a self, version: &'a Version) -> &'a Tier {
+        match self {
+            TierRef::Index(i) => &version.tiers[*i],
+            TierRef::Own(tier) => tier,
+        }
+    }
+}
+
+/// The smallest capacity of `rules`: a cost up to it fits every rule.
+fn min_capacity(rules: &RuleSet) -> u64 {
+    rules
+        .rules()
+        .iter()
+        .map(|r| r.capacity())
+        .min()
+        .unwrap_or(0)
 }
 
 /// A store key, inline up to the length of any IP key under a namespace of 32 bytes.

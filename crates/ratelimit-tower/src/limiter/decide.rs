@@ -1,6 +1,8 @@
 //! From a request to a [`Verdict`].
 
 use std::borrow::Cow;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,16 +13,17 @@ use super::state::Limiter;
 use super::verdict::{Begin, Charged, Pass, Verdict};
 use crate::charge::{Charge, Settle};
 use crate::cost::RequestCost;
+use crate::customer::{Lookup, Own};
 use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
 use crate::limits::Version;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
-use crate::tier::{SelectTier, StoreKey, Tier};
+use crate::tier::{SelectTier, StoreKey, Tier, TierRef};
 
 /// A request ready for the store: its tier, its store key and its cost.
 struct Check {
-    tier: usize,
+    tier: TierRef,
     key: StoreKey,
     cost: u64,
 }
@@ -53,17 +56,49 @@ where
         // The whole decision runs on the version loaded here, however the limits change
         // meanwhile.
         let version = this.live.current.load();
-        let check = match this.prepare(&version, req) {
+        let mut check = match this.prepare(&version, req) {
             Ok(check) => check,
             Err(verdict) => return Begin::Now(this.finish(verdict)),
         };
-        let tier = &version.tiers[check.tier];
         // Read before the check, so that it is at or before the moment the store decides.
         let charged_at = if this.settles() {
             this.store.now_us()
         } else {
             0
         };
+        if let Some(customers) = &this.customers {
+            let tier = check.tier.get(&version);
+            let TierRef::Index(index) = check.tier else {
+                unreachable!("prepare gives one of the version's tiers")
+            };
+            match customers.lookup(tier.generation, index, tier.client_key(&check.key)) {
+                Lookup::Known(own) => {
+                    if let Err(verdict) = this.own_tier(&mut check, &version, own) {
+                        return Begin::Now(this.finish(verdict));
+                    }
+                }
+                Lookup::Unknown => {
+                    let prefix = tier.prefix.len();
+                    let version = arc_swap::Guard::into_inner(version);
+                    let resolve = customers.resolve(
+                        &version,
+                        index,
+                        Arc::clone(&this.namespace_arc),
+                        this.failure_policy,
+                        &check.key[prefix..],
+                        this.store.now_us(),
+                    );
+                    return Begin::Later(Self::check_later(
+                        this,
+                        version,
+                        check,
+                        charged_at,
+                        Some(Box::pin(resolve)),
+                    ));
+                }
+            }
+        }
+        let tier = check.tier.get(&version);
         // `Store::check`'s future borrows the key and the rules, so a named response future
         // could only hold it boxed; a store that decides in process answers here instead
         // and the request costs no allocation.
@@ -82,8 +117,25 @@ where
                 arc_swap::Guard::into_inner(version),
                 check,
                 charged_at,
+                None,
             )),
         }
+    }
+
+    /// Puts a customer's own tier, if it has one, in the check's place; or the refusal of
+    /// a cost above what its rules can grant.
+    #[allow(clippy::result_large_err)]
+    fn own_tier(&self, check: &mut Check, version: &Version, own: Own) -> Result<(), Verdict> {
+        if let Some(own) = own {
+            check.tier = TierRef::Own(own);
+        }
+        let tier = check.tier.get(version);
+        if check.cost > tier.min_capacity {
+            if let Err(e) = tier.rules.check_cost(check.cost) {
+                return Err(self.cost_exceeded(tier, &check.key, &e));
+            }
+        }
+        Ok(())
     }
 
     /// Keeps what an admitted request was charged in its pass, when the layer settles
@@ -147,7 +199,8 @@ where
         let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
         let key = tier.store_key(client.as_ref());
-        if cost > tier.min_capacity {
+        // A customer's own rules are priced once they are known.
+        if cost > tier.min_capacity && self.customers.is_none() {
             if let Err(e) = tier.rules.check_cost(cost) {
                 return Err(self.cost_exceeded(tier, &key, &e));
             }
@@ -156,7 +209,7 @@ where
             return Err(verdict);
         }
         Ok(Check {
-            tier: tier_index,
+            tier: TierRef::Index(tier_index),
             key,
             cost,
         })
@@ -167,18 +220,25 @@ where
     fn check_later(
         this: &Arc<Self>,
         version: Arc<Version>,
-        check: Check,
+        mut check: Check,
         charged_at: u64,
+        resolve: Option<Pin<Box<dyn Future<Output = Own> + Send>>>,
     ) -> super::CheckFuture {
         let limiter = Arc::clone(this);
-        let tier = &version.tiers[check.tier];
+        let tier = check.tier.get(&version);
         let span = tracing::debug_span!(
             "ratelimit_check",
             key = %KeyDigest(tier.client_key(&check.key)),
             cost = check.cost
         );
         let future = async move {
-            let tier = &version.tiers[check.tier];
+            if let Some(resolve) = resolve {
+                let own = resolve.await;
+                if let Err(verdict) = limiter.own_tier(&mut check, &version, own) {
+                    return limiter.finish(verdict);
+                }
+            }
+            let tier = check.tier.get(&version);
             let call = limiter.store.check(&check.key, &tier.rules, check.cost);
             let result = match limiter.store_timeout {
                 None => call.await.map_err(|e| e.to_string()),

@@ -35,7 +35,7 @@ where
     }
 
     fn refund(&self, charge: Box<Charge>) -> Option<Refund> {
-        let tier = &charge.version.tiers[charge.tier];
+        let tier = charge.tier.get(&charge.version);
         if charge.by_fallback {
             if let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) {
                 fallback.refund_now(&charge.key, rules, charge.cost, charge.charged_at);
@@ -55,7 +55,7 @@ where
         let timeout = self.store_timeout;
         let report = std::sync::Arc::clone(&self.refund_log);
         Some(Box::pin(async move {
-            let tier = &charge.version.tiers[charge.tier];
+            let tier = charge.tier.get(&charge.version);
             let call = store.refund(&charge.key, &tier.rules, charge.cost, charge.charged_at);
             let error = match timeout {
                 None => call.await.err().map(|e| e.to_string()),
@@ -73,7 +73,7 @@ where
     }
 
     fn refunded_field(&self, charge: &Charge, value: &HeaderValue) -> Option<HeaderValue> {
-        let tier = &charge.version.tiers[charge.tier];
+        let tier = charge.tier.get(&charge.version);
         tier.policy.refunded(value, charge.cost)
     }
 }
@@ -81,7 +81,7 @@ where
 impl<S: Store, K, C, T> Limiter<S, K, C, T> {
     fn report_refund_failure(&self, charge: &Charge, error: &str) {
         if let Some(count) = self.refund_log.hit(self.store.now_us()) {
-            let tier = &charge.version.tiers[charge.tier];
+            let tier = charge.tier.get(&charge.version);
             refund_failed(charge, tier.client_key(&charge.key), error, count);
         }
     }

@@ -5,6 +5,7 @@ use http::StatusCode;
 
 use ratelimit_core::util::BoundedLog;
 
+use crate::customer::Customers;
 use crate::deny_cache::DenyCache;
 use crate::fallback::FallbackStore;
 use crate::limits::Live;
@@ -44,6 +45,10 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) refund_refused: bool,
     /// Refunds that failed.
     pub(crate) refund_log: Arc<BoundedLog>,
+    /// Limits per customer, when the layer has a resolver.
+    pub(crate) customers: Option<Arc<Customers>>,
+    /// The namespace, shared with the customers' tiers built later.
+    pub(crate) namespace_arc: Arc<str>,
 }
 
 /// The predicate of [`charge_when`](crate::RateLimitLayerBuilder::charge_when).

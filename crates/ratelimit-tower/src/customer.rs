@@ -1,0 +1,207 @@
+//! Limits per customer: a resolver from the client key to its own rules (a database, a
+//! config service), its answers cached with a bounded size and a time to live.
+//!
+//! The hot path reads the cache without a lock ([`moka`]'s concurrent cache); a miss
+//! calls the resolver once for every request waiting on that key (concurrent misses
+//! share one call, through a map of calls in flight that only a miss touches).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::{FutureExt, Shared};
+use parking_lot::Mutex;
+use ratelimit_core::key::{digest, MAX_INLINE_KEY_LEN};
+use ratelimit_core::util::BoundedLog;
+use ratelimit_core::RuleSet;
+
+use crate::key::KeyDigest;
+use crate::limits::Version;
+use crate::policy::FailurePolicy;
+use crate::tier::Tier;
+
+/// Customers whose limits a layer caches by default.
+pub const DEFAULT_CUSTOMER_CACHE: u64 = 100_000;
+/// How long a resolver's answer is used by default.
+pub const DEFAULT_CUSTOMER_TTL: Duration = Duration::from_secs(60);
+
+/// A resolver's answer, type-erased: a customer's own rules, `None` for the layer's
+/// default limits, or the resolver's error as text.
+pub(crate) type Resolved = Result<Option<RuleSet>, String>;
+type ResolveFuture = Pin<Box<dyn Future<Output = Resolved> + Send>>;
+pub(crate) type Resolver = Arc<dyn Fn(&[u8]) -> ResolveFuture + Send + Sync>;
+
+/// Wraps a user's resolver.
+pub(crate) fn resolver<F, Fut, E>(resolve: F) -> Resolver
+where
+    F: Fn(&[u8]) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Option<RuleSet>, E>> + Send + 'static,
+    E: fmt::Display,
+{
+    Arc::new(move |key: &[u8]| {
+        let answer = resolve(key);
+        Box::pin(async move { answer.await.map_err(|e| e.to_string()) })
+    })
+}
+
+/// The key a customer is cached under: the client key, or its digest when long (a
+/// client-controlled key must not make an entry large).
+type CacheKey = Box<[u8]>;
+
+fn cache_key(client: &[u8]) -> CacheKey {
+    if client.len() <= MAX_INLINE_KEY_LEN {
+        client.into()
+    } else {
+        // A leading byte no short key of this length can collide with: the lengths differ.
+        let mut key = Vec::with_capacity(MAX_INLINE_KEY_LEN + 1);
+        key.extend_from_slice(&digest(client));
+        key.resize(MAX_INLINE_KEY_LEN + 1, 0);
+        key.into()
+    }
+}
+
+/// A customer's rules as the layer uses them: a tier of its own under the selected
+/// tier's name (the same store keys, so usage carries when the customer's limits change
+/// or go), or `None` for the selected tier's rules.
+pub(crate) type Own = Option<Arc<Tier>>;
+
+type InFlight = Shared<Pin<Box<dyn Future<Output = Own> + Send>>>;
+
+/// The layer's customers: the resolver, its cached answers and the calls in flight.
+pub(crate) struct Customers {
+    resolve: Resolver,
+    cache: moka::sync::Cache<(usize, CacheKey), Own>,
+    in_flight: Mutex<HashMap<(usize, CacheKey), InFlight>>,
+    errors: Arc<BoundedLog>,
+}
+
+impl fmt::Debug for Customers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Customers")
+            .field("cached", &self.cache.entry_count())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the cache knows of a client.
+pub(crate) enum Lookup {
+    Known(Own),
+    /// Not cached: ask the resolver ([`Customers::resolve`]).
+    Unknown,
+}
+
+impl Customers {
+    pub(crate) fn new(resolve: Resolver, max_entries: u64, ttl: Duration) -> Self {
+        Self {
+            resolve,
+            cache: moka::sync::Cache::builder()
+                .max_capacity(max_entries)
+                .time_to_live(ttl)
+                .build(),
+            in_flight: Mutex::new(HashMap::new()),
+            errors: Arc::new(BoundedLog::new()),
+        }
+    }
+
+    /// The cached answer for `client` in the tier at `tier` (of `generation`: limits
+    /// replaced meanwhile make every answer stale).
+    pub(crate) fn lookup(&self, generation: u64, tier: usize, client: &[u8]) -> Lookup {
+        match self.cache.get(&(slot(generation, tier), cache_key(client))) {
+            Some(own) => Lookup::Known(own),
+            None => Lookup::Unknown,
+        }
+    }
+
+    /// Asks the resolver about `client`, once for every request waiting on it, and
+    /// caches the answer. A resolver that fails, panics or answers rules that cannot
+    /// serve (none of them at all) gives the tier's default rules, with a WARN at a
+    /// bounded rate.
+    pub(crate) fn resolve(
+        self: &Arc<Self>,
+        version: &Arc<Version>,
+        tier: usize,
+        namespace: Arc<str>,
+        failure_policy: FailurePolicy,
+        client: &[u8],
+        now_us: u64,
+    ) -> impl Future<Output = Own> + Send + 'static {
+        let key = (
+            slot(version.tiers[tier].generation, tier),
+            cache_key(client),
+        );
+        let call = {
+            let mut in_flight = self.in_flight.lock();
+            if let Some(call) = in_flight.get(&key) {
+                call.clone()
+            } else {
+                let this = Arc::clone(self);
+                let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    (self.resolve)(client)
+                }));
+                let version = Arc::clone(version);
+                let client_shown = KeyDigest(client).to_string();
+                let key2 = key.clone();
+                let call: Pin<Box<dyn Future<Output = Own> + Send>> = Box::pin(async move {
+                    let answer = match answer {
+                        Ok(future) => std::panic::AssertUnwindSafe(future)
+                            .catch_unwind()
+                            .await
+                            .unwrap_or_else(|_| Err("the resolver panicked".to_owned())),
+                        Err(_) => Err("the resolver panicked".to_owned()),
+                    };
+                    let own = match answer {
+                        Ok(Some(rules)) => Some(Arc::new(version.tiers[tier].customer(
+                            &namespace,
+                            rules,
+                            failure_policy,
+                        ))),
+                        Ok(None) => None,
+                        Err(error) => {
+                            if let Some(count) = this.errors.hit(now_us) {
+                                tracing::warn!(
+                                    key = %client_shown,
+                                    error = %truncated(&error),
+                                    requests = count,
+                                    "rate limit: the customer-limits resolver failed; the \
+                                     tier's default rules apply until the next try (reported \
+                                     at most every 10 s, with the failures since the last \
+                                     report)"
+                                );
+                            }
+                            None
+                        }
+                    };
+                    this.cache.insert(key2.clone(), own.clone());
+                    this.in_flight.lock().remove(&key2);
+                    own
+                });
+                let call = call.shared();
+                in_flight.insert(key, call.clone());
+                call
+            }
+        };
+        call
+    }
+}
+
+/// A tier and a position in the limits, as one cache key part (the generation moves
+/// with every replacement of the limits).
+fn slot(generation: u64, tier: usize) -> usize {
+    (generation as usize).wrapping_mul(1 << 20) ^ tier
+}
+
+/// At most 200 bytes of `text` for a log line, cut at a character boundary and marked.
+fn truncated(text: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 200;
+    if text.len() <= MAX {
+        return text.into();
+    }
+    let mut end = MAX;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &text[..end], text.len()).into()
+}

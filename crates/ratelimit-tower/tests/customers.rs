@@ -1,0 +1,212 @@
+//! Limits per customer: a resolver's rules per client key, cached; usage that carries
+//! across a customer's change; a resolver that fails or panics gives the tier's rules.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{Request, Response, StatusCode};
+use ratelimit_core::{ManualClock, MemoryStore, RuleSet};
+use ratelimit_tower::{HeaderKey, RateLimitLayer};
+use tokio::sync::Semaphore;
+use tower::{Layer, Service, ServiceExt};
+
+const T0: u64 = 1_699_999_200_000_000;
+
+fn ok_service() -> impl Service<
+    Request<Body>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = std::future::Ready<Result<Response<Body>, Infallible>>,
+> + Clone {
+    tower::service_fn(|_: Request<Body>| std::future::ready(Ok(Response::new(Body::empty()))))
+}
+
+fn req(key: &str) -> Request<Body> {
+    Request::get("/")
+        .header("x-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// 10,000 customers, each with a limit of its own (1 to 7 per minute): each admits exactly
+/// its limit, and the resolver is asked once per customer.
+#[tokio::test]
+async fn ten_thousand_customers_each_admit_exactly_their_own_limit() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&calls);
+    let layer = RateLimitLayer::builder(store, HeaderKey::new("x-key"))
+        .rules("100/min fixed-window name=plan")
+        .unwrap()
+        .namespace("customers")
+        .without_deny_cache()
+        .limits_for(move |key: &[u8]| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let n: u64 = std::str::from_utf8(key).unwrap()[1..].parse().unwrap();
+            let rules = format!("{}/min fixed-window name=plan", 1 + n % 7);
+            async move { rules.parse::<RuleSet>().map(Some) }
+        })
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    for n in 0..10_000u64 {
+        let key = format!("c{n}");
+        let limit = 1 + n % 7;
+        for i in 0..limit {
+            let res = svc.ready().await.unwrap().call(req(&key)).await.unwrap();
+            assert_eq!(res.status(), StatusCode::OK, "{key}: request {}", i + 1);
+        }
+        let res = svc.ready().await.unwrap().call(req(&key)).await.unwrap();
+        assert_eq!(
+            res.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{key} past {limit}"
+        );
+        assert_eq!(
+            res.headers()["ratelimit-policy"],
+            format!(r#""plan";q={limit};w=60"#).as_str()
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 10_000);
+}
+
+/// Concurrent requests of an unknown key share one resolver call; a customer the
+/// resolver does not know gets the tier's rules; after the time to live the resolver is
+/// asked again and a changed limit keeps the usage. (The cache's time to live runs on the
+/// system clock: the one wait of this test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_misses_share_one_call_and_usage_carries_across_a_change() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    let calls = Arc::new(AtomicUsize::new(0));
+    // The resolver answers one call per permit.
+    let gate = Arc::new(Semaphore::new(0));
+    let limit = Arc::new(AtomicUsize::new(5));
+    let (counted, opened, current) = (Arc::clone(&calls), Arc::clone(&gate), Arc::clone(&limit));
+    let layer = RateLimitLayer::builder(store, HeaderKey::new("x-key"))
+        .rules("2/h fixed-window name=plan")
+        .unwrap()
+        .namespace("shared-calls")
+        .without_deny_cache()
+        .customer_cache(1_000, Duration::from_millis(300))
+        .limits_for(move |key: &[u8]| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let known = key == b"acme";
+            let limit = current.load(Ordering::SeqCst);
+            let opened = Arc::clone(&opened);
+            async move {
+                opened.acquire().await.unwrap().forget();
+                Ok::<_, String>(
+                    known.then(|| format!("{limit}/h fixed-window name=plan").parse().unwrap()),
+                )
+            }
+        })
+        .build()
+        .unwrap();
+    let svc = layer.layer(ok_service());
+    let status = |key: &'static str| {
+        let svc = svc.clone();
+        tokio::spawn(async move { svc.oneshot(req(key)).await.unwrap().status() })
+    };
+    let waiting: Vec<_> = (0..8).map(|_| status("acme")).collect();
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    gate.add_permits(1);
+    let mut admitted = 0;
+    for w in waiting {
+        if w.await.unwrap() == StatusCode::OK {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 5, "acme's own limit of 5");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "one call for 8 concurrent misses"
+    );
+
+    // A customer the resolver does not know: the tier's 2/h.
+    gate.add_permits(1);
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(status("nobody").await.unwrap());
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+    // Raised to 8 once the answer has expired: the 5 used carry, 3 more.
+    limit.store(8, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    gate.add_permits(1);
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(status("acme").await.unwrap());
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
+/// A resolver that fails or panics gives the tier's rules; the service keeps serving.
+#[tokio::test]
+async fn a_failing_or_panicking_resolver_gives_the_tiers_rules() {
+    let store = Arc::new(MemoryStore::builder().clock(ManualClock::new(T0)).build());
+    let layer = RateLimitLayer::builder(store, HeaderKey::new("x-key"))
+        .rules("2/h fixed-window name=plan")
+        .unwrap()
+        .namespace("failing")
+        .without_deny_cache()
+        .limits_for(|key: &[u8]| {
+            if key == b"boom" {
+                panic!("resolver bug");
+            }
+            let text = if key == b"typo" { "0/h" } else { "not rules" };
+            let parsed = text.parse::<RuleSet>();
+            async move { parsed.map(Some) }
+        })
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    for key in ["boom", "typo", "junk"] {
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            statuses.push(
+                svc.ready()
+                    .await
+                    .unwrap()
+                    .call(req(key))
+                    .await
+                    .unwrap()
+                    .status(),
+            );
+        }
+        assert_eq!(
+            statuses,
+            [
+                StatusCode::OK,
+                StatusCode::OK,
+                StatusCode::TOO_MANY_REQUESTS
+            ],
+            "{key}"
+        );
+    }
+}
