@@ -44,9 +44,9 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 ///   rules (a changed limit, a second rule set on the same key) starts from the states
 ///   carried over by identity (see [`algo`](crate::algo#changing-rules)), and the
 ///   entry takes the new rules' states when that check commits, or is denied after a
-///   state was converted to a changed limit. A rule set's rules
-///   make the entry no larger than before: the memory per key is bounded by the rules
-///   of the set that last wrote it.
+///   state was converted to a changed limit. A rule set's rules make the entry no
+///   larger than before: the memory per key is bounded by the rules of the set that
+///   last wrote it.
 /// * **Long keys** are held as a 32-byte digest (see [`key`](crate::key)): memory per
 ///   entry does not grow with the length of the client's key.
 ///
