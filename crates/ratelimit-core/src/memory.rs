@@ -6,7 +6,9 @@ use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::algo::{carry, decide, decide_one_then, refund, RuleState};
+use crate::algo::{
+    carry_converting, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
+};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
@@ -43,9 +45,10 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 ///   identity, and the rule set that wrote it (a shared pointer). A check under other
 ///   rules (a changed limit, a second rule set on the same key) starts from the states
 ///   carried over by identity (see [`algo`](crate::algo#changing-rules)), and the
-///   entry takes the new rules' states only if that check commits. A rule set's rules
-///   make the entry no larger than before: the memory per key is bounded by the rules
-///   of the set that last wrote it.
+///   entry takes the new rules' states when that check commits, or is denied after a
+///   state was converted to a changed limit. A rule set's rules make the entry no
+///   larger than before: the memory per key is bounded by the rules of the set that
+///   last wrote it.
 /// * **Long keys** are held as a 32-byte digest (see [`key`](crate::key)): memory per
 ///   entry does not grow with the length of the client's key.
 ///
@@ -421,20 +424,32 @@ impl<C: Clock> MemoryStore<C> {
 
     /// The check of a key whose state was written under other rules: decided on the
     /// states carried over (see [`algo`](crate::algo#changing-rules)), which replace the
-    /// entry's only if the check commits, so that a denial or a peek leaves the state as
-    /// the other rules wrote it (as a store shared with processes on those rules must).
+    /// entry's when the check commits, or when it is denied after a state was converted
+    /// (the converted state depends on the time, so it is kept from the first check on).
+    /// Otherwise a denial or a peek leaves the state as the other rules wrote it (as a
+    /// store shared with processes on those rules must).
     #[cold]
     #[inline(never)]
     fn check_changed(entry: &mut Entry, rules: &RuleSet, now: u64, cost: u64) -> Decision {
-        let mut states = carry(&entry.rules, &entry.states, rules, now);
+        let Carried {
+            mut states,
+            converted,
+        } = carry_converting(&entry.rules, &entry.states, rules, now);
         let t = decide(rules, &mut states, now, cost);
         if t.committed {
-            entry.states = states;
-            entry.rules = rules.clone();
             entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));
-        } else if !t.decision.is_allowed() {
-            entry.meta = entry.meta.with_tier(Meta::AT_LIMIT);
+        } else if converted && cost > 0 {
+            // Denied: the states are the carried ones, unchanged by `decide`.
+            let expires = expires_at_for(rules, &states);
+            entry.meta = entry.meta.with(expires, Meta::AT_LIMIT);
+        } else {
+            if !t.decision.is_allowed() {
+                entry.meta = entry.meta.with_tier(Meta::AT_LIMIT);
+            }
+            return t.decision;
         }
+        entry.states = states;
+        entry.rules = rules.clone();
         t.decision
     }
 

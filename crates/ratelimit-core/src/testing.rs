@@ -167,7 +167,7 @@ macro_rules! __conformance_cases {
             idle_state_expires,
             long_keys_are_digests_distinct_from_short_keys,
             rule_change_limit_raised_keeps_usage,
-            rule_change_limit_lowered_keeps_usage_and_clamps_tokens,
+            rule_change_limit_lowered_keeps_usage,
             rule_change_rule_added_starts_empty,
             rule_change_rule_removed_is_dropped_on_commit,
             rule_change_algorithm_changed_starts_afresh,
@@ -180,6 +180,10 @@ macro_rules! __conformance_cases {
             refund_token_bucket_up_to_capacity,
             refund_gcra_and_leaky_bucket_move_the_arrival_time_back,
             refund_every_rule_and_nothing_after_the_rules_changed,
+            rule_change_gcra_carries_usage,
+            rule_change_token_bucket_carries_usage,
+            rule_change_leaky_meter_carries_usage,
+            rule_change_leaky_shaper_carries_usage,
         );
     };
 }
@@ -257,7 +261,7 @@ pub mod cases {
     use std::time::Duration;
 
     use super::{Case, MS, S};
-    use crate::{ManualClock, Outcome, Store};
+    use crate::{ManualClock, Outcome, RuleSet, Store};
 
     /// Fixed window: limit, remaining, reset, retry.
     pub async fn fixed_window_limit_remaining_reset_retry<St: Store>(
@@ -894,9 +898,8 @@ pub mod cases {
         d.rules().iter().map(|r| r.remaining).collect()
     }
 
-    /// A raised limit keeps what was spent: 3 of `5/h` leave 7 of `10/h`. A token bucket
-    /// keeps its tokens (a raised capacity fills by refill), GCRA and leaky buckets what
-    /// is owed.
+    /// A raised limit keeps what was spent: 3 of `5/h` leave 7 of `10/h`, under every
+    /// algorithm (a raised capacity alone too).
     pub async fn rule_change_limit_raised_keeps_usage<St: Store>(store: &St, clock: &ManualClock) {
         let c = Case::new(store, clock, "rule change: a raised limit keeps usage");
         c.at(0);
@@ -917,7 +920,7 @@ pub mod cases {
             (
                 "1/h token-bucket capacity=5",
                 "1/h token-bucket capacity=10",
-                2,
+                7,
             ),
         ] {
             let (before, after) = (c.rules(before), c.rules(after));
@@ -939,17 +942,11 @@ pub mod cases {
         }
     }
 
-    /// A lowered limit keeps what was spent: 3 of `5/h` leave none of `3/h`; a token
-    /// bucket's tokens are clamped to the new capacity, a GCRA's debt waits to drain.
-    pub async fn rule_change_limit_lowered_keeps_usage_and_clamps_tokens<St: Store>(
-        store: &St,
-        clock: &ManualClock,
-    ) {
-        let c = Case::new(
-            store,
-            clock,
-            "rule change: a lowered limit keeps usage, tokens clamped",
-        );
+    /// A lowered limit keeps what was spent: 3 of `5/h` leave none of `3/h`; 3 used of a
+    /// token bucket of 10 leave 2 of 5; a GCRA's debt beyond a lowered burst waits to
+    /// drain.
+    pub async fn rule_change_limit_lowered_keeps_usage<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "rule change: a lowered limit keeps usage");
         c.at(0);
         let (before, after) = (c.rules("5/h fixed-window"), c.rules("3/h fixed-window"));
         c.allowed(b"fw", &before, 3, "3 of 5/h").await;
@@ -965,8 +962,8 @@ pub mod cases {
         c.allowed(b"tb", &before, 3, "3 of 10 tokens").await;
         assert_eq!(
             c.count_allowed(b"tb", &after, 10).await,
-            5,
-            "[{}] 7 tokens clamped to 5",
+            2,
+            "[{}] 3 used of 10 leave 2 of 5",
             c.name
         );
 
@@ -1380,6 +1377,125 @@ pub mod cases {
         );
         let d = c.check(b"k", &other, 0).await;
         assert_eq!(d.rules()[1].remaining, 3, "[{}] {d:?}", c.name);
+    }
+
+    /// GCRA, raised and lowered: 3 used of `5/h` leave 7 under `10/h` and none under
+    /// `3/h`, and a denial under the new limit keeps its `retry_after` on the next check.
+    pub async fn rule_change_gcra_carries_usage<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "rule change: GCRA carries usage");
+        carries_usage(&c, "gcra", "burst").await;
+    }
+
+    /// Token bucket, raised and lowered: as [`rule_change_gcra_carries_usage`].
+    pub async fn rule_change_token_bucket_carries_usage<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "rule change: token bucket carries usage");
+        carries_usage(&c, "token-bucket", "capacity").await;
+    }
+
+    /// Leaky bucket as a meter, raised and lowered: as [`rule_change_gcra_carries_usage`].
+    pub async fn rule_change_leaky_meter_carries_usage<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(
+            store,
+            clock,
+            "rule change: leaky bucket meter carries usage",
+        );
+        carries_usage(&c, "leaky-bucket mode=meter", "capacity").await;
+    }
+
+    /// Leaky bucket as a shaper, raised and lowered: as
+    /// [`rule_change_gcra_carries_usage`].
+    pub async fn rule_change_leaky_shaper_carries_usage<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "rule change: leaky bucket shaper carries usage",
+        );
+        carries_usage(&c, "leaky-bucket mode=shaper", "shaper").await;
+    }
+
+    /// `n/h` of `algorithm`, with room for `n` at once (`size`: the parameter that gives
+    /// it, or "shaper" for a shaper's burst and delay).
+    fn per_hour<St: Store>(c: &Case<'_, St>, n: u64, algorithm: &str, size: &str) -> RuleSet {
+        let text = match size {
+            "shaper" => format!("{n}/h {algorithm} burst={} delay={}", n - 1, n - 1),
+            _ => format!("{n}/h {algorithm} {size}={n}"),
+        };
+        c.rules(&text)
+    }
+
+    /// 3 used of `5/h` leave 7 under `10/h` and none under `3/h`. A denial under the new
+    /// rule writes the converted state, so the next check keeps its `retry_after`:
+    /// converting again from the old state later would give another (a TAT or tokens
+    /// that drained at the old rate meanwhile).
+    async fn carries_usage<St: Store>(c: &Case<'_, St>, algorithm: &str, size: &str) {
+        let five = per_hour(c, 5, algorithm, size);
+        let ten = per_hour(c, 10, algorithm, size);
+        let three = per_hour(c, 3, algorithm, size);
+        c.at(0);
+        c.allowed(b"up", &five, 3, "3 of 5/h").await;
+        c.allowed(b"down", &five, 3, "3 of 5/h").await;
+
+        assert_eq!(remaining(c, b"up", &ten).await, [7], "[{}] {ten}", c.name);
+        assert_eq!(
+            c.count_allowed(b"up", &ten, 20).await,
+            7,
+            "[{}] {five} -> {ten}",
+            c.name
+        );
+
+        assert_eq!(
+            remaining(c, b"down", &three).await,
+            [0],
+            "[{}] {three}",
+            c.name
+        );
+        // 3 used of 3/h: the next unit in 20 minutes.
+        c.denied(b"down", &three, 1, Duration::from_secs(1200), "none of 3/h")
+            .await;
+        c.at(600 * S);
+        c.denied(
+            b"down",
+            &three,
+            1,
+            Duration::from_secs(600),
+            "the denial kept the state converted at its time",
+        )
+        .await;
+        c.at(1200 * S);
+        c.allowed(b"down", &three, 1, "at the retry time").await;
+        c.denied(b"down", &three, 1, Duration::from_secs(1200), "then none")
+            .await;
+
+        // Denied first under the raised limit: 8 of the 7 left need one more unit, 6
+        // minutes at 10/h.
+        c.at(2000 * S);
+        c.allowed(b"up-denied", &five, 3, "3 of 5/h").await;
+        c.denied(
+            b"up-denied",
+            &ten,
+            8,
+            Duration::from_secs(360),
+            "8 of 7 left",
+        )
+        .await;
+        c.at(2100 * S);
+        c.denied(
+            b"up-denied",
+            &ten,
+            8,
+            Duration::from_secs(260),
+            "the denial kept the state converted at its time",
+        )
+        .await;
+        c.at(2360 * S);
+        let d = c.check(b"up-denied", &ten, 8).await;
+        assert!(d.is_allowed(), "[{}] 8 at the retry time: {d:?}", c.name);
     }
 }
 

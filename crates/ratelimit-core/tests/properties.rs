@@ -1,7 +1,7 @@
 //! Invariants each algorithm promises, over random arrival traces.
 
 use proptest::prelude::*;
-use ratelimit_core::algo::{carry, decide, RuleState};
+use ratelimit_core::algo::{carry, carry_converting, decide, Carried, RuleState};
 use ratelimit_core::testing::{proptest_config, strategy};
 use ratelimit_core::{Rule, RuleSet};
 use std::time::Duration;
@@ -195,8 +195,14 @@ proptest! {
             if rules.check_cost(cost).is_err() {
                 continue;
             }
-            let mut next = carry(&writer, &states, rules, *t).into_vec();
+            let Carried { states: next, converted } = carry_converting(&writer, &states, rules, *t);
+            let mut next = next.into_vec();
             let tr = decide(rules, &mut next, *t, cost);
+            // As a store does: the carried states are written on a commit, and on a
+            // denial after a conversion.
+            if tr.committed || converted {
+                (writer, states) = (rules.clone(), next);
+            }
             if let Some(retry) = tr.decision.retry_after() {
                 let later = *t + retry.as_micros() as u64;
                 let mut again = carry(&writer, &states, rules, later).into_vec();
@@ -207,8 +213,34 @@ proptest! {
                     rules, writer, retry, tr.decision, d
                 );
             }
-            if tr.committed {
-                (writer, states) = (rules.clone(), next);
+        }
+    }
+
+    /// What a GCRA client owes is the same under any limit: carried to another limit
+    /// and back at one instant, the TAT is exactly what it was; and the usage under the
+    /// other limit is the same number of units.
+    #[test]
+    fn a_tat_carried_to_another_limit_and_back_is_unchanged(
+        (l1, l2) in (1u64..=1_000, 1u64..=1_000), period_ms in 1u64..=86_400_000,
+        used in 1u64..=20, gap in 0u64..1_000_000_000,
+    ) {
+        let period = Duration::from_millis(period_ms);
+        let a: RuleSet = RuleSet::new(vec![Rule::gcra(l1, period, 20).unwrap()]).unwrap();
+        let b: RuleSet = RuleSet::new(vec![Rule::gcra(l2, period, 20).unwrap()]).unwrap();
+        let t0 = 1_700_000_000_000_000u64;
+        let mut states = vec![RuleState::Fresh];
+        prop_assert!(decide(&a, &mut states, t0, used).committed);
+        let now = t0 + gap;
+        let there = carry_converting(&a, &states, &b, now);
+        let back = carry_converting(&b, &there.states, &a, now);
+        if let RuleState::Tat { us, .. } = states[0] {
+            if us > now {
+                prop_assert_eq!(&back.states[..], &states[..]);
+                prop_assert_eq!(there.converted, l1 != l2);
+                // The units left are the same count of units used, under either limit.
+                let left_a = decide(&a, &mut states.clone(), now, 0).decision.rules()[0].remaining;
+                let left_b = decide(&b, &mut there.states.to_vec(), now, 0).decision.rules()[0].remaining;
+                prop_assert_eq!(left_a, left_b);
             }
         }
     }

@@ -31,6 +31,8 @@
 --          bucket and GCRA (limit, capacity of the rule that wrote it, tat_us,
 --          tat_frac). The log marker is the entry {0, 1, until}: the shared log counts
 --          until then (the newest entry plus the writer's longest sliding-log period).
+--          A denial after a conversion (below) writes the layout 2^52, no rule set's,
+--          and entries only for the rules that carried a state.
 -- KEYS[3]  shared sliding log of the client key, only when a rule is a sliding log: list
 --          of µs timestamps, newest first, at most the largest log limit long
 --
@@ -54,9 +56,13 @@
 --
 -- A state of the same layout is read in place. One of another layout (the rules changed,
 -- or processes on two rule versions share the key) is read entry by entry: each rule
--- takes the entry of its identity, carried as the core's `algo::carry` does (see
--- carry below), and starts fresh without one; a check that commits writes the state in
--- its own layout, so the entries of rules it does not have are dropped then.
+-- takes the entry of its identity, carried as the core's `algo::carry_converting` does
+-- (see carry below: windows' counts as they are, a token bucket's or a TAT's usage
+-- converted to a changed limit or capacity), and starts fresh without one; a check that
+-- commits writes the state in its own layout, so the entries of rules it does not have
+-- are dropped then. A denial after a conversion writes the carried entries too (see
+-- write_carried): a converted state depends on the time, and the next check must not
+-- convert again from the old one. A peek, and any other denial, writes nothing.
 --
 -- Returns one string of little-endian doubles (all integers below 2^53, or -1; Redis
 -- turns a string into a reply at about half the cost of a table of 6 integers):
@@ -68,9 +74,10 @@
 --                   of the keys and discarded (the store owns its key namespace)
 --
 -- Redis calls: TIME (without an injected time, or with a deadline), one MGET for block
--- marker and state, one SET of the state with its expiry when the check commits; a
--- sliding log adds LLEN, LINDEX, LPUSH, PEXPIRE (or a DEL of a log that no longer
--- counts). A value of another type at a key reads as absent and is replaced.
+-- marker and state, one SET of the state with its expiry when the check commits (or is
+-- denied after a conversion); a sliding log adds LLEN, LINDEX, LPUSH, PEXPIRE (or a DEL
+-- of a log that no longer counts; a denial after a conversion only a PEXPIRE). A value of
+-- another type at a key reads as absent and is replaced.
 
 -- Cost: run with EVALSHA, every function below is created anew on each call, and each
 -- local it captures costs at creation. So the functions take their inputs as parameters,
@@ -82,6 +89,9 @@ local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCR
   1, 2, 3, 4, 5, 6
 -- The identity of the log marker's entry; no rule has it.
 local LOG_MARKER = 0
+-- The layout of a state a denial wrote after a conversion (see write_carried): 2^52, no
+-- rule set's (their layouts are below it), so every check reads it entry by entry.
+local CARRIED = 4503599627370496
 
 -- Exact floor division of non-negative integers below 2^53. Lua's `a % b` is
 -- a - floor(a / b) * b: the double quotient may round across an integer, which leaves
@@ -403,9 +413,12 @@ local function token_bucket(now, c, st, new, off, limit, period, capacity)
 end
 
 -- A bucket's state (level, last), written under a rule of limit ol and capacity oc of the
--- same period, for a rule of capacity `capacity`: nil (fresh) when the old rule has
--- refilled it by now; else the level, at most the new capacity, and last.
-local function token_bucket_carry(now, ol, oc, level, last, period, capacity)
+-- same period, for a rule of limit `limit` and capacity `capacity`: nil (fresh) when the
+-- old rule has refilled it by now; else the bucket as it is when neither changed, or
+-- what was used (the old capacity less the level now) taken from the new capacity, at
+-- least 0 left, as of now; and whether it was converted so. As the core's
+-- token_bucket::carry.
+local function token_bucket_carry(now, ol, oc, level, last, limit, period, capacity)
   local full = oc * period
   local lvl = level
   if now > last then
@@ -415,11 +428,18 @@ local function token_bucket_carry(now, ol, oc, level, last, period, capacity)
   if lvl >= full then
     return nil
   end
-  local cap = capacity * period
-  if level > cap then
-    level = cap
+  if ol == limit and oc == capacity then
+    return level, last, false
   end
-  return level, last
+  local left = capacity * period - (full - lvl)
+  if left < 0 then
+    left = 0
+  end
+  -- A clock that went back refills from the later time.
+  if now > last then
+    last = now
+  end
+  return left, last, true
 end
 
 -- GCRA on the theoretical arrival time, held as (tat_us, tat_frac): tat_us µs and
@@ -479,22 +499,27 @@ local function gcra(now, c, st, new, off, limit, period, cap, no_delay)
 end
 
 -- A TAT (us, frac / ol), written under a rule of limit ol of the same algorithm and
--- period, for a rule of limit `limit`: nil (fresh) once it has passed; else the TAT,
--- rounded up to a whole µs when the limit (the unit of its fraction) changed.
+-- period, for a rule of limit `limit`: nil (fresh) once it has passed; else the TAT as it
+-- is under the same limit, or what is owed, (us - now) x ol + frac (units used x period,
+-- whatever the limit), as a TAT now + owed / limit, exactly; and whether it was
+-- converted so. As the core's gcra::carry.
 local function gcra_carry(now, ol, us, frac, limit)
   if not (us > now or (us == now and frac > 0)) then
     return nil
   end
-  if ol ~= limit and frac > 0 then
-    return us + 1, 0
+  if ol == limit then
+    return us, frac, false
   end
-  return us, frac
+  local q, r = divmod((us - now) * ol + frac, limit)
+  return now + q, r, true
 end
 
 -- The state `raw`, written under another layout, for the rules of the arguments `v`: the
 -- table of values in this layout (`st`), the set of rules without a state (`fresh`, by
--- rule number) and whether the shared log counts; nil when `raw` is not a state this
--- script wrote. The core's `algo::carry`, entry by entry.
+-- rule number), whether the shared log counts and whether a state was converted to a
+-- changed rule (then a denial writes the carried state: see write_carried); nil when
+-- `raw` is not a state this script wrote. The core's `algo::carry_converting`, entry by
+-- entry.
 local function carry(raw, v, n, now)
   local len = #raw / 8
   if len % 1 ~= 0 or len < 1 then
@@ -524,7 +549,7 @@ local function carry(raw, v, n, now)
   if lp and t[lp - 1] == 1 and t[lp] > now then
     log_counts = true
   end
-  local st, fresh, off = {}, {}, 1
+  local st, fresh, off, converted = {}, {}, 1, false
   for i = 1, n do
     local o = HEADER + PER_RULE * i - 5
     local code, limit, period, a, b, id = v[o], v[o + 1], v[o + 2], v[o + 3], v[o + 4], v[o + 5]
@@ -537,14 +562,18 @@ local function carry(raw, v, n, now)
         -- The header's writer limit and capacity.
         off = off + 4
         if p and t[p - 1] == width + 2 then
-          local x, y
+          local x, y, z
           if code == TOKEN_BUCKET then
-            x, y = token_bucket_carry(now, t[p], t[p + 1], t[p + 2], t[p + 3], period, a)
+            x, y, z =
+              token_bucket_carry(now, t[p], t[p + 1], t[p + 2], t[p + 3], limit, period, a)
           else
-            x, y = gcra_carry(now, t[p], t[p + 2], t[p + 3], limit)
+            x, y, z = gcra_carry(now, t[p], t[p + 2], t[p + 3], limit)
           end
           if x then
             st[off + 1], st[off + 2] = x, y
+            if z then
+              converted = true
+            end
           else
             fresh[i] = true
           end
@@ -564,7 +593,7 @@ local function carry(raw, v, n, now)
       off = off + width
     end
   end
-  return st, fresh, log_counts
+  return st, fresh, log_counts, converted
 end
 
 -- The expiry option of a key whose state matters until `at` µs, and its value: exact on
@@ -588,6 +617,71 @@ local function expiry_arg(injected, now, ttl_floor, at)
     return 'PX', string.format('%d', ms)
   end
   return 'PXAT', string.format('%d', math.ceil(at / 1000))
+end
+
+-- Sets the shared log's expiry to `at` µs (see expiry_arg).
+local function expire_log(key3, injected, now, ttl_floor, at)
+  local unit, ms = expiry_arg(injected, now, ttl_floor, at)
+  if unit == 'PX' then
+    redis.call('PEXPIRE', key3, ms)
+  else
+    redis.call('PEXPIREAT', key3, ms)
+  end
+end
+
+-- Writes the state carried to this check's rules, on a denial after a carry that
+-- converted a state (see carry), as the core's MemoryStore does: a converted state
+-- depends on the time of the carry, so the next check reads it as it is instead of
+-- converting again from the old state at another time, and the denial's retry time
+-- holds. The state holds the entries of the rules that carried one, in this layout's
+-- order (headers from `new`, where the check put them; values from `st`), and the log
+-- marker, under the layout CARRIED: a rule that starts fresh gets no entry (a fixed
+-- window has no values that read as fresh at every time), and the next check carries
+-- each entry as it is (a converted entry holds its new rule's limit and capacity). The
+-- log counts until its newest entry leaves the longest sliding-log window of these
+-- rules, and its key is kept as long. The state expires with its longest-lived rule,
+-- the largest reset in `out`. A peek, or a denial without a conversion, writes nothing.
+local function write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected,
+    ttl_floor, log_limit, log_period, newest)
+  local unpack_ = struct.unpack
+  local w, k, off, at, pos = {CARRIED}, 1, 1, now, 8 * HEADER + 1
+  for i = 1, n do
+    local code, a, _
+    code, _, _, a, _, _, pos = unpack_(RULE_FORMAT, packed, pos)
+    if code ~= SLIDING_LOG then
+      local head, width = 2, 2
+      if code >= TOKEN_BUCKET then
+        head = 4
+      elseif code == SLIDING_WINDOW then
+        width = a + 2
+      end
+      if not fresh[i] then
+        for j = off + 1, off + head do
+          k = k + 1
+          w[k] = new[j]
+        end
+        for j = off + head + 1, off + head + width do
+          k = k + 1
+          w[k] = st[j]
+        end
+      end
+      off = off + head + width
+    end
+    if now + out[4 * i + 1] > at then
+      at = now + out[4 * i + 1]
+    end
+  end
+  if log_limit > 0 and newest then
+    w[k + 1], w[k + 2], w[k + 3] = LOG_MARKER, 1, newest + log_period
+    k = k + 3
+    expire_log(key3, injected, now, ttl_floor, newest + log_period)
+  end
+  local shape = ''
+  if k <= 1000 then
+    shape = FORMATS[k] or doubles(k)
+  end
+  local unit, ms = expiry_arg(injected, now, ttl_floor, at)
+  redis.call('SET', key2, encode(w, k, shape), unit, ms)
 end
 
 -- The Redis server's time, in µs since the Unix epoch.
@@ -673,13 +767,14 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   -- The stored state in this layout: read in place when this rule set wrote it, else
   -- carried entry by entry (rules in `fresh` start without state). The shared log counts
   -- when this rule set wrote the state, or the state's log marker says so.
-  local st, fresh, log_counts = nil, nil, false
+  local st, fresh, log_counts, converted = nil, nil, false, false
   if raw then
     st = decode(raw, width, shape)
     if st and st[1] == layout then
       log_counts = true
     else
-      st, fresh, log_counts = carry(raw, {unpack_(doubles(len / 8), packed)}, n, now)
+      st, fresh, log_counts, converted =
+        carry(raw, {unpack_(doubles(len / 8), packed)}, n, now)
       if not st then
         -- Read as fresh; the commit replaces it.
         status = 2
@@ -691,8 +786,9 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   if log_limit > 0 then
     if not log_counts then
       -- A log the state does not vouch for is no one's: read as empty, and dropped before
-      -- it is added to. Only a commit drops it: a peek or a denial writes nothing, so the
-      -- rules that wrote the log still find it (as MemoryStore keeps it).
+      -- it is added to. Only a commit drops it (a denial that writes a converted state
+      -- leaves it unvouched for, as a commit would): a peek or another denial writes
+      -- nothing, so the rules that wrote the log still find it (as MemoryStore keeps it).
       drop_log = true
     else
       log_len = redis.pcall('LLEN', key3)
@@ -800,6 +896,10 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   out[2] = delay
 
   if not all_ok or cost == 0 then
+    if converted and cost > 0 then
+      write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected, ttl_floor,
+        log_limit, log_period, newest)
+    end
     return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))
   end
 
@@ -857,12 +957,7 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     if log_len + cost > log_limit then
       redis.call('LTRIM', key3, 0, fmt('%d', log_limit - 1))
     end
-    local unit, ms = expiry_arg(injected, now, ttl_floor, log_now + log_period)
-    if unit == 'PX' then
-      redis.call('PEXPIRE', key3, ms)
-    else
-      redis.call('PEXPIREAT', key3, ms)
-    end
+    expire_log(key3, injected, now, ttl_floor, log_now + log_period)
   end
 
   return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))

@@ -188,12 +188,15 @@
 //! servers of a fleet on two versions at once) reads each rule's entry by identity and
 //! carries it exactly as [`MemoryStore`](ratelimit_core::MemoryStore) does (the core's
 //! [`algo`](ratelimit_core::algo#changing-rules) says what carries: counts and log
-//! entries as they are, token bucket levels clamped, a new rule, algorithm or period
-//! fresh); the state is rewritten in the new rules' layout only when that check commits,
-//! so entries of rules the new set lacks are dropped then. The string starts with the
-//! writer's layout, so a check under the same rules reads it in place; token bucket,
-//! leaky bucket and GCRA entries also keep the limit and capacity they were written
-//! under, which the carry needs. The state stays O(rules): a few doubles per rule.
+//! entries as they are, what a token bucket or a GCRA or leaky bucket client used turned
+//! into the new limit's terms, a new rule, algorithm or period fresh); the state is
+//! rewritten in the new rules' layout when that check commits, so entries of rules the
+//! new set lacks are dropped then. A denial after such a conversion writes the carried
+//! entries too (the conversion depends on the time, and the next check must not convert
+//! again): under a layout no rule set has, so the next check reads them entry by entry.
+//! The string starts with the writer's layout, so a check under the same rules reads it
+//! in place; token bucket, leaky bucket and GCRA entries also keep the limit and capacity
+//! they were written under, which the carry needs. The state stays O(rules): a few doubles per rule.
 //!
 //! Every key expires when its state becomes equivalent to a fresh one (the core's
 //! `expires_at`, rounded up to the millisecond): no cleanup job exists or is needed. The

@@ -246,3 +246,47 @@ async fn a_clients_state_lives_as_long_as_its_longest_rule_and_no_longer() {
         "expires at {at}, at most 200 ms after {after} µs"
     );
 }
+
+/// A denial under a lowered limit writes the converted state (see the core's `algo`,
+/// "Changing rules"), and its key lives as long as that state matters: 3 used of `5/h`
+/// owe an hour under `3/h`, where the old state stopped mattering after 36 minutes.
+#[tokio::test]
+async fn a_denial_that_converts_a_changed_limit_keeps_the_state_while_it_matters() {
+    let server = RedisServer::start();
+    let mut con = common::conn(&server.url());
+    let store = redis_time_store(&server).await;
+
+    for (client, hex, five, three) in [
+        (b"c", "63", "5/h gcra burst=5", "3/h gcra burst=3"),
+        (
+            b"d",
+            "64",
+            "5/h token-bucket capacity=5",
+            "3/h token-bucket capacity=3",
+        ),
+    ] {
+        let (five, three): (RuleSet, RuleSet) = (five.parse().unwrap(), three.parse().unwrap());
+        let before = redis_time_us(&mut con);
+        for _ in 0..3 {
+            assert!(store.check(client, &five, 1).await.unwrap().is_allowed());
+        }
+        let (pttl, now_ms) = pttl_at(&mut con, &state_key("t", hex));
+        let old_expiry = now_ms as i64 + pttl;
+        assert!(
+            old_expiry <= now_ms as i64 + 2_160_001,
+            "{five}: 3 of 5/h matter 36 minutes, expire at {old_expiry}"
+        );
+        let d = store.check(client, &three, 1).await.unwrap();
+        assert_eq!(d.outcome(), Outcome::Limited, "{three}: {d:?}");
+        let after = redis_time_us(&mut con);
+        let (pttl, now_ms) = pttl_at(&mut con, &state_key("t", hex));
+        let expires_ms = now_ms as i64 + pttl;
+        // About an hour after the checks (less what drained in the milliseconds between).
+        let earliest = (before / MS) as i64 + 3_590_000;
+        let latest = (after / MS) as i64 + 3_600_001;
+        assert!(
+            (earliest..=latest).contains(&expires_ms),
+            "{three}: expires at {expires_ms} ms, want {earliest}..={latest}"
+        );
+    }
+}

@@ -220,10 +220,11 @@
 //! its name when it has one, else its algorithm and period. So, for a client who has spent
 //! 3 under `5/h`:
 //!
-//! * a changed limit keeps the usage: 7 left under `10/h`, none under `3/h`. Window
-//!   counts and log entries carry as they are; a token bucket's tokens are clamped to
-//!   the new capacity; what a GCRA or leaky bucket client owes carries (the core's
-//!   `algo` module docs, "Changing rules", give each algorithm's case);
+//! * a changed limit keeps the usage: 7 left under `10/h`, none under `3/h`, whatever the
+//!   algorithm (GCRA, the default, included). Window counts and log entries carry as they
+//!   are; a token bucket's tokens and a GCRA's or leaky bucket's arrival time are turned
+//!   into units used and back under the new limit, at the first check under it (the
+//!   core's `algo` module docs, "Changing rules", give each algorithm's case);
 //! * a rule of a new identity starts empty (a new rule, a new algorithm, a new period or
 //!   sliding-window precision, a rule that gains, loses or changes its name), and the
 //!   state of a rule that is gone is dropped;

@@ -77,25 +77,32 @@ pub(super) fn expires_at(state: &RuleState) -> u64 {
 }
 
 /// The state of a rule of the same algorithm and period changed from `old` to `rule`, at
-/// `now` (GCRA, or either leaky bucket mode): `Fresh` once the TAT has passed; else the
-/// TAT, a point in time whatever the rate, rounded up to a whole microsecond when the
-/// limit (the unit of its fraction) changed. A TAT further ahead than the new capacity
-/// is kept: the new rule denies until it is within it, as a window whose count is above
-/// a lowered limit does.
-pub(super) fn carry(old: &Rule, rule: &Rule, state: &RuleState, now: u64) -> RuleState {
+/// `now` (GCRA, or either leaky bucket mode), and whether it was converted: `Fresh` once
+/// the TAT has passed; else what is owed, `(tat − now) × old limit` in 1/old-limit µs,
+/// which is the units used × the period whatever the limit (a unit moves the TAT by
+/// period / limit µs), as a TAT under the new limit: `now + owed / limit` µs, the
+/// remainder its fraction in 1/limit µs (exact, no rounding). Under the same limit that
+/// is the TAT as it is. A TAT further ahead than the new capacity is kept: the new rule
+/// denies until it is within it, as a window whose count is above a lowered limit does.
+pub(super) fn carry(old: &Rule, rule: &Rule, state: &RuleState, now: u64) -> (RuleState, bool) {
     let RuleState::Tat { us, frac } = *state else {
-        return RuleState::Fresh;
+        return (RuleState::Fresh, false);
     };
     if !(us > now || (us == now && frac > 0)) {
-        return RuleState::Fresh;
+        return (RuleState::Fresh, false);
     }
-    if old.limit() != rule.limit() && frac > 0 {
-        return RuleState::Tat {
-            us: us + 1,
-            frac: 0,
-        };
+    if old.limit() == rule.limit() {
+        return (RuleState::Tat { us, frac }, false);
     }
-    RuleState::Tat { us, frac }
+    let owed = (us - now) * old.limit() + frac;
+    let (whole, frac) = rule.limit_div().div_rem(owed);
+    (
+        RuleState::Tat {
+            us: now + whole,
+            frac,
+        },
+        true,
+    )
 }
 
 /// Moves the TAT back by `give` (in 1/limit µs), never before `now` (a TAT in the past is

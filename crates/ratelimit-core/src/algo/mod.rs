@@ -23,32 +23,43 @@
 //!
 //! * a rule of a new identity (a new rule, a new algorithm, a new period, a new
 //!   sliding window precision) starts empty, and the state of a rule that is gone is
-//!   dropped when the check commits (a denied check or a peek writes nothing, so the
-//!   state stays as it was);
-//! * fixed window and sliding window counter: the counts carry as they are, so a client
-//!   who spent 3 of `5/h` has 7 left under `10/h` and none under `3/h`;
-//! * token bucket: the tokens as of the last check, clamped to the new capacity and
-//!   refilled from then on at the new rate (a raised capacity fills by refilling); a
-//!   bucket the old rule has refilled completely by now starts full;
-//! * GCRA and leaky bucket (meter and shaper alike: the mode is a limit, the level is
-//!   the same): the theoretical arrival time, which is a point in time whatever the rate
-//!   (rounded up to a whole microsecond when the limit changed: its fraction counts in
-//!   1/limit µs). What is owed carries, so a raised burst gives room at once (3 spent of
-//!   a burst of 5 leave 7 of a burst of 10), and a TAT further ahead than a lowered
-//!   capacity is not cut back: the new rule denies until it has drained within it, as a
-//!   window denies until its count is under a lowered limit. Cutting it back would be a
-//!   write on a check that consumes nothing, and a retry time the next check would not
-//!   keep;
-//! * sliding log: one log of admitted timestamps per key, shared by every sliding-log
-//!   rule, carries as it stands (a timestamp means the same under any limit or period) as
-//!   long as some sliding-log rule wrote it and its longest sliding-log period has not
-//!   run out since; it holds at most the largest sliding-log limit of the rules that
-//!   wrote it. It is dropped when a rule set without a sliding log commits.
+//!   dropped when the store writes the new rules' states (see below);
+//! * every other rule keeps what the client used, so a client who spent 3 of `5/h` has
+//!   7 left under `10/h` and none under `3/h`, whatever the algorithm:
+//!   * fixed window and sliding window counter: the counts carry as they are;
+//!   * token bucket: what was used, the old capacity less the tokens at `now` (refilled
+//!     under the old rule), is taken from the new capacity, at least 0 left, as of `now`,
+//!     refilled from then on at the new rate; a bucket the old rule has refilled
+//!     completely by now starts full;
+//!   * GCRA and leaky bucket (meter and shaper alike: the mode is a limit, the level is
+//!     the same): at `now`, `(tat − now) × old limit` (in 1/old-limit µs, the TAT's
+//!     fraction included) is the units used × the period, whatever the limit, since a unit
+//!     moves the TAT by period / limit µs. Under the new limit the TAT is `now` plus that
+//!     over the new limit, exactly (the remainder is its fraction, in 1/limit µs). A TAT
+//!     that has passed starts fresh. A TAT further ahead than a lowered capacity is not cut
+//!     back: the new rule denies until it has drained within it, as a window denies until
+//!     its count is under a lowered limit;
+//!   * sliding log: one log of admitted timestamps per key, shared by every sliding-log
+//!     rule, carries as it stands (a timestamp means the same under any limit or period) as
+//!     long as some sliding-log rule wrote it and its longest sliding-log period has not
+//!     run out since; it holds at most the largest sliding-log limit of the rules that
+//!     wrote it. It is dropped when a rule set without a sliding log commits.
 //!
 //! A state written under the same rule set is used as it is: [`carry`] under unchanged
-//! rules decides exactly as the state it was given. Carrying writes nothing by itself,
-//! and what it gives depends on the time only through states that expire, so until a
-//! check under the new rules commits, each check carries the same state again.
+//! rules decides exactly as the state it was given, and so does a rule whose limit and
+//! capacity did not change.
+//!
+//! **When the carried states are written.** Carrying writes nothing by itself; a store
+//! replaces the key's states with the carried ones (and drops those of rules that are
+//! gone) when a check under the new rules commits, and also on a denial when a state was
+//! converted ([`Carried::converted`]: a GCRA or leaky bucket rule whose limit changed,
+//! or a token bucket rule whose limit or capacity changed, with a live state). A converted state depends on the time
+//! of the carry, so it is written at the first check under the new rules: a later check
+//! reads it as it is, rather than converting again from the old state at another time,
+//! and a denial's `retry_after` holds. Otherwise a denial, and a peek always, writes
+//! nothing: the windows' counts and the sliding log carry the same at any time, and
+//! writing them would drop the states of rules a store shared with processes on the old
+//! rules still needs. Each check under the new rules then carries the same state again.
 //!
 //! # Giving units back
 //!
@@ -214,13 +225,36 @@ pub fn decide(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) ->
 /// The states the rules of `to` start from at `now`, for a key whose `states` were written
 /// under `from`: each rule's state by its identity, carried as the [module
 /// docs](self#changing-rules) say; a rule without one starts `Fresh`. `states` is left
-/// as it is: a store replaces it with the result only when the check commits.
+/// as it is. [`carry_converting`] also says whether a store must write the result on a
+/// denial.
 pub fn carry(
     from: &RuleSet,
     states: &[RuleState],
     to: &RuleSet,
     now: u64,
 ) -> SmallVec<[RuleState; 1]> {
+    carry_converting(from, states, to, now).states
+}
+
+/// What [`carry_converting`] gives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Carried {
+    /// The states the rules of the new set start from.
+    pub states: SmallVec<[RuleState; 1]>,
+    /// Whether a state was converted to a changed rule at the time of the carry: a GCRA
+    /// or leaky bucket whose limit changed, or a token bucket whose limit or capacity
+    /// changed, with a state that has not yet become fresh. The carried states then
+    /// depend on the time, so a store writes them (with [`expires_at_for`]) at the first
+    /// check under the new rules that costs something, a denial included: a later check
+    /// carrying again from the old states would convert at another time, and a denial's
+    /// `retry_after` would not hold.
+    pub converted: bool,
+}
+
+/// [`carry`], and whether a state was converted ([`Carried::converted`]). A store keeps
+/// the old states on a peek, and on a denial unless a state was converted; on a commit,
+/// or a denial after a conversion, it replaces them with [`Carried::states`].
+pub fn carry_converting(from: &RuleSet, states: &[RuleState], to: &RuleSet, now: u64) -> Carried {
     debug_assert_eq!(states.len(), from.len());
     let log = shared_log(states).filter(|log| {
         log.front()
@@ -228,6 +262,7 @@ pub fn carry(
     });
     let mut log = log.map(|log| RuleState::Log(Box::new(log.clone())));
     let mut out = SmallVec::with_capacity(to.len());
+    let mut converted = false;
     for (rule, id) in to.rules().iter().zip(to.rule_ids()) {
         if rule.algorithm() == Algorithm::SlidingLog {
             // The shared log, in the first sliding-log rule's slot.
@@ -239,8 +274,8 @@ pub fn carry(
             continue;
         };
         let (old, state) = (&from.rules()[at], &states[at]);
-        out.push(match old.algorithm() {
-            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => state.clone(),
+        let (state, changed) = match old.algorithm() {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => (state.clone(), false),
             Algorithm::TokenBucket { capacity } => {
                 token_bucket::carry(old, capacity, rule, state, now)
             }
@@ -248,9 +283,28 @@ pub fn carry(
                 gcra::carry(old, rule, state, now)
             }
             Algorithm::SlidingLog => unreachable!("identities keep the algorithm"),
-        });
+        };
+        converted |= changed;
+        out.push(state);
     }
-    out
+    Carried {
+        states: out,
+        converted,
+    }
+}
+
+/// The moment from which `states`, held under `rules`, are equivalent to fresh ones: when
+/// a store may forget them. [`Transition::expires_at_us`] is this for a committed check.
+pub fn expires_at_for(rules: &RuleSet, states: &[RuleState]) -> u64 {
+    debug_assert_eq!(states.len(), rules.len());
+    let log = shared_log(states);
+    rules
+        .rules()
+        .iter()
+        .zip(states)
+        .map(|(rule, state)| expires_at(rule, state, log))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Gives back `cost` units that a check of `rules` charged at `charged_at` (a reading of

@@ -67,27 +67,37 @@ pub(super) fn expires_at(rule: &Rule, capacity: u64, state: &RuleState) -> u64 {
 }
 
 /// The state of a bucket of the same period whose rule changed from `old` to `rule`, at
-/// `now`: `Fresh` when the old rule has refilled the bucket by now; else the tokens as of
-/// the last check, at most the new capacity, refilled from then on at the new rate. It
-/// does not depend on `now` until the old bucket is full, so a check that writes nothing
-/// (a denial, a peek) leaves nothing to write: the next one carries the same state.
+/// `now`, and whether it was converted: `Fresh` when the old rule has refilled the
+/// bucket by now; else what was used, the old capacity less the level at `now` (under
+/// the old rule's refill), taken from the new capacity (at least 0 left) as of `now`.
+/// Under the same limit and capacity that is the bucket as it is.
 pub(super) fn carry(
     old: &Rule,
     old_capacity: u64,
     rule: &Rule,
     state: &RuleState,
     now: u64,
-) -> RuleState {
+) -> (RuleState, bool) {
     let RuleState::Tokens { level, last } = *state else {
-        return RuleState::Fresh;
+        return (RuleState::Fresh, false);
     };
-    if level_at(old, old_capacity, state, now) >= old_capacity * old.period_us() {
-        return RuleState::Fresh;
+    let old_full = old_capacity * old.period_us();
+    let held = level_at(old, old_capacity, state, now);
+    if held >= old_full {
+        return (RuleState::Fresh, false);
     }
-    RuleState::Tokens {
-        level: level.min(rule.capacity() * rule.period_us()),
-        last,
+    if old.limit() == rule.limit() && old_capacity == rule.capacity() {
+        return (RuleState::Tokens { level, last }, false);
     }
+    let used = old_full - held;
+    (
+        RuleState::Tokens {
+            level: (rule.capacity() * rule.period_us()).saturating_sub(used),
+            // A clock that went back refills from the later time, as `evaluate` does.
+            last: last.max(now),
+        },
+        true,
+    )
 }
 
 /// Puts `give` (tokens × period) back, up to the bucket's capacity. Returns whether the
