@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use hashbrown::{Equivalent, HashMap, HashTable};
 use parking_lot::Mutex;
-use smallvec::SmallVec;
+use slab::Slab;
+use smallvec::{smallvec, SmallVec};
 
 use crate::algo::{
     carry_converting, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
@@ -13,7 +14,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::CapacityError;
 use crate::key::{digest, StoredKey, DIGEST_LEN, MAX_INLINE_KEY_LEN};
-use crate::rule::RuleSet;
+use crate::rule::{Algorithm, Rule, RuleSet};
 use crate::store::Store;
 
 /// Keys tracked by default before the store starts evicting.
@@ -86,70 +87,117 @@ impl<C: Clock> std::fmt::Debug for MemoryStore<C> {
 #[repr(align(128))]
 struct Padded<T>(T);
 
+/// One tracked key: 48 bytes, the whole of what a key of up to [`INLINE`] bytes under a
+/// one-rule set of two-word state costs besides its slot in the shard's index.
+///
+/// A key's expiry is not stored for a packed state: it is computed from the state when
+/// a shard sweeps or evicts (once per eighth of a shard's inserts), rather than kept in
+/// every entry.
 struct Entry {
-    /// The held key: the client key, or its digest when [`Meta::is_digest`].
-    key: Box<[u8]>,
-    /// The rule set `states` were written under (a pointer: the entry stays 72 bytes).
+    /// The state of a one-rule set whose state is two integers (fixed window, token
+    /// bucket, GCRA, leaky bucket), as [`pack`] writes it; when [`Tag::SPILLED`], the
+    /// index in [`Shard::spills`] of the states held out of line.
+    words: [u64; 2],
+    /// The rule set the state was written under.
     rules: RuleSet,
-    meta: Meta,
-    states: SmallVec<[RuleState; 1]>,
+    /// The key when it has at most [`INLINE`] bytes; otherwise the index in
+    /// [`Shard::long_keys`] of the held bytes, in the first four.
+    key: [u8; INLINE],
+    tag: Tag,
 }
 
-/// An entry's expiry, eviction tier and key kind in one word (the entry stays 72 bytes).
-///
-/// Bits 0-55: the time from which the state is equivalent to a fresh one (µs, saturated;
-/// 2^56 µs is two thousand years after the epoch). Bit 61: the key is a digest. Bits
-/// 62-63: the tier, how close the entry is to its limit (0 to 3). With the key bit
-/// cleared, a larger word is an entry that costs more to forget.
-#[derive(Clone, Copy)]
-struct Meta(u64);
+/// Keys of up to this many bytes are held in their entry: an IPv6 address under a short
+/// namespace, an IPv4 one under the tower layer's implicit namespace.
+const INLINE: usize = 23;
 
-impl Meta {
-    const EXPIRY: u64 = (1 << 56) - 1;
-    const DIGEST: u64 = 1 << 61;
-    const TIER_SHIFT: u32 = 62;
+/// An entry's key kind, state form and eviction tier in one byte.
+///
+/// Bits 0-4: the key's length when inline (0 to [`INLINE`]), else [`Tag::LONG`] or
+/// [`Tag::DIGEST`]. Bit 5: [`Tag::SPILLED`]. Bits 6-7: the tier, how close the entry is
+/// to its limit (0 to 3).
+#[derive(Clone, Copy)]
+struct Tag(u8);
+
+impl Tag {
+    const KEY: u8 = 0b1_1111;
+    /// A key longer than [`INLINE`] bytes, held out of line.
+    const LONG: u8 = 30;
+    /// The digest of a key longer than [`MAX_INLINE_KEY_LEN`] bytes, held out of line.
+    const DIGEST: u8 = 31;
+    /// The states are out of line (several rules, or a state that is not two words).
+    const SPILLED: u8 = 1 << 5;
+    const TIER_SHIFT: u32 = 6;
     /// Denying, or no unit left.
     const AT_LIMIT: u8 = 3;
 
     #[inline]
-    fn new(expires_at: u64, tier: u8, digest: bool) -> Self {
-        Meta(
-            expires_at.min(Self::EXPIRY)
-                | (u64::from(tier) << Self::TIER_SHIFT)
-                | if digest { Self::DIGEST } else { 0 },
-        )
+    fn key_code(self) -> u8 {
+        self.0 & Self::KEY
     }
 
     #[inline]
-    fn expires_at(self) -> u64 {
-        self.0 & Self::EXPIRY
+    fn is_spilled(self) -> bool {
+        self.0 & Self::SPILLED != 0
     }
 
     #[inline]
-    fn is_digest(self) -> bool {
-        self.0 & Self::DIGEST != 0
-    }
-
-    /// Eviction order: lower ranks go first.
-    #[inline]
-    fn rank(self) -> u64 {
-        self.0 & !Self::DIGEST
-    }
-
-    #[inline]
-    fn with(self, expires_at: u64, tier: u8) -> Self {
-        Self::new(expires_at, tier, self.is_digest())
+    fn tier(self) -> u8 {
+        self.0 >> Self::TIER_SHIFT
     }
 
     #[inline]
     fn with_tier(self, tier: u8) -> Self {
-        Self::new(self.expires_at(), tier, self.is_digest())
+        Tag((self.0 & !(3 << Self::TIER_SHIFT)) | (tier << Self::TIER_SHIFT))
+    }
+
+    #[inline]
+    fn with_spilled(self, spilled: bool) -> Self {
+        Tag((self.0 & !Self::SPILLED) | if spilled { Self::SPILLED } else { 0 })
     }
 }
 
+/// States held out of line: those of a set of several rules, or of a rule whose state is
+/// not two integers (sliding window counter, sliding log), with their expiry.
+struct Spill {
+    states: SmallVec<[RuleState; 1]>,
+    expires_at: u64,
+}
+
+/// A one-rule state as two words, when it is of the kind the rule's algorithm writes
+/// (which [`unpack`] restores from the algorithm); `None` for any other (`Fresh`, the
+/// sliding window's counts, the log), which is held out of line.
+#[inline(always)]
+fn pack(rule: &Rule, state: &RuleState) -> Option<[u64; 2]> {
+    match (rule.algorithm(), state) {
+        (Algorithm::FixedWindow, &RuleState::Window { index, count }) => Some([index, count]),
+        (Algorithm::TokenBucket { .. }, &RuleState::Tokens { level, last }) => Some([level, last]),
+        (Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_), &RuleState::Tat { us, frac }) => {
+            Some([us, frac])
+        }
+        _ => None,
+    }
+}
+
+/// The state [`pack`] gave `words` for, under the same rule.
+#[inline(always)]
+fn unpack(rule: &Rule, [a, b]: [u64; 2]) -> RuleState {
+    match rule.algorithm() {
+        Algorithm::FixedWindow => RuleState::Window { index: a, count: b },
+        Algorithm::TokenBucket { .. } => RuleState::Tokens { level: a, last: b },
+        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => RuleState::Tat { us: a, frac: b },
+        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+            unreachable!("only two-word states are packed")
+        }
+    }
+}
+
+/// Saturation of an expiry in an eviction rank (2^56 µs is two thousand years after
+/// the epoch); the tier takes the two bits above.
+const RANK_EXPIRY: u64 = (1 << 56) - 1;
+
 /// How close an admitted check left its rules to their limits: the largest over the rules
 /// of 0 (at most one unit or an eighth of the capacity in use), 1 (at most half), 2 (more
-/// than half) or [`Meta::AT_LIMIT`] (nothing left). Multiplications only: it runs on every
+/// than half) or [`Tag::AT_LIMIT`] (nothing left). Multiplications only: it runs on every
 /// admitted check.
 #[inline]
 fn tier(rules: &RuleSet, decision: &Decision) -> u8 {
@@ -168,7 +216,7 @@ fn tier(rules: &RuleSet, decision: &Decision) -> u8 {
 fn rule_tier(cap: u64, left: u64) -> u8 {
     // Both at most 2^51: the products cannot overflow.
     if left == 0 {
-        Meta::AT_LIMIT
+        Tag::AT_LIMIT
     } else if left + 1 >= cap || left * 8 >= cap * 7 {
         0
     } else if left * 2 >= cap {
@@ -178,11 +226,18 @@ fn rule_tier(cap: u64, left: u64) -> u8 {
     }
 }
 
+/// A shard's keys: entries side by side in one vector, found through a table of their
+/// positions.
+///
+/// A hash table is often only half full right after it grows; its slots are 4-byte
+/// positions, so empty ones cost 4 bytes, not a whole entry, and the entries themselves
+/// fill their vector.
 #[derive(Default)]
 struct Shard {
-    // Boxed entries keep the table's slots at one pointer: a hash table is often only half
-    // full right after it grows, and empty slots then cost 8 bytes, not a whole entry.
-    table: HashTable<Box<Entry>>,
+    index: HashTable<u32>,
+    entries: Vec<Entry>,
+    long_keys: Slab<Box<[u8]>>,
+    spills: Slab<Spill>,
     blocks: HashMap<HeldKey, u64, foldhash::fast::RandomState>,
     sweep_at: usize,
 }
@@ -203,38 +258,108 @@ impl Shard {
         None
     }
 
+    /// The position of the entry of the held bytes.
+    #[inline(always)]
+    fn find(&self, hash: u64, held: &[u8], is_digest: bool) -> Option<usize> {
+        let (entries, long_keys) = (&self.entries, &self.long_keys);
+        self.index
+            .find(hash, |&at| {
+                entries[at as usize].holds(held, is_digest, long_keys)
+            })
+            .map(|&at| at as usize)
+    }
+
+    /// The moment from which the entry's state is equivalent to a fresh one.
+    fn expires_at(&self, entry: &Entry) -> u64 {
+        if entry.tag.is_spilled() {
+            return self.spills[entry.words[0] as usize].expires_at;
+        }
+        let rule = &entry.rules.rules()[0];
+        let state = unpack(rule, entry.words);
+        expires_at_for(&entry.rules, std::slice::from_ref(&state))
+    }
+
+    /// Eviction order: lower ranks go first.
+    fn rank(&self, entry: &Entry) -> u64 {
+        self.expires_at(entry).min(RANK_EXPIRY) | u64::from(entry.tag.tier()) << 62
+    }
+
+    /// Drops the entries `drop` names (by position), keeping the others in order.
+    fn remove_where(&mut self, mut drop: impl FnMut(usize, &Self) -> bool) {
+        let doomed: Vec<bool> = (0..self.entries.len()).map(|at| drop(at, self)).collect();
+        if !doomed.contains(&true) {
+            return;
+        }
+        let (mut at, mut kept) = (0, 0u32);
+        let mut moved_to = Vec::with_capacity(doomed.len());
+        let (long_keys, spills) = (&mut self.long_keys, &mut self.spills);
+        self.entries.retain(|entry| {
+            let gone = doomed[at];
+            at += 1;
+            if gone {
+                entry.free(long_keys, spills);
+                moved_to.push(u32::MAX);
+            } else {
+                moved_to.push(kept);
+                kept += 1;
+            }
+            !gone
+        });
+        // Positions change, hashes do not: the table is renumbered, not rebuilt.
+        self.index.retain(|at| {
+            *at = moved_to[*at as usize];
+            *at != u32::MAX
+        });
+    }
+
+    /// Drops the entry at `at`: the last entry takes its place.
+    fn remove_at(&mut self, at: usize, hash: u64, hasher: &foldhash::fast::RandomState) {
+        if let Ok(slot) = self.index.find_entry(hash, |&i| i as usize == at) {
+            slot.remove();
+        }
+        let entry = self.entries.swap_remove(at);
+        entry.free(&mut self.long_keys, &mut self.spills);
+        if let Some(moved) = self.entries.get(at) {
+            let last = self.entries.len();
+            let hash = hasher.hash_one(moved.held(&self.long_keys));
+            if let Some(slot) = self.index.find_mut(hash, |&i| i as usize == last) {
+                *slot = at as u32;
+            }
+        }
+    }
+
     fn sweep(&mut self, now: u64) {
-        self.table.retain(|e| e.meta.expires_at() > now);
+        self.remove_where(|at, shard| shard.expires_at(&shard.entries[at]) <= now);
         self.blocks.retain(|_, until| *until > now);
     }
 
     /// Makes room for one more entry; see the type's docs for the policy.
     fn make_room(&mut self, cap: usize, now: u64) {
-        if self.table.len() >= self.sweep_at {
+        if self.entries.len() >= self.sweep_at {
             self.sweep(now);
-            self.sweep_at = (self.table.len() * 2).max(MIN_SWEEP);
+            self.sweep_at = (self.entries.len() * 2).max(MIN_SWEEP);
         }
-        if self.table.len() < cap {
+        if self.entries.len() < cap {
             return;
         }
         self.sweep(now);
-        if self.table.len() > cap - cap / 8 {
-            let mut ranks: Vec<u64> = self.table.iter().map(|e| e.meta.rank()).collect();
+        if self.entries.len() > cap - cap / 8 {
+            let mut ranks: Vec<u64> = self.entries.iter().map(|e| self.rank(e)).collect();
             let evict = (cap / 8).max(1).min(ranks.len());
             let (below, threshold, _) = ranks.select_nth_unstable(evict - 1);
             let threshold = *threshold;
             // Entries sharing the threshold rank are dropped only as far as needed, so
             // a flood of keys seen at the same instant loses an eighth, not all of them.
             let mut ties = evict - below.iter().filter(|&&x| x < threshold).count();
-            self.table.retain(|e| {
-                let rank = e.meta.rank();
+            self.remove_where(|at, shard| {
+                let rank = shard.rank(&shard.entries[at]);
                 if rank < threshold {
-                    false
+                    true
                 } else if rank == threshold && ties > 0 {
                     ties -= 1;
-                    false
-                } else {
                     true
+                } else {
+                    false
                 }
             });
         }
@@ -328,7 +453,7 @@ impl<C: Clock> MemoryStore<C> {
 
     /// Number of tracked keys, expired ones included until swept.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.0.lock().table.len()).sum()
+        self.shards.iter().map(|s| s.0.lock().entries.len()).sum()
     }
 
     /// True when nothing is tracked.
@@ -394,32 +519,68 @@ impl<C: Clock> MemoryStore<C> {
                 return Ok(decision);
             }
         }
-        let found = shard.table.find_mut(hash, |e| e.holds(held, is_digest));
-        if let Some(entry) = found {
-            if !entry.rules.same_as(rules) {
-                return Ok(Self::check_changed(entry, rules, now, cost));
-            }
-            if let ([rule], [state]) = (rules.rules(), &mut entry.states[..]) {
-                let meta = &mut entry.meta;
-                let decision =
-                    decide_one_then(rule, state, rules.log_limit(), now, cost, |c, exp, o| {
-                        if c {
-                            *meta = meta.with(exp, rule_tier(rule.capacity(), o.remaining));
-                        } else if !o.allowed {
-                            *meta = meta.with_tier(Meta::AT_LIMIT);
-                        }
-                    });
-                return Ok(decision);
-            }
-            let t = decide(rules, &mut entry.states, now, cost);
-            if t.committed {
-                entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));
-            } else if !t.decision.is_allowed() {
-                entry.meta = entry.meta.with_tier(Meta::AT_LIMIT);
-            }
-            return Ok(t.decision);
+        let Some(at) = shard.find(hash, held, is_digest) else {
+            return Ok(self.insert(&mut shard, held, is_digest, hash, rules, now, cost));
+        };
+        let Shard {
+            entries, spills, ..
+        } = &mut *shard;
+        let entry = &mut entries[at];
+        if !entry.rules.same_as(rules) {
+            return Ok(Self::check_changed(entry, spills, rules, now, cost));
         }
-        Ok(self.insert(&mut shard, held, is_digest, hash, rules, now, cost))
+        if !entry.tag.is_spilled() {
+            // Packed: the set has one rule (the one that packed it, since the set is the
+            // same), whose state is two words.
+            let rule = &rules.rules()[0];
+            let mut state = unpack(rule, entry.words);
+            let tag = &mut entry.tag;
+            let mut committed = None;
+            let decision = decide_one_then(
+                rule,
+                &mut state,
+                rules.log_limit(),
+                now,
+                cost,
+                |c, exp, o| {
+                    if c {
+                        committed = Some(exp);
+                        *tag = tag.with_tier(rule_tier(rule.capacity(), o.remaining));
+                    } else if !o.allowed {
+                        *tag = tag.with_tier(Tag::AT_LIMIT);
+                    }
+                },
+            );
+            if let Some(expires) = committed {
+                match pack(rule, &state) {
+                    Some(words) => entry.words = words,
+                    None => entry.spill(spills, smallvec![state], expires),
+                }
+            }
+            return Ok(decision);
+        }
+        let Spill { states, expires_at } = &mut spills[entry.words[0] as usize];
+        if let ([rule], [state]) = (rules.rules(), &mut states[..]) {
+            let tag = &mut entry.tag;
+            let decision =
+                decide_one_then(rule, state, rules.log_limit(), now, cost, |c, exp, o| {
+                    if c {
+                        *expires_at = exp;
+                        *tag = tag.with_tier(rule_tier(rule.capacity(), o.remaining));
+                    } else if !o.allowed {
+                        *tag = tag.with_tier(Tag::AT_LIMIT);
+                    }
+                });
+            return Ok(decision);
+        }
+        let t = decide(rules, states, now, cost);
+        if t.committed {
+            *expires_at = t.expires_at_us;
+            entry.tag = entry.tag.with_tier(tier(rules, &t.decision));
+        } else if !t.decision.is_allowed() {
+            entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
+        }
+        Ok(t.decision)
     }
 
     /// The check of a key whose state was written under other rules: decided on the
@@ -430,26 +591,38 @@ impl<C: Clock> MemoryStore<C> {
     /// store shared with processes on those rules must).
     #[cold]
     #[inline(never)]
-    fn check_changed(entry: &mut Entry, rules: &RuleSet, now: u64, cost: u64) -> Decision {
+    fn check_changed(
+        entry: &mut Entry,
+        spills: &mut Slab<Spill>,
+        rules: &RuleSet,
+        now: u64,
+        cost: u64,
+    ) -> Decision {
         let Carried {
             mut states,
             converted,
-        } = carry_converting(&entry.rules, &entry.states, rules, now);
+        } = if entry.tag.is_spilled() {
+            let old = &spills[entry.words[0] as usize].states;
+            carry_converting(&entry.rules, old, rules, now)
+        } else {
+            let old = unpack(&entry.rules.rules()[0], entry.words);
+            carry_converting(&entry.rules, std::slice::from_ref(&old), rules, now)
+        };
         let t = decide(rules, &mut states, now, cost);
-        if t.committed {
-            entry.meta = entry.meta.with(t.expires_at_us, tier(rules, &t.decision));
+        let (expires, tier) = if t.committed {
+            (t.expires_at_us, tier(rules, &t.decision))
         } else if converted && cost > 0 {
             // Denied: the states are the carried ones, unchanged by `decide`.
-            let expires = expires_at_for(rules, &states);
-            entry.meta = entry.meta.with(expires, Meta::AT_LIMIT);
+            (expires_at_for(rules, &states), Tag::AT_LIMIT)
         } else {
             if !t.decision.is_allowed() {
-                entry.meta = entry.meta.with_tier(Meta::AT_LIMIT);
+                entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
             }
             return t.decision;
-        }
-        entry.states = states;
+        };
         entry.rules = rules.clone();
+        entry.tag = entry.tag.with_tier(tier);
+        entry.set_states(spills, states, expires);
         t.decision
     }
 
@@ -472,17 +645,27 @@ impl<C: Clock> MemoryStore<C> {
         let t = decide(rules, &mut states, now, cost);
         if t.committed {
             shard.make_room(self.shard_cap, now);
+            let Shard {
+                index,
+                entries,
+                long_keys,
+                spills,
+                ..
+            } = shard;
+            let key = Entry::hold(held, is_digest, long_keys);
+            let mut entry = Entry {
+                words: [0; 2],
+                rules: rules.clone(),
+                key: key.0,
+                tag: Tag(key.1).with_tier(tier(rules, &t.decision)),
+            };
+            entry.set_states(spills, states, t.expires_at_us);
+            let at = u32::try_from(entries.len()).expect("a shard holds fewer than 2^32 keys");
+            entries.push(entry);
             let hasher = &self.hasher;
-            shard.table.insert_unique(
-                hash,
-                Box::new(Entry {
-                    key: held.into(),
-                    rules: rules.clone(),
-                    meta: Meta::new(t.expires_at_us, tier(rules, &t.decision), is_digest),
-                    states,
-                }),
-                |e| hasher.hash_one(&*e.key),
-            );
+            index.insert_unique(hash, at, |&i| {
+                hasher.hash_one(entries[i as usize].held(long_keys))
+            });
         }
         t.decision
     }
@@ -498,15 +681,37 @@ impl<C: Clock> MemoryStore<C> {
         let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held.as_bytes());
         let mut shard = shard.lock();
-        let found = shard
-            .table
-            .find_mut(hash, |e| e.holds(held.as_bytes(), held.is_digest()));
-        match found {
-            Some(entry) if entry.rules.same_as(rules) => {
-                refund(rules, &mut entry.states, cost, charged_at, now)
-            }
-            _ => false,
+        let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
+            return false;
+        };
+        let Shard {
+            entries, spills, ..
+        } = &mut *shard;
+        let entry = &mut entries[at];
+        if !entry.rules.same_as(rules) {
+            return false;
         }
+        if entry.tag.is_spilled() {
+            let spill = &mut spills[entry.words[0] as usize];
+            return refund(rules, &mut spill.states, cost, charged_at, now);
+        }
+        let rule = &rules.rules()[0];
+        let mut state = unpack(rule, entry.words);
+        let changed = refund(
+            rules,
+            std::slice::from_mut(&mut state),
+            cost,
+            charged_at,
+            now,
+        );
+        match pack(rule, &state) {
+            Some(words) => entry.words = words,
+            None => {
+                let expires = expires_at_for(rules, std::slice::from_ref(&state));
+                entry.spill(spills, smallvec![state], expires);
+            }
+        }
+        changed
     }
 
     /// The synchronous form of [`Store::block`].
@@ -537,21 +742,103 @@ impl<C: Clock> MemoryStore<C> {
         let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held.as_bytes());
         let mut shard = shard.lock();
-        if let Ok(entry) = shard
-            .table
-            .find_entry(hash, |e| e.holds(held.as_bytes(), held.is_digest()))
-        {
-            entry.remove();
+        if let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) {
+            shard.remove_at(at, hash, &self.hasher);
         }
     }
 }
 
 impl Entry {
+    /// The key bytes and tag key code that hold `held`, putting a key too long for the
+    /// entry in `long_keys`.
+    fn hold(held: &[u8], is_digest: bool, long_keys: &mut Slab<Box<[u8]>>) -> ([u8; INLINE], u8) {
+        let mut key = [0; INLINE];
+        if !is_digest && held.len() <= INLINE {
+            key[..held.len()].copy_from_slice(held);
+            // At most INLINE (23): fits the five bits of the key code.
+            return (key, held.len() as u8);
+        }
+        let at = u32::try_from(long_keys.insert(held.into())).expect("fewer than 2^32 keys");
+        key[..4].copy_from_slice(&at.to_ne_bytes());
+        (key, if is_digest { Tag::DIGEST } else { Tag::LONG })
+    }
+
+    /// The index of the out-of-line key.
+    #[inline]
+    fn long_key(&self) -> usize {
+        u32::from_ne_bytes([self.key[0], self.key[1], self.key[2], self.key[3]]) as usize
+    }
+
+    /// The held bytes: the key, or its digest.
+    fn held<'a>(&'a self, long_keys: &'a Slab<Box<[u8]>>) -> &'a [u8] {
+        let code = self.tag.key_code();
+        if usize::from(code) <= INLINE {
+            &self.key[..usize::from(code)]
+        } else {
+            &long_keys[self.long_key()]
+        }
+    }
+
     /// Whether this is the entry of `key`: the key's kind is compared too, so a short key
     /// equal to some digest is another key.
-    #[inline]
-    fn holds(&self, held: &[u8], is_digest: bool) -> bool {
-        self.meta.is_digest() == is_digest && same_bytes(&self.key, held)
+    #[inline(always)]
+    fn holds(&self, held: &[u8], is_digest: bool, long_keys: &Slab<Box<[u8]>>) -> bool {
+        let code = self.tag.key_code();
+        if usize::from(code) <= INLINE {
+            !is_digest
+                && held.len() == usize::from(code)
+                && same_bytes(&self.key[..held.len()], held)
+        } else {
+            (code == Tag::DIGEST) == is_digest && same_bytes(&long_keys[self.long_key()], held)
+        }
+    }
+
+    /// Writes `states`, written under `self.rules` and expiring at `expires_at`: packed
+    /// in the entry when they are one two-word state, else out of line.
+    fn set_states(
+        &mut self,
+        spills: &mut Slab<Spill>,
+        states: SmallVec<[RuleState; 1]>,
+        expires_at: u64,
+    ) {
+        if let ([rule], [state]) = (self.rules.rules(), &states[..]) {
+            if let Some(words) = pack(rule, state) {
+                if self.tag.is_spilled() {
+                    spills.remove(self.words[0] as usize);
+                    self.tag = self.tag.with_spilled(false);
+                }
+                self.words = words;
+                return;
+            }
+        }
+        self.spill(spills, states, expires_at);
+    }
+
+    /// Holds `states` out of line.
+    #[cold]
+    fn spill(
+        &mut self,
+        spills: &mut Slab<Spill>,
+        states: SmallVec<[RuleState; 1]>,
+        expires_at: u64,
+    ) {
+        let spill = Spill { states, expires_at };
+        if self.tag.is_spilled() {
+            spills[self.words[0] as usize] = spill;
+        } else {
+            self.words = [spills.insert(spill) as u64, 0];
+            self.tag = self.tag.with_spilled(true);
+        }
+    }
+
+    /// Gives back what the entry holds out of line.
+    fn free(&self, long_keys: &mut Slab<Box<[u8]>>, spills: &mut Slab<Spill>) {
+        if usize::from(self.tag.key_code()) > INLINE {
+            long_keys.remove(self.long_key());
+        }
+        if self.tag.is_spilled() {
+            spills.remove(self.words[0] as usize);
+        }
     }
 }
 
@@ -722,7 +1009,7 @@ mod tests {
 
     /// The memory benches and the type's docs count on it.
     #[test]
-    fn an_entry_is_72_bytes() {
-        assert_eq!(std::mem::size_of::<super::Entry>(), 72);
+    fn an_entry_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<super::Entry>(), 48);
     }
 }
