@@ -229,17 +229,107 @@ fn rule_tier(cap: u64, left: u64) -> u8 {
 /// A shard's keys: entries side by side in one vector, found through a table of their
 /// positions.
 ///
-/// A hash table is often only half full right after it grows; its slots are 4-byte
-/// positions, so empty ones cost 4 bytes, not a whole entry, and the entries themselves
-/// fill their vector.
-#[derive(Default)]
+/// A hash table is often only half full right after it grows; its slots are 2-byte
+/// positions, so empty ones cost 3 bytes (with the table's control byte), not a whole
+/// entry, and the entries themselves fill their vector.
 struct Shard {
-    index: HashTable<u32>,
+    index: Positions,
     entries: Vec<Entry>,
     long_keys: Slab<Box<[u8]>>,
     spills: Slab<Spill>,
     blocks: HashMap<HeldKey, u64, foldhash::fast::RandomState>,
     sweep_at: usize,
+}
+
+/// The positions of a shard's entries, by hash: 2 bytes a slot when the shard holds at
+/// most 65,536 keys (the default cap over the default shards), else 4.
+enum Positions {
+    Narrow(HashTable<u16>),
+    Wide(HashTable<u32>),
+}
+
+/// An entry's position as a [`Positions`] table holds it.
+trait Position: Copy {
+    fn get(self) -> usize;
+    fn of(at: usize) -> Self;
+}
+
+impl Position for u16 {
+    #[inline(always)]
+    fn get(self) -> usize {
+        usize::from(self)
+    }
+    fn of(at: usize) -> Self {
+        u16::try_from(at).expect("a narrow shard holds at most 2^16 keys")
+    }
+}
+
+impl Position for u32 {
+    #[inline(always)]
+    fn get(self) -> usize {
+        self as usize
+    }
+    fn of(at: usize) -> Self {
+        u32::try_from(at).expect("a shard holds at most 2^32 keys")
+    }
+}
+
+/// Runs `$body` on the table of either width.
+macro_rules! each_width {
+    ($positions:expr, $table:ident => $body:expr) => {
+        match $positions {
+            Positions::Narrow($table) => $body,
+            Positions::Wide($table) => $body,
+        }
+    };
+}
+
+impl Positions {
+    fn for_cap(cap: usize) -> Self {
+        if cap <= usize::from(u16::MAX) + 1 {
+            Positions::Narrow(HashTable::new())
+        } else {
+            Positions::Wide(HashTable::new())
+        }
+    }
+
+    #[inline(always)]
+    fn find(&self, hash: u64, mut eq: impl FnMut(usize) -> bool) -> Option<usize> {
+        each_width!(self, t => t.find(hash, |&at| eq(at.get())).map(|&at| at.get()))
+    }
+
+    fn insert(&mut self, hash: u64, at: usize, rehash: impl Fn(usize) -> u64) {
+        each_width!(self, t => {
+            t.insert_unique(hash, Position::of(at), |&i| rehash(i.get()));
+        })
+    }
+
+    fn remove(&mut self, hash: u64, at: usize) {
+        each_width!(self, t => {
+            if let Ok(slot) = t.find_entry(hash, |&i| i.get() == at) {
+                slot.remove();
+            }
+        })
+    }
+
+    fn renumber(&mut self, hash: u64, from: usize, to: usize) {
+        each_width!(self, t => {
+            if let Some(slot) = t.find_mut(hash, |&i| i.get() == from) {
+                *slot = Position::of(to);
+            }
+        })
+    }
+
+    /// Drops the positions `moved_to` maps to `None`, renumbers the others.
+    fn retain_moved(&mut self, moved_to: &[Option<usize>]) {
+        each_width!(self, t => t.retain(|at| match moved_to[at.get()] {
+            Some(to) => {
+                *at = Position::of(to);
+                true
+            }
+            None => false,
+        }))
+    }
 }
 
 const MIN_SWEEP: usize = 1024;
@@ -263,10 +353,7 @@ impl Shard {
     fn find(&self, hash: u64, held: &[u8], is_digest: bool) -> Option<usize> {
         let (entries, long_keys) = (&self.entries, &self.long_keys);
         self.index
-            .find(hash, |&at| {
-                entries[at as usize].holds(held, is_digest, long_keys)
-            })
-            .map(|&at| at as usize)
+            .find(hash, |at| entries[at].holds(held, is_digest, long_keys))
     }
 
     /// The moment from which the entry's state is equivalent to a fresh one.
@@ -290,7 +377,7 @@ impl Shard {
         if !doomed.contains(&true) {
             return;
         }
-        let (mut at, mut kept) = (0, 0u32);
+        let (mut at, mut kept) = (0, 0usize);
         let mut moved_to = Vec::with_capacity(doomed.len());
         let (long_keys, spills) = (&mut self.long_keys, &mut self.spills);
         self.entries.retain(|entry| {
@@ -298,33 +385,26 @@ impl Shard {
             at += 1;
             if gone {
                 entry.free(long_keys, spills);
-                moved_to.push(u32::MAX);
+                moved_to.push(None);
             } else {
-                moved_to.push(kept);
+                moved_to.push(Some(kept));
                 kept += 1;
             }
             !gone
         });
         // Positions change, hashes do not: the table is renumbered, not rebuilt.
-        self.index.retain(|at| {
-            *at = moved_to[*at as usize];
-            *at != u32::MAX
-        });
+        self.index.retain_moved(&moved_to);
     }
 
     /// Drops the entry at `at`: the last entry takes its place.
     fn remove_at(&mut self, at: usize, hash: u64, hasher: &foldhash::fast::RandomState) {
-        if let Ok(slot) = self.index.find_entry(hash, |&i| i as usize == at) {
-            slot.remove();
-        }
+        self.index.remove(hash, at);
         let entry = self.entries.swap_remove(at);
         entry.free(&mut self.long_keys, &mut self.spills);
         if let Some(moved) = self.entries.get(at) {
             let last = self.entries.len();
             let hash = hasher.hash_one(moved.held(&self.long_keys));
-            if let Some(slot) = self.index.find_mut(hash, |&i| i as usize == last) {
-                *slot = at as u32;
-            }
+            self.index.renumber(hash, last, at);
         }
     }
 
@@ -411,16 +491,21 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     /// The store.
     pub fn build(self) -> MemoryStore<C> {
         let shards = self.shards.min(self.max_keys.next_power_of_two()).max(1);
+        let shard_cap = self.max_keys.div_ceil(shards);
         MemoryStore {
             shards: (0..shards)
                 .map(|_| {
                     Padded(Mutex::new(Shard {
+                        index: Positions::for_cap(shard_cap),
+                        entries: Vec::new(),
+                        long_keys: Slab::new(),
+                        spills: Slab::new(),
+                        blocks: HashMap::default(),
                         sweep_at: MIN_SWEEP,
-                        ..Shard::default()
                     }))
                 })
                 .collect(),
-            shard_cap: self.max_keys.div_ceil(shards),
+            shard_cap,
             hasher: foldhash::fast::RandomState::default(),
             clock: self.clock,
         }
@@ -660,12 +745,10 @@ impl<C: Clock> MemoryStore<C> {
                 tag: Tag(key.1).with_tier(tier(rules, &t.decision)),
             };
             entry.set_states(spills, states, t.expires_at_us);
-            let at = u32::try_from(entries.len()).expect("a shard holds fewer than 2^32 keys");
+            let at = entries.len();
             entries.push(entry);
             let hasher = &self.hasher;
-            index.insert_unique(hash, at, |&i| {
-                hasher.hash_one(entries[i as usize].held(long_keys))
-            });
+            index.insert(hash, at, |i| hasher.hash_one(entries[i].held(long_keys)));
         }
         t.decision
     }

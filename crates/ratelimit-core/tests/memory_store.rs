@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ratelimit_core::algo::{decide, RuleState};
-use ratelimit_core::{ManualClock, MemoryStore, RuleSet};
+use ratelimit_core::{Clock, ManualClock, MemoryStore, RuleSet};
 
 const T0: u64 = 1_700_000_000_000_000;
 
@@ -270,4 +270,89 @@ fn long_keys_are_held_by_digest_and_never_collide_with_short_ones() {
     store.unblock_now(&long);
     store.reset_now(&long, &rules);
     assert!(store.check_now(&long, &rules, 1).unwrap().is_allowed());
+}
+
+/// Keys of every length (held in the entry, out of line, as digests) under rule sets of
+/// every shape (one packed state, one state held out of line, several rules), with resets
+/// that move other entries and changes of rules: every check answers as the pure
+/// transition does on a state of its own, and a flood of one-shot keys, which makes the
+/// shard evict and renumber its entries, forgets none of those at their limit.
+#[test]
+fn keys_of_every_length_under_every_rule_shape_keep_their_own_state() {
+    let clock = ManualClock::new(T0);
+    let store = capped(&clock, 1, 512);
+    let sets: Vec<RuleSet> = [
+        "3/min",
+        "3/min token-bucket capacity=3",
+        "3/min fixed-window",
+        "3/min sliding-window precision=2",
+        "3/min sliding-log",
+        "3/min; 10/h fixed-window",
+    ]
+    .iter()
+    .map(|t| t.parse().unwrap())
+    .collect();
+    let key = |len: usize, tag: u8| -> Vec<u8> { (0..len).map(|i| tag ^ i as u8).collect() };
+    let mut model: Vec<(Vec<u8>, usize, Vec<RuleState>)> = Vec::new();
+    for len in 1..=80 {
+        for (s, rules) in sets.iter().enumerate() {
+            model.push((
+                key(len, s as u8 * 16 + 1),
+                s,
+                vec![RuleState::Fresh; rules.len()],
+            ));
+        }
+    }
+    let step = |model: &mut Vec<(Vec<u8>, usize, Vec<RuleState>)>, round: usize| {
+        clock.advance(Duration::from_millis(700));
+        let now = clock.now_us();
+        for (i, (key, s, reference)) in model.iter_mut().enumerate() {
+            if (i + round) % 11 == 0 {
+                store.reset_now(key, &sets[*s]);
+                reference.iter_mut().for_each(|r| *r = RuleState::Fresh);
+                continue;
+            }
+            let got = store.check_now(key, &sets[*s], 1).unwrap();
+            let want = decide(&sets[*s], reference, now, 1).decision;
+            assert_eq!(got, want, "key of {} bytes, rules {}", key.len(), sets[*s]);
+        }
+    };
+    for round in 0..8 {
+        step(&mut model, round);
+    }
+    // Every key moves to the next rule set: the state carries (or starts over) in the
+    // store as in the pure transition.
+    for (_, s, reference) in model.iter_mut() {
+        let next = (*s + 1) % sets.len();
+        *reference = ratelimit_core::algo::carry(&sets[*s], reference, &sets[next], clock.now_us())
+            .into_vec();
+        *s = next;
+    }
+    for round in 8..12 {
+        step(&mut model, round);
+    }
+    // The keys whose last check was denied are at their limit; the flood evicts one-shot
+    // keys only, renumbering the entries each time, and they keep their states.
+    let now = clock.now_us();
+    let mut limited = Vec::new();
+    for (i, (key, s, reference)) in model.iter_mut().enumerate() {
+        let got = store.check_now(key, &sets[*s], 1).unwrap();
+        assert_eq!(got, decide(&sets[*s], reference, now, 1).decision);
+        if !got.is_allowed() {
+            limited.push(i);
+        }
+    }
+    assert!(limited.len() > 200, "{} keys at their limit", limited.len());
+    for i in 0..5_000u32 {
+        clock.advance(Duration::from_micros(5));
+        store.check_now(&i.to_be_bytes(), &sets[0], 1).unwrap();
+        assert!(store.len() <= 512);
+    }
+    let now = clock.now_us();
+    for i in limited {
+        let (key, s, reference) = &mut model[i];
+        let got = store.check_now(key, &sets[*s], 1).unwrap();
+        let want = decide(&sets[*s], reference, now, 1).decision;
+        assert_eq!(got, want, "key of {} bytes, rules {}", key.len(), sets[*s]);
+    }
 }
