@@ -178,6 +178,17 @@ fn pack(rule: &Rule, state: &RuleState) -> Option<[u64; 2]> {
     }
 }
 
+/// [`pack`] for a state the rule's own commit wrote, whose kind is the rule's.
+#[inline(always)]
+fn pack_written(state: &RuleState) -> Option<[u64; 2]> {
+    match *state {
+        RuleState::Window { index, count } => Some([index, count]),
+        RuleState::Tokens { level, last } => Some([level, last]),
+        RuleState::Tat { us, frac } => Some([us, frac]),
+        _ => None,
+    }
+}
+
 /// The state [`pack`] gave `words` for, under the same rule.
 #[inline(always)]
 fn unpack(rule: &Rule, [a, b]: [u64; 2]) -> RuleState {
@@ -293,11 +304,6 @@ impl Positions {
         }
     }
 
-    #[inline(always)]
-    fn find(&self, hash: u64, mut eq: impl FnMut(usize) -> bool) -> Option<usize> {
-        each_width!(self, t => t.find(hash, |&at| eq(at.get())).map(|&at| at.get()))
-    }
-
     fn insert(&mut self, hash: u64, at: usize, rehash: impl Fn(usize) -> u64) {
         each_width!(self, t => {
             t.insert_unique(hash, Position::of(at), |&i| rehash(i.get()));
@@ -352,8 +358,19 @@ impl Shard {
     #[inline(always)]
     fn find(&self, hash: u64, held: &[u8], is_digest: bool) -> Option<usize> {
         let (entries, long_keys) = (&self.entries, &self.long_keys);
-        self.index
-            .find(hash, |at| entries[at].holds(held, is_digest, long_keys))
+        // A match per width rather than `Positions::find`: the comparison stays inlined.
+        match &self.index {
+            Positions::Narrow(t) => t
+                .find(hash, |&at| {
+                    entries[usize::from(at)].holds(held, is_digest, long_keys)
+                })
+                .map(|&at| usize::from(at)),
+            Positions::Wide(t) => t
+                .find(hash, |&at| {
+                    entries[at as usize].holds(held, is_digest, long_keys)
+                })
+                .map(|&at| at as usize),
+        }
     }
 
     /// The moment from which the entry's state is equivalent to a fresh one.
@@ -637,7 +654,8 @@ impl<C: Clock> MemoryStore<C> {
                 },
             );
             if let Some(expires) = committed {
-                match pack(rule, &state) {
+                // The rule's own commit wrote its own kind of state: the variant suffices.
+                match pack_written(&state) {
                     Some(words) => entry.words = words,
                     None => entry.spill(spills, smallvec![state], expires),
                 }
@@ -867,13 +885,18 @@ impl Entry {
     #[inline(always)]
     fn holds(&self, held: &[u8], is_digest: bool, long_keys: &Slab<Box<[u8]>>) -> bool {
         let code = self.tag.key_code();
-        if usize::from(code) <= INLINE {
-            !is_digest
-                && held.len() == usize::from(code)
-                && same_bytes(&self.key[..held.len()], held)
-        } else {
-            (code == Tag::DIGEST) == is_digest && same_bytes(&long_keys[self.long_key()], held)
+        if usize::from(code) > INLINE {
+            return self.holds_long(held, is_digest, long_keys);
         }
+        !is_digest && held.len() == usize::from(code) && same_bytes(&self.key[..held.len()], held)
+    }
+
+    /// [`Self::holds`] for a key held out of line.
+    #[cold]
+    #[inline(never)]
+    fn holds_long(&self, held: &[u8], is_digest: bool, long_keys: &Slab<Box<[u8]>>) -> bool {
+        (self.tag.key_code() == Tag::DIGEST) == is_digest
+            && same_bytes(&long_keys[self.long_key()], held)
     }
 
     /// Writes `states`, written under `self.rules` and expiring at `expires_at`: packed
