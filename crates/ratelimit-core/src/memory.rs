@@ -50,6 +50,15 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 ///   state was converted to a changed limit. A rule set's rules make the entry no
 ///   larger than before: the memory per key is bounded by the rules of the set that
 ///   last wrote it.
+/// * **Memory per key.** A shard keeps its entries side by side in one vector, found
+///   through a hash table of their 2-byte positions (4 bytes in a shard of more than
+///   65,536 keys). An entry is 48 bytes: the state of a one-rule set whose state is two
+///   integers (fixed window, token bucket, leaky bucket, GCRA), the rule set that wrote
+///   it, a key of up to 23 bytes (an IPv6 address under a short prefix) and one byte of
+///   key length, eviction tier and form. A longer key, and the states of several rules
+///   or of a sliding window counter or log, are held out of line, so only those pay for
+///   them. At the default cap, a flood of one-shot keys under one rule levels off at
+///   about 60 bytes per tracked key (`examples/flood.rs`).
 /// * **Long keys** are held as a 32-byte digest (see [`key`](crate::key)): memory per
 ///   entry does not grow with the length of the client's key.
 ///
