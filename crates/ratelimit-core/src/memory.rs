@@ -168,7 +168,7 @@ impl Tag {
 /// States held out of line: those of a set of several rules, or of a rule whose state is
 /// not two integers (sliding window counter, sliding log), with their expiry.
 struct Spill {
-    states: SmallVec<[RuleState; 1]>,
+    states: Box<[RuleState]>,
     expires_at: u64,
 }
 
@@ -937,7 +937,10 @@ impl Entry {
         states: SmallVec<[RuleState; 1]>,
         expires_at: u64,
     ) {
-        let spill = Spill { states, expires_at };
+        let spill = Spill {
+            states: states.into_vec().into_boxed_slice(),
+            expires_at,
+        };
         if self.tag.is_spilled() {
             spills[self.words[0] as usize] = spill;
         } else {
