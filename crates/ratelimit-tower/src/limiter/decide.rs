@@ -1,14 +1,16 @@
 //! From a request to a [`Verdict`].
 
 use std::borrow::Cow;
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Extensions, Request};
+use http::{Extensions, HeaderValue, Request};
 use ratelimit_core::{Decision, Outcome, Store};
 
 use super::state::Limiter;
-use super::verdict::{Begin, Pass, Verdict};
+use super::verdict::{Admitted, Begin, Deferred, Pass, Verdict};
+use crate::admission::{Admission, AdmittedBy, Binding};
 use crate::cost::RequestCost;
 use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
@@ -24,14 +26,15 @@ struct Check {
     cost: u64,
 }
 
-const SHADOW_LIMITED: &str = "limited";
-const SHADOW_BLOCKED: &str = "blocked";
-const SHADOW_DELAYED: &str = "delayed";
-const SHADOW_COST: &str = "cost-exceeded";
-const SHADOW_STORE: &str = "store-unavailable";
-const SHADOW_OMITTED: &str = "key-omitted";
-const SHADOW_MISSING: &str = "missing-key";
-const SHADOW_TIER: &str = "unknown-tier";
+// Statics, so that the fields of a verdict hold a pointer rather than a header value.
+static SHADOW_LIMITED: HeaderValue = HeaderValue::from_static("limited");
+static SHADOW_BLOCKED: HeaderValue = HeaderValue::from_static("blocked");
+static SHADOW_DELAYED: HeaderValue = HeaderValue::from_static("delayed");
+static SHADOW_COST: HeaderValue = HeaderValue::from_static("cost-exceeded");
+static SHADOW_STORE: HeaderValue = HeaderValue::from_static("store-unavailable");
+static SHADOW_OMITTED: HeaderValue = HeaderValue::from_static("key-omitted");
+static SHADOW_MISSING: HeaderValue = HeaderValue::from_static("missing-key");
+static SHADOW_TIER: HeaderValue = HeaderValue::from_static("unknown-tier");
 
 impl<S, K, C, T> Limiter<S, K, C, T>
 where
@@ -40,9 +43,9 @@ where
     C: Send + Sync + 'static,
     T: Send + Sync + 'static,
 {
-    /// Decides `req`; an admitted decision known at once goes straight into its
-    /// extensions (a decision is a few hundred bytes: moving it through the verdict would
-    /// cost more than the rest of the layer's own work).
+    /// Decides `req`; the admission of a request decided at once goes straight into its
+    /// extensions, and the store's decision is read where the store wrote it (it is 160
+    /// bytes: moving it through the verdict costs a copy per step).
     pub(crate) fn begin<B>(this: &Arc<Self>, req: &mut Request<B>) -> Begin
     where
         K: KeyExtractor<B>,
@@ -62,7 +65,8 @@ where
         // and the request costs no allocation.
         match this.store.check_sync(&check.key, &tier.rules, check.cost) {
             Some(result) => {
-                let result = result.map_err(|e| e.to_string());
+                // Decided where the store wrote it: the decision is not moved.
+                let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 Begin::Now(this.finish(verdict))
             }
@@ -87,7 +91,7 @@ where
             Extraction::Key(key) => key,
             Extraction::Exempt => {
                 tracing::trace!("rate limit: exempt request");
-                return Err(Verdict::UNCHECKED);
+                return Err(Verdict::unchecked(AdmittedBy::Exempt));
             }
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
@@ -131,6 +135,7 @@ where
                     Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
                 },
             };
+            let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
             limiter.finish(verdict)
         };
@@ -141,12 +146,19 @@ where
         &self,
         tier: &Tier,
         check: &Check,
-        result: Result<Decision, String>,
+        result: Result<&Decision, &dyn fmt::Display>,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         match result {
-            Ok(decision) => self.plan(tier, &check.key, check.cost, decision, extensions),
-            Err(error) => self.store_failed(tier, &check.key, check.cost, &error, extensions),
+            Ok(decision) => self.plan(
+                tier,
+                &check.key,
+                check.cost,
+                decision,
+                AdmittedBy::Store,
+                extensions,
+            ),
+            Err(error) => self.store_failed(tier, &check.key, check.cost, error, extensions),
         }
     }
 
@@ -201,39 +213,42 @@ where
         })
     }
 
-    /// Turns the store's decision into a verdict. An admitted decision goes into
-    /// `extensions` when given, else into the verdict.
+    /// Turns the decision of the store `by` names into a verdict. An admitted request's
+    /// admission (and the decision, when kept for handlers) goes into `extensions` when
+    /// given, else into the verdict.
     fn plan(
         &self,
         tier: &Tier,
         key: &[u8],
         cost: u64,
-        decision: Decision,
+        decision: &Decision,
+        by: AdmittedBy,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         #[cfg(feature = "metrics")]
-        tier.metrics.decision(&decision);
+        tier.metrics.decision(decision);
         if decision.outcome() == Outcome::Allowed {
-            return self.admitted(tier, key, decision, extensions);
+            return self.admitted(tier, key, decision, by, extensions);
         }
         if let Some(cache) = &self.deny_cache {
-            cache.insert(key, tier.generation, cost, &decision, self.store.now_us());
+            cache.insert(key, tier.generation, cost, decision, self.store.now_us());
         }
-        let ratelimit = tier.policy.ratelimit(&decision);
+        let ratelimit = tier.policy.ratelimit(decision);
         let retry_after = decision.retry_after();
-        self.denial(tier, key, decision, retry_after, ratelimit)
+        self.denial(tier, key, decision.clone(), retry_after, ratelimit)
     }
 
     fn admitted(
         &self,
         tier: &Tier,
         key: &[u8],
-        decision: Decision,
+        decision: &Decision,
+        by: AdmittedBy,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         let delay = decision.delay();
         if delay > self.max_delay {
-            return self.delay_too_long(tier, key, decision);
+            return self.delay_too_long(tier, key, decision.clone());
         }
         if !delay.is_zero() {
             tracing::debug!(
@@ -247,20 +262,29 @@ where
         }
         let fields = self.admitted_headers.then(|| Fields {
             policy: Some(tier.policy.header.clone()),
-            ratelimit: tier.policy.ratelimit(&decision),
+            ratelimit: tier.policy.ratelimit(decision),
             shadow: None,
         });
-        let decision = match extensions {
-            Some(extensions) => {
-                extensions.insert(decision);
-                None
+        let admission = Admission::decided(by, decision);
+        let decision = self.decision_extension.then(|| decision.clone());
+        // Shadow mode may yet replace the admission: then it travels in the verdict.
+        let admission = match extensions {
+            Some(extensions) if !self.shadow => {
+                extensions.insert(admission);
+                if let Some(decision) = decision {
+                    extensions.insert(decision);
+                }
+                Admitted::Inserted
             }
-            None => Some(Box::new(decision)),
+            _ => Admitted::Later(Box::new(Deferred {
+                admission,
+                decision,
+            })),
         };
         Verdict::Pass(Pass {
             delay,
             fields,
-            decision,
+            admission,
         })
     }
 
@@ -269,12 +293,12 @@ where
         tier: &Tier,
         key: &StoreKey,
         cost: u64,
-        error: &str,
+        error: &dyn fmt::Display,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         self.report_store_failure(tier, key, error);
         match self.failure_policy {
-            FailurePolicy::FailOpen => Verdict::UNCHECKED,
+            FailurePolicy::FailOpen => Verdict::unchecked(AdmittedBy::FailOpen),
             FailurePolicy::FailClosed => self.store_unavailable(),
             FailurePolicy::Fallback => {
                 let fallback = self
@@ -286,7 +310,9 @@ where
                     .as_ref()
                     .expect("built with the fallback policy");
                 match fallback.check_now(key, rules, cost) {
-                    Ok(decision) => self.plan(tier, key, cost, decision, extensions),
+                    Ok(decision) => {
+                        self.plan(tier, key, cost, &decision, AdmittedBy::Fallback, extensions)
+                    }
                     Err(e) => self.cost_exceeded(tier, key, &e),
                 }
             }
@@ -294,7 +320,7 @@ where
     }
 
     /// Counts a store failure and logs it at a bounded rate.
-    fn report_store_failure(&self, tier: &Tier, key: &[u8], error: &str) {
+    fn report_store_failure(&self, tier: &Tier, key: &[u8], error: &dyn fmt::Display) {
         #[cfg(feature = "metrics")]
         tier.metrics.store_error();
         if let Some(count) = self.store_error_log.hit(self.store.now_us()) {
@@ -305,7 +331,7 @@ where
             };
             tracing::warn!(
                 policy = self.failure_policy.label(),
-                error,
+                %error,
                 requests = count,
                 key = %KeyDigest(tier.client_key(key)),
                 action,
@@ -339,7 +365,7 @@ where
             );
         }
         if !refuse {
-            return Verdict::UNCHECKED;
+            return Verdict::unchecked(AdmittedBy::MissingKey);
         }
         self.missing_key(why)
     }
@@ -349,7 +375,7 @@ where
         if !self.shadow {
             return verdict;
         }
-        let label = match verdict {
+        let (label, binding) = match verdict {
             // Admitted anyway: nothing to report, and no rate-limit fields in shadow mode.
             Verdict::Pass(pass) if pass.delay.is_zero() => {
                 return Verdict::Pass(Pass {
@@ -357,20 +383,24 @@ where
                     ..pass
                 });
             }
-            Verdict::Pass(_) => SHADOW_DELAYED,
-            Verdict::Refuse(refusal) => match refusal.rejection.reason {
-                RejectReason::Limited => SHADOW_LIMITED,
-                RejectReason::Blocked => SHADOW_BLOCKED,
-                RejectReason::DelayTooLong => SHADOW_DELAYED,
-                RejectReason::CostExceedsCapacity { .. } => SHADOW_COST,
-                RejectReason::StoreUnavailable => SHADOW_STORE,
-                RejectReason::KeyOmitted => SHADOW_OMITTED,
-                RejectReason::MissingKey => SHADOW_MISSING,
-                RejectReason::UnknownTier => SHADOW_TIER,
-            },
+            Verdict::Pass(pass) => (&SHADOW_DELAYED, pass.admission.binding()),
+            Verdict::Refuse(refusal) => {
+                let rejection = &refusal.rejection;
+                let label = match rejection.reason {
+                    RejectReason::Limited => &SHADOW_LIMITED,
+                    RejectReason::Blocked => &SHADOW_BLOCKED,
+                    RejectReason::DelayTooLong => &SHADOW_DELAYED,
+                    RejectReason::CostExceedsCapacity { .. } => &SHADOW_COST,
+                    RejectReason::StoreUnavailable => &SHADOW_STORE,
+                    RejectReason::KeyOmitted => &SHADOW_OMITTED,
+                    RejectReason::MissingKey => &SHADOW_MISSING,
+                    RejectReason::UnknownTier => &SHADOW_TIER,
+                };
+                (label, rejection.decision.as_ref().and_then(Binding::of))
+            }
         };
         tracing::info!(
-            verdict = label,
+            verdict = label.to_str().unwrap_or_default(),
             namespace = &*self.namespace,
             "rate limit (shadow mode): would have refused or delayed; passing"
         );
@@ -380,7 +410,10 @@ where
                 shadow: Some(label),
                 ..Fields::default()
             }),
-            decision: None,
+            admission: Admitted::Later(Box::new(Deferred {
+                admission: Admission::unchecked(AdmittedBy::Shadow, binding),
+                decision: None,
+            })),
         })
     }
 }

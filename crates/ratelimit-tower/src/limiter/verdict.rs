@@ -2,8 +2,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use http::Extensions;
 use ratelimit_core::Decision;
 
+use crate::admission::{Admission, AdmittedBy, Binding};
 use crate::headers::Fields;
 use crate::rejection::Refusal;
 
@@ -16,22 +18,72 @@ pub(crate) enum Verdict {
 }
 
 /// An admitted request: call the inner service after `delay`, adding `fields` to its
-/// response; the store's decision, if any, goes into the request's extensions.
+/// response; its [`Admission`] (always) and the store's decision (when kept) go into the
+/// request's extensions.
 pub(crate) struct Pass {
     pub(crate) delay: Duration,
     pub(crate) fields: Option<Fields>,
-    /// Boxed: only a decision that arrives later (from a store that is not in process)
-    /// travels in the verdict, and a verdict is moved several times.
-    pub(crate) decision: Option<Box<Decision>>,
+    pub(crate) admission: Admitted,
+}
+
+/// Where a passed request's [`Admission`] is. A verdict is moved several times on the
+/// in-process path, so this stays two words: what is known at once goes straight into
+/// the request's extensions, what arrives later (a store that is not in process, shadow
+/// mode) travels boxed.
+pub(crate) enum Admitted {
+    /// Already in the request's extensions.
+    Inserted,
+    /// Passed unchecked, with no rule to name.
+    Unchecked(AdmittedBy),
+    /// To be put into the extensions when the request is passed on.
+    Later(Box<Deferred>),
+}
+
+/// An admission, and the store's decision when the layer keeps it for handlers.
+pub(crate) struct Deferred {
+    pub(crate) admission: Admission,
+    pub(crate) decision: Option<Decision>,
+}
+
+impl Admitted {
+    /// Puts what is not yet in `extensions` there.
+    pub(crate) fn insert_into(self, extensions: &mut Extensions) {
+        match self {
+            Admitted::Inserted => {}
+            Admitted::Unchecked(by) => {
+                extensions.insert(Admission::unchecked(by, None));
+            }
+            Admitted::Later(later) => {
+                let Deferred {
+                    admission,
+                    decision,
+                } = *later;
+                extensions.insert(admission);
+                if let Some(decision) = decision {
+                    extensions.insert(decision);
+                }
+            }
+        }
+    }
+
+    /// The binding rule of an admission not yet in the extensions.
+    pub(crate) fn binding(&self) -> Option<Binding> {
+        match self {
+            Admitted::Later(later) => later.admission.binding(),
+            Admitted::Inserted | Admitted::Unchecked(_) => None,
+        }
+    }
 }
 
 impl Verdict {
-    /// Passed without asking the store: no delay, no fields, no decision.
-    pub(crate) const UNCHECKED: Verdict = Verdict::Pass(Pass {
-        delay: Duration::ZERO,
-        fields: None,
-        decision: None,
-    });
+    /// Passed without asking the store (or without its answer): no delay, no fields.
+    pub(crate) const fn unchecked(by: AdmittedBy) -> Verdict {
+        Verdict::Pass(Pass {
+            delay: Duration::ZERO,
+            fields: None,
+            admission: Admitted::Unchecked(by),
+        })
+    }
 }
 
 pub(crate) type CheckFuture = Pin<Box<dyn Future<Output = Verdict> + Send>>;
