@@ -93,3 +93,19 @@ pub(crate) enum Begin {
     Now(Verdict),
     Later(CheckFuture),
 }
+
+#[cfg(test)]
+mod tests {
+    /// A verdict is moved several times on the in-process path (and returned as the error
+    /// of `prepare`, which clippy's `result_large_err` bounds at 128 bytes): what an
+    /// admitted request needs later goes into the request or into a box.
+    #[test]
+    fn a_verdict_stays_small() {
+        assert!(
+            std::mem::size_of::<super::Verdict>() <= 120,
+            "{} bytes",
+            std::mem::size_of::<super::Verdict>()
+        );
+        assert_eq!(std::mem::size_of::<super::Admitted>(), 16);
+    }
+}
