@@ -98,6 +98,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
             admitted_headers: true,
+            decision_extension: false,
             shadow: false,
             max_delay: DEFAULT_MAX_DELAY,
             deny_cache: Some(DenyCacheConfig::default()),
@@ -248,6 +249,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
     admitted_headers: bool,
+    decision_extension: bool,
     shadow: bool,
     max_delay: Duration,
     deny_cache: Option<DenyCacheConfig>,
@@ -293,6 +295,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
+            decision_extension: self.decision_extension,
             shadow: self.shadow,
             max_delay: self.max_delay,
             deny_cache: self.deny_cache,
@@ -435,6 +438,18 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// default; refusals always do).
     pub fn admitted_headers(mut self, enabled: bool) -> Self {
         self.admitted_headers = enabled;
+        self
+    }
+
+    /// Whether a request the store admitted also carries the store's whole
+    /// [`Decision`](ratelimit_core::Decision) (every rule's outcome) in its extensions,
+    /// beside the [`Admission`](crate::Admission) every admitted request carries. Off by
+    /// default: the decision is a few hundred bytes to copy into every request, and the
+    /// admission names the rule nearest to its limit. With it on, a handler reads
+    /// `Option<Extension<Decision>>`: a request passed unchecked (fail-open, an exempt
+    /// key, a missing key admitted, shadow mode overriding a refusal) has no decision.
+    pub fn decision_extension(mut self, enabled: bool) -> Self {
+        self.decision_extension = enabled;
         self
     }
 
@@ -625,6 +640,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_error_log: BoundedLog::new(),
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
+            decision_extension: self.decision_extension,
             shadow: self.shadow,
             max_delay: self.max_delay,
             deny_cache: self.deny_cache.map(DenyCache::new),

@@ -383,9 +383,17 @@
 //!
 //! # Handlers see the decision
 //!
-//! An admitted request carries the store's [`Decision`](ratelimit_core::Decision) in its
-//! extensions (remaining and reset per rule); with stacked layers, the innermost one's.
-//! In axum: `Extension(decision): Extension<Decision>`.
+//! Every request the layer passes on carries an [`Admission`] in its extensions: whether
+//! the store checked it ([`AdmittedBy`]: the store, the fallback store, or unchecked by
+//! fail-open, an exempt key, a missing key admitted, shadow mode) and the rule nearest to
+//! its limit ([`Binding`]: limit, remaining, reset). It is there under every policy, so
+//! `Extension(admission): Extension<Admission>` in an axum handler never fails because of
+//! one. With stacked layers, the innermost one's.
+//!
+//! The store's whole [`Decision`](ratelimit_core::Decision) (every rule's outcome) is put
+//! beside it for requests a store admitted when the layer is built with
+//! [`decision_extension(true)`](RateLimitLayerBuilder::decision_extension); read it as
+//! `Option<Extension<Decision>>`, since an unchecked request has none.
 //!
 //! # Testing your app
 //!
@@ -493,6 +501,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod admission;
 mod body;
 mod charge;
 mod cost;
@@ -515,6 +524,7 @@ mod service;
 pub mod throttle;
 mod tier;
 
+pub use admission::{Admission, AdmittedBy, Binding};
 pub use body::ResponseBody;
 pub use charge::Refused;
 pub use cost::{RequestCost, UnitCost};

@@ -17,9 +17,9 @@ use axum::routing::get;
 use axum::{Extension, Router};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use ratelimit_core::{Decision, ManualClock, MemoryStore};
+use ratelimit_core::{ManualClock, MemoryStore};
 use ratelimit_tower::{
-    FailurePolicy, GlobalKey, HeaderKey, MissingKey, PeerIp, ProblemJson, RateLimitLayer,
+    Admission, FailurePolicy, GlobalKey, HeaderKey, MissingKey, PeerIp, ProblemJson, RateLimitLayer,
 };
 use tower::ServiceExt;
 
@@ -279,8 +279,8 @@ async fn handlers_see_the_decision() {
     let app = Router::new()
         .route(
             "/",
-            get(|Extension(d): Extension<Decision>| async move {
-                let r = &d.rules()[0];
+            get(|Extension(a): Extension<Admission>| async move {
+                let r = a.binding().unwrap();
                 format!(
                     "remaining={} reset={}s",
                     r.remaining,
