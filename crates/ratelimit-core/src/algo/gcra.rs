@@ -83,13 +83,19 @@ pub(super) fn expires_at(state: &RuleState) -> u64 {
 /// is kept: the new rule denies until it is within it, as a window whose count is above
 /// a lowered limit does.
 pub(super) fn carry(old: &Rule, rule: &Rule, state: &RuleState, now: u64) -> RuleState {
+    carry_from(old.limit(), rule, state, now)
+}
+
+/// [`carry`] from a state written under a rule of limit `old_limit`: all of the old rule
+/// a carry needs, as a store that keeps the writer's limit beside the state has it.
+pub(super) fn carry_from(old_limit: u64, rule: &Rule, state: &RuleState, now: u64) -> RuleState {
     let RuleState::Tat { us, frac } = *state else {
         return RuleState::Fresh;
     };
     if !(us > now || (us == now && frac > 0)) {
         return RuleState::Fresh;
     }
-    if old.limit() != rule.limit() && frac > 0 {
+    if old_limit != rule.limit() && frac > 0 {
         return RuleState::Tat {
             us: us + 1,
             frac: 0,
