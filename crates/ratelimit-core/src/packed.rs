@@ -452,7 +452,7 @@ pub fn encode_state(
     for ((rule, &id), state) in rules.rules.rules().iter().zip(&rules.ids).zip(states) {
         let (l, a) = (rule.limit(), rule.capacity());
         match (rule.algorithm(), state) {
-            (Algorithm::SlidingLog, _) => continue,
+            (Algorithm::SlidingLog, _) => {}
             (Algorithm::FixedWindow, _) => {
                 let (i, c) = match *state {
                     RuleState::Window { index, count } => (index, count),

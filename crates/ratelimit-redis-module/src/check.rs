@@ -100,16 +100,16 @@ pub(crate) fn check_one(
     // Blocks come first: a blocked key consults no rule.
     let block = ctx.open_key_writable(keys.block);
     if block.key_type() == KeyType::String {
-        let marker = block.as_string_dma().map_err(|e| e.to_string())?;
-        let until = if &marker[..] == b"inf" {
-            packed::encode_blocked(out, None);
-            return Ok(());
-        } else {
+        let until = {
+            let marker = block.as_string_dma().map_err(|e| e.to_string())?;
+            if &marker[..] == b"inf" {
+                packed::encode_blocked(out, None);
+                return Ok(());
+            }
             std::str::from_utf8(&marker)
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok())
         };
-        drop(marker);
         match until {
             Some(until) if until > now => {
                 packed::encode_blocked(out, Some(until - now));

@@ -48,10 +48,7 @@ mod commands;
 pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 
 // The registration with Redis: `redis_module!` expands to the module's one unsafe entry
-// point, the `extern "C"` function Redis calls when it loads the module. Left out of
-// unit test builds, whose harness would otherwise allocate through Redis's allocator
-// with no Redis around.
-#[cfg(not(test))]
+// point, the `extern "C"` function Redis calls when it loads the module.
 #[allow(unsafe_code, missing_docs)]
 mod registration {
     use redis_module::redis_module;

@@ -228,7 +228,7 @@ pub fn carry(
 
 /// One rule's state carried as [`carry`] carries it, for a store that keeps beside each
 /// rule's state the limit and capacity of the rule that wrote it (the Redis store's
-/// state layout, [`packed`](crate::packed)) rather than the whole rule set: `state`
+/// state layout) rather than the whole rule set: `state`
 /// was written under a rule of `rule`'s identity (so of its algorithm and period) whose
 /// limit was `written_limit` and capacity `written_capacity`. Windows and counters carry
 /// as they are; a sliding log's state is the shared log, which carries by its own
