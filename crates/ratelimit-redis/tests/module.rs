@@ -218,3 +218,47 @@ async fn a_replica_holds_what_the_primary_decided() {
     assert!(promoted.uses_module());
     assert!(!promoted.check(b"k", &rules, 1).await.unwrap().is_allowed());
 }
+
+/// A state cut short or grown by a few bytes (a partial write by hand, another tool):
+/// the module reads it as the Lua functions do, as fresh, replaced on commit with a
+/// state of the right length, and the two paths decide alike on it.
+#[tokio::test]
+async fn truncated_and_oversized_states_are_replaced_as_lua_replaces_them() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "3/min gcra burst=3; 5/h fixed-window".parse().unwrap();
+    let mut decisions = Vec::new();
+    for force_lua in [true, false] {
+        let prefix = if force_lua { "lua" } else { "mod" };
+        let store = RedisStore::builder()
+            .prefix(prefix)
+            .clock(ratelimit_core::ManualClock::new(ratelimit_core::testing::T0_US))
+            .timeout(Duration::from_secs(5))
+            .force_lua(force_lua)
+            .build(&server.url())
+            .await
+            .unwrap();
+        wait_connected(&store).await;
+        assert_eq!(store.uses_module(), !force_lua);
+        let state = format!("{prefix}:{{k6b}}:s");
+        let mut seen = Vec::new();
+        for edit in [
+            |raw: &mut Vec<u8>| raw.truncate(raw.len() - 8),
+            |raw: &mut Vec<u8>| raw.truncate(raw.len() - 3),
+            |raw: &mut Vec<u8>| raw.extend_from_slice(&[0; 8]),
+            |raw: &mut Vec<u8>| raw.truncate(12),
+        ] {
+            seen.push(store.check(b"k", &rules, 1).await.unwrap());
+            let mut raw: Vec<u8> = redis::cmd("GET").arg(&state).query(&mut con).unwrap();
+            let len = raw.len();
+            edit(&mut raw);
+            redis::cmd("SET").arg(&state).arg(raw).exec(&mut con).unwrap();
+            seen.push(store.check(b"k", &rules, 1).await.unwrap());
+            let healed: Vec<u8> = redis::cmd("GET").arg(&state).query(&mut con).unwrap();
+            assert_eq!(healed.len(), len, "replaced with a state of the right length");
+        }
+        decisions.push(seen);
+    }
+    assert_eq!(decisions[0], decisions[1], "Lua and the module decide alike");
+    alive(&server);
+}
