@@ -163,6 +163,19 @@ async fn a_replica_holds_what_the_primary_decided() {
         "127.0.0.1",
         &primary.port().to_string(),
     ]);
+    // The replica has synced before the primary decides anything.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !replica
+        .command("INFO replication")
+        .unwrap_or_default()
+        .contains("master_link_status:up")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica did not sync"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let store = RedisStore::builder()
         .prefix("rep")
         .timeout(Duration::from_secs(5))
@@ -178,7 +191,8 @@ async fn a_replica_holds_what_the_primary_decided() {
     assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     let mut p = common::conn(&primary.url());
     let mut r = common::conn(&replica.url());
-    let _: Value = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
+    let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
+    assert_eq!(acked, 1, "the replica acknowledged the writes");
     for key in ["rep:{k6b}:s", "rep:{k6b}:l"] {
         let dump = |con: &mut redis::Connection| -> (Value, i64) {
             let kind: String = redis::cmd("TYPE").arg(key).query(con).unwrap();
@@ -232,7 +246,9 @@ async fn truncated_and_oversized_states_are_replaced_as_lua_replaces_them() {
         let prefix = if force_lua { "lua" } else { "mod" };
         let store = RedisStore::builder()
             .prefix(prefix)
-            .clock(ratelimit_core::ManualClock::new(ratelimit_core::testing::T0_US))
+            .clock(ratelimit_core::ManualClock::new(
+                ratelimit_core::testing::T0_US,
+            ))
             .timeout(Duration::from_secs(5))
             .force_lua(force_lua)
             .build(&server.url())
@@ -252,13 +268,24 @@ async fn truncated_and_oversized_states_are_replaced_as_lua_replaces_them() {
             let mut raw: Vec<u8> = redis::cmd("GET").arg(&state).query(&mut con).unwrap();
             let len = raw.len();
             edit(&mut raw);
-            redis::cmd("SET").arg(&state).arg(raw).exec(&mut con).unwrap();
+            redis::cmd("SET")
+                .arg(&state)
+                .arg(raw)
+                .exec(&mut con)
+                .unwrap();
             seen.push(store.check(b"k", &rules, 1).await.unwrap());
             let healed: Vec<u8> = redis::cmd("GET").arg(&state).query(&mut con).unwrap();
-            assert_eq!(healed.len(), len, "replaced with a state of the right length");
+            assert_eq!(
+                healed.len(),
+                len,
+                "replaced with a state of the right length"
+            );
         }
         decisions.push(seen);
     }
-    assert_eq!(decisions[0], decisions[1], "Lua and the module decide alike");
+    assert_eq!(
+        decisions[0], decisions[1],
+        "Lua and the module decide alike"
+    );
     alive(&server);
 }
