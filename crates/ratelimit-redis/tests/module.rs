@@ -289,3 +289,46 @@ async fn truncated_and_oversized_states_are_replaced_as_lua_replaces_them() {
     );
     alive(&server);
 }
+
+/// A server that loses the module (`MODULE UNLOAD`, a restart or a failover without it)
+/// is answered by the Lua functions on the same keys: the check goes on, the state
+/// carries, and the store stays on Lua until it reconnects.
+#[tokio::test]
+async fn a_server_that_loses_the_module_is_answered_by_lua() {
+    let module = module_path();
+    let server = RedisServer::start_with(&[
+        "--loadmodule",
+        &module.to_string_lossy(),
+        "--enable-module-command",
+        "yes",
+    ]);
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .clock(ratelimit_core::ManualClock::new(
+            ratelimit_core::testing::T0_US,
+        ))
+        .build(&server.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    assert!(store.uses_module());
+    let rules: RuleSet = "3/min fixed-window".parse().unwrap();
+    let first = store.check(b"k", &rules, 1).await.unwrap();
+    assert_eq!(first.rules()[0].remaining, 2);
+    let _: Value = redis::cmd("MODULE")
+        .arg("UNLOAD")
+        .arg("ratelimit")
+        .query(&mut common::conn(&server.url()))
+        .unwrap();
+    let second = store.check(b"k", &rules, 1).await.unwrap();
+    assert_eq!(
+        second.rules()[0].remaining,
+        1,
+        "the module's state, read by Lua"
+    );
+    assert!(!store.uses_module());
+    let third = store.check(b"k", &rules, 1).await.unwrap();
+    assert_eq!(third.rules()[0].remaining, 0);
+    assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    alive(&server);
+}
