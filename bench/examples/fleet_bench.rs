@@ -31,7 +31,7 @@
 //! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `POOL` (the
 //! store's default), `LEASE` in ms (0: exact mode; else the stores are built with
 //! `.lease(..)` and the bound widens by the lease length), `MODULE` (1: every node loads
-//! the native module, `$RATELIMIT_MODULE` or one `testing::module_path` builds; build it
+//! the native module, `$RATELIMIT_MODULE` or one `testing::module_file` builds; build it
 //! with `cargo build --release -p ratelimit-redis-module` and point `RATELIMIT_MODULE`
 //! at `target/release/libratelimit_redis_module.so` to measure the release build).
 

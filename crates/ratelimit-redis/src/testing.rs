@@ -162,13 +162,13 @@ impl RedisServer {
     }
 
     /// Starts a server with the native module (crate `ratelimit-redis-module`) loaded,
-    /// built by [`module_path`] when needed.
+    /// built by [`module_file`] when needed.
     ///
     /// # Panics
     ///
     /// As [`start`](Self::start), and when the module cannot be built or loaded.
     pub fn start_with_module() -> Self {
-        let module = module_path();
+        let module = module_file();
         Self::start_with(&["--loadmodule", &module.to_string_lossy()])
     }
 
@@ -359,13 +359,13 @@ impl RedisCluster {
     }
 
     /// Starts a cluster whose every node has the native module loaded, built by
-    /// [`module_path`] when needed.
+    /// [`module_file`] when needed.
     ///
     /// # Panics
     ///
     /// As [`start`](Self::start), and when the module cannot be built or loaded.
     pub fn start_with_module() -> Self {
-        let module = module_path();
+        let module = module_file();
         Self::try_start_with(&["--loadmodule", &module.to_string_lossy()])
             .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module: {e}"))
     }
@@ -676,7 +676,7 @@ impl Drop for RedisSentinel {
 ///
 /// When the module cannot be built (the message carries cargo's output) or
 /// `$RATELIMIT_MODULE` names no file.
-pub fn module_path() -> PathBuf {
+pub fn module_file() -> PathBuf {
     static PATH: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
     PATH.get_or_init(build_module)
         .clone()

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::redis::{self, Value};
-use ratelimit_redis::testing::{check_script_args, module_path, wait_connected, RedisServer};
+use ratelimit_redis::testing::{check_script_args, module_file, wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
 
 fn alive(server: &RedisServer) {
@@ -153,7 +153,7 @@ async fn sixty_four_kib_keys_are_decided() {
 /// goes on from where the primary was.
 #[tokio::test]
 async fn a_replica_holds_what_the_primary_decided() {
-    let module = module_path();
+    let module = module_file();
     let module = module.to_string_lossy();
     let primary = RedisServer::start_with(&["--loadmodule", &module]);
     let replica = RedisServer::start_with(&[
@@ -295,7 +295,7 @@ async fn truncated_and_oversized_states_are_replaced_as_lua_replaces_them() {
 /// carries, and the store stays on Lua until it reconnects.
 #[tokio::test]
 async fn a_server_that_loses_the_module_is_answered_by_lua() {
-    let module = module_path();
+    let module = module_file();
     let server = RedisServer::start_with(&[
         "--loadmodule",
         &module.to_string_lossy(),
