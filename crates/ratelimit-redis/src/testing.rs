@@ -161,6 +161,17 @@ impl RedisServer {
         Self::try_start_with(&[], false)
     }
 
+    /// Starts a server with the native module (crate `ratelimit-redis-module`) loaded,
+    /// built by [`module_file`] when needed.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start), and when the module cannot be built or loaded.
+    pub fn start_with_module() -> Self {
+        let module = module_file();
+        Self::start_with(&["--loadmodule", &module.to_string_lossy()])
+    }
+
     /// Starts a server with extra command-line options, e.g.
     /// `&["--maxmemory-policy", "allkeys-lru"]`.
     ///
@@ -344,6 +355,22 @@ impl RedisCluster {
 
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
+        Self::try_start_with(&[])
+    }
+
+    /// Starts a cluster whose every node has the native module loaded, built by
+    /// [`module_file`] when needed.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start), and when the module cannot be built or loaded.
+    pub fn start_with_module() -> Self {
+        let module = module_file();
+        Self::try_start_with(&["--loadmodule", &module.to_string_lossy()])
+            .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module: {e}"))
+    }
+
+    fn try_start_with(extra: &[&str]) -> io::Result<Self> {
         let mut nodes = Vec::with_capacity(3);
         for _ in 0..3 {
             nodes.push(RedisServer::try_start_with(
@@ -357,7 +384,11 @@ impl RedisCluster {
                     // For tests that stall a node with DEBUG SLEEP.
                     "--enable-debug-command",
                     "yes",
-                ],
+                ]
+                .iter()
+                .chain(extra)
+                .copied()
+                .collect::<Vec<_>>(),
                 true,
             )?);
         }
@@ -630,4 +661,107 @@ impl Drop for RedisSentinel {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The native module's shared object (crate `ratelimit-redis-module`) for servers that
+/// load it: `$RATELIMIT_MODULE` when set (a module built beforehand, e.g. in release
+/// mode for benchmarks); else the workspace's `target/debug` one when it is newer than
+/// every source it is built from (as `cargo test --workspace` leaves it, the module
+/// being a workspace member); else built once per test process with `cargo build -p
+/// ratelimit-redis-module` into `target/module-tests` (a target directory of its own,
+/// so the build never waits on the one running the tests), which takes that build's
+/// time after a change to the module or the core.
+///
+/// # Panics
+///
+/// When the module cannot be built (the message carries cargo's output) or
+/// `$RATELIMIT_MODULE` names no file.
+pub fn module_file() -> PathBuf {
+    static PATH: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    PATH.get_or_init(build_module)
+        .clone()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn build_module() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("RATELIMIT_MODULE") {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!("RATELIMIT_MODULE={} is not a file", path.display()))
+        };
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    if !workspace
+        .join("crates/ratelimit-redis-module/Cargo.toml")
+        .is_file()
+    {
+        return Err(
+            "the module's source is not beside this crate (a packaged build): build \
+             ratelimit-redis-module and set RATELIMIT_MODULE to its .so"
+                .to_owned(),
+        );
+    }
+    let file = format!(
+        "{}ratelimit_redis_module{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    );
+    let built = workspace.join("target/debug").join(&file);
+    if is_fresh(&built, &workspace) {
+        return Ok(built);
+    }
+    let target = workspace.join("target/module-tests");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .args(["build", "-p", "ratelimit-redis-module", "--target-dir"])
+        .arg(&target)
+        .current_dir(&workspace)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run cargo to build the module: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "cargo build -p ratelimit-redis-module failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let path = target.join("debug").join(file);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "the module was built but {} is missing",
+            path.display()
+        ))
+    }
+}
+
+/// Whether `built` exists and is newer than every file the module is built from: its
+/// crate, the core, the workspace's manifest and lock file.
+fn is_fresh(built: &Path, workspace: &Path) -> bool {
+    fn newest(path: &Path) -> Option<std::time::SystemTime> {
+        let meta = std::fs::metadata(path).ok()?;
+        if !meta.is_dir() {
+            return meta.modified().ok();
+        }
+        std::fs::read_dir(path)
+            .ok()?
+            .filter_map(|entry| newest(&entry.ok()?.path()))
+            .max()
+    }
+    let Some(at) = std::fs::metadata(built).and_then(|m| m.modified()).ok() else {
+        return false;
+    };
+    [
+        "crates/ratelimit-redis-module",
+        "crates/ratelimit-core/src",
+        "crates/ratelimit-core/Cargo.toml",
+        "Cargo.toml",
+        "Cargo.lock",
+    ]
+    .iter()
+    .all(|source| newest(&workspace.join(source)).is_some_and(|t| t < at))
 }
