@@ -69,21 +69,29 @@ pub(crate) struct Tier {
 }
 
 impl Tier {
+    /// The tier `name`; its metrics labelled `metrics_label` (the name, or `other` past
+    /// the layer's cap on tier labels).
     pub(crate) fn new(
         namespace: &str,
         name: &str,
+        metrics_label: &str,
         rules: RuleSet,
         failure_policy: FailurePolicy,
         fallback_rules: Option<RuleSet>,
     ) -> Self {
-        // The failure policy only labels the store-error counter.
+        // The failure policy and the label only label metrics.
         #[cfg(not(feature = "metrics"))]
-        let _ = failure_policy;
+        let _ = (failure_policy, metrics_label);
         Self {
             name: name.into(),
             policy: Policy::new(&rules, namespace),
             #[cfg(feature = "metrics")]
-            metrics: Metrics::new(namespace, name, &rule_names(&rules), failure_policy),
+            metrics: Metrics::new(
+                namespace,
+                metrics_label,
+                &rule_names(&rules),
+                failure_policy,
+            ),
             prefix: key_prefix(namespace, name),
             min_capacity: rules
                 .rules()

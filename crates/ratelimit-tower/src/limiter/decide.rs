@@ -31,7 +31,6 @@ const SHADOW_COST: &str = "cost-exceeded";
 const SHADOW_STORE: &str = "store-unavailable";
 const SHADOW_OMITTED: &str = "key-omitted";
 const SHADOW_MISSING: &str = "missing-key";
-const SHADOW_TIER: &str = "unknown-tier";
 
 impl<S, K, C, T> Limiter<S, K, C, T>
 where
@@ -92,7 +91,7 @@ where
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
         };
-        let tier_index = self.select_tier(version, req)?;
+        let tier_index = self.select_tier(version, req);
         let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
         let key = tier.store_key(client.as_ref());
@@ -123,6 +122,8 @@ where
         );
         let future = async move {
             let tier = &version.tiers[check.tier];
+            #[cfg(feature = "metrics")]
+            let started = std::time::Instant::now();
             let call = limiter.store.check(&check.key, &tier.rules, check.cost);
             let result = match limiter.store_timeout {
                 None => call.await.map_err(|e| e.to_string()),
@@ -131,6 +132,8 @@ where
                     Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
                 },
             };
+            #[cfg(feature = "metrics")]
+            limiter.store_latency.record(started.elapsed(), &result);
             let verdict = limiter.decided(tier, &check, result, None);
             limiter.finish(verdict)
         };
@@ -164,41 +167,16 @@ where
         Some(self.denial(tier, key, hit.decision, hit.retry_after, ratelimit))
     }
 
-    /// The index of the request's tier, or the refusal of a misconfigured selector.
-    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> Result<usize, Verdict>
+    /// The index of the request's tier: the default tier's for no tier or for a tier the
+    /// limits lack (with a `WARN`, see [`Version::tier_named`]).
+    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> usize
     where
         T: SelectTier<B>,
     {
-        let (found, why) = match self.select.select(req) {
-            None => (
-                version.default_tier,
-                Cow::Borrowed("the tier selector chose no tier and the layer has no default tier"),
-            ),
-            Some(name) => {
-                let name = name.as_ref();
-                match version.tiers.iter().position(|t| &*t.name == name) {
-                    Some(i) => return Ok(i),
-                    None => (
-                        None,
-                        Cow::Owned(format!(
-                            "the tier selector chose tier {:?}, which is not configured",
-                            KeyDisplay(name.as_bytes()).to_string()
-                        )),
-                    ),
-                }
-            }
-        };
-        found.ok_or_else(|| {
-            if let Some(count) = self.tier_log.hit(self.store.now_us()) {
-                tracing::error!(
-                    error = %why,
-                    requests = count,
-                    "rate limit misconfigured: no tier for the request; refusing with 500 \
-                     (reported at most every 10 s, with the requests since the last report)"
-                );
-            }
-            self.unknown_tier(why)
-        })
+        match self.select.select(req) {
+            None => version.default_tier,
+            Some(name) => version.tier_named(name.as_ref(), &self.tier_log, || self.store.now_us()),
+        }
     }
 
     /// Turns the store's decision into a verdict. An admitted decision goes into
@@ -366,7 +344,6 @@ where
                 RejectReason::StoreUnavailable => SHADOW_STORE,
                 RejectReason::KeyOmitted => SHADOW_OMITTED,
                 RejectReason::MissingKey => SHADOW_MISSING,
-                RejectReason::UnknownTier => SHADOW_TIER,
             },
         };
         tracing::info!(

@@ -38,4 +38,6 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) max_delay: Duration,
     pub(crate) deny_cache: Option<DenyCache>,
     pub(crate) store_timeout: Option<Duration>,
+    #[cfg(feature = "metrics")]
+    pub(crate) store_latency: crate::metrics::StoreLatency,
 }
