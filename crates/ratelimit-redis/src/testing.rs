@@ -12,7 +12,7 @@
 //! test binary killed with `SIGKILL`: each server has a watchdog, a `sh` that blocks
 //! reading a pipe whose only writing end the test process holds. When the process ends,
 //! however it ends, the kernel closes that end, the read returns, and the watchdog kills
-//! the server (see [`Watchdog`]).
+//! the server (with `SIGKILL`, after checking the pid is still a Redis process).
 //!
 //! A store's first connection may outlast its connect timeout on a loaded machine; the
 //! store is then returned disconnected and fails its checks until it reconnects in the
