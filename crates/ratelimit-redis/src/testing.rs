@@ -12,7 +12,8 @@
 //! test binary killed with `SIGKILL`: each server has a watchdog, a `sh` that blocks
 //! reading a pipe whose only writing end the test process holds. When the process ends,
 //! however it ends, the kernel closes that end, the read returns, and the watchdog kills
-//! the server (with `SIGKILL`, after checking the pid is still a Redis process).
+//! the server (with `SIGKILL`, after checking the pid is still a Redis process) and
+//! removes its temporary directory.
 //!
 //! A store's first connection may outlast its connect timeout on a loaded machine; the
 //! store is then returned disconnected and fails its checks until it reconnects in the
@@ -155,15 +156,18 @@ fn log_tail(dir: &Path) -> String {
 struct Watchdog(Child);
 
 impl Watchdog {
-    fn watch(pid: u32) -> io::Result<Self> {
-        let script = format!(
-            "read _ignored; \
-             if [ -r /proc/{pid}/comm ]; then \
-                 case $(cat /proc/{pid}/comm) in redis*) kill -9 {pid} ;; esac; \
-             else kill -9 {pid}; fi 2>/dev/null"
-        );
+    /// Watches `pid`; when it fires, also removes `dir`, the process's scratch directory
+    /// (a server in a `static` is never dropped, so nothing else would).
+    fn watch(pid: u32, dir: &Path) -> io::Result<Self> {
+        // The pid and the directory are arguments, never part of the script's text.
+        let script = "read _ignored; \
+             if [ -r \"/proc/$1/comm\" ]; then \
+                 case $(cat \"/proc/$1/comm\") in redis*) kill -9 \"$1\" ;; esac; \
+             else kill -9 \"$1\"; fi 2>/dev/null; \
+             rm -rf \"$2\"";
         let child = Command::new("sh")
-            .args(["-c", &script])
+            .args(["-c", script, "watchdog", &pid.to_string()])
+            .arg(dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -188,9 +192,9 @@ struct Watched {
 
 impl Watched {
     /// Starts `command` and its watchdog; kills the process if the watchdog cannot start.
-    fn spawn(command: &mut Command) -> io::Result<Self> {
+    fn spawn(command: &mut Command, dir: &Path) -> io::Result<Self> {
         let mut child = command.spawn()?;
-        match Watchdog::watch(child.id()) {
+        match Watchdog::watch(child.id(), dir) {
             Ok(watchdog) => Ok(Self {
                 child,
                 watchdog: Some(watchdog),
@@ -293,6 +297,7 @@ impl RedisServer {
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
+            &self.dir,
         )
         .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
         let mut child = child;
@@ -607,6 +612,7 @@ impl RedisSentinel {
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
+            &dir,
         )
         .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
         let sentinel = RedisSentinel {

@@ -104,14 +104,30 @@ fn alive(pid: u32) -> bool {
     }
 }
 
-/// Waits (polling, up to a bound for a loaded machine) until none of `pids` is alive.
-fn assert_gone(pids: &[u32]) {
+/// The scratch directories the child's servers run in (`ratelimit-redis-*-<pid>-*`).
+fn scratch_dirs(child: u32) -> Vec<std::path::PathBuf> {
+    let infix = format!("-{child}-");
+    std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("ratelimit-redis-") && n.contains(&infix))
+        })
+        .collect()
+}
+
+/// Waits (polling, up to a bound for a loaded machine) until none of `pids` is alive
+/// and the child's scratch directories are gone.
+fn assert_gone(child: u32, pids: &[u32]) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while pids.iter().any(|&p| alive(p)) {
+    while pids.iter().any(|&p| alive(p)) || !scratch_dirs(child).is_empty() {
         assert!(
             Instant::now() < deadline,
-            "still running after the test process ended: {:?}",
-            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+            "still running after the test process ended: {:?}; directories left: {:?}",
+            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>(),
+            scratch_dirs(child)
         );
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -121,16 +137,18 @@ fn assert_gone(pids: &[u32]) {
 fn servers_in_statics_end_when_the_test_process_exits() {
     let (mut child, pids) = spawn_child("exit");
     assert!(pids.iter().all(|&p| alive(p)), "{pids:?}");
+    assert_eq!(scratch_dirs(child.id()).len(), 4);
     assert!(child.wait().unwrap().success());
-    assert_gone(&pids);
+    assert_gone(child.id(), &pids);
 }
 
 #[test]
 fn servers_in_statics_end_when_the_test_process_is_killed() {
     let (mut child, pids) = spawn_child("wait");
     assert!(pids.iter().all(|&p| alive(p)), "{pids:?}");
+    assert_eq!(scratch_dirs(child.id()).len(), 4);
     // SIGKILL: no destructor, no atexit handler runs.
     child.kill().unwrap();
     child.wait().unwrap();
-    assert_gone(&pids);
+    assert_gone(child.id(), &pids);
 }
