@@ -103,8 +103,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "pro",
                 "10000/h sliding-window precision=6 name=pro; 50/s gcra name=pro-burst".parse()?,
             )
-            // No plan in the request means the authentication layer did not run first: a
-            // misconfiguration, refused with 500 rather than guessed.
+            // Requests without a plan (the authentication layer did not run first) and
+            // plans these limits do not list are limited as free: never a free pass.
+            .default_tier("free")
             .select_tier(|req: &Request| req.extensions().get::<Plan>().map(|p| p.tier()))
             .cost(cost)
             .build()?;

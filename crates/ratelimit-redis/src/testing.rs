@@ -8,6 +8,13 @@
 //! skips. Servers keep nothing on disk (no RDB, no AOF) and log to a temporary directory,
 //! whose log tail is part of any startup error.
 //!
+//! No server outlives the test process, even one kept in a `static` (never dropped) or a
+//! test binary killed with `SIGKILL`: each server has a watchdog, a `sh` that blocks
+//! reading a pipe whose only writing end the test process holds. When the process ends,
+//! however it ends, the kernel closes that end, the read returns, and the watchdog kills
+//! the server (with `SIGKILL`, after checking the pid is still a Redis process) and
+//! removes its temporary directory.
+//!
 //! A store's first connection may outlast its connect timeout on a loaded machine; the
 //! store is then returned disconnected and fails its checks until it reconnects in the
 //! background. A test that needs Redis waits for the connection with [`wait_connected`].
@@ -132,13 +139,91 @@ fn log_tail(dir: &Path) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
-/// A `redis-server` process on `127.0.0.1` and a free port; killed on drop.
+/// Kills a server when the test process ends, however it ends.
+///
+/// A `sh` reading its standard input, a pipe whose writing end only this process holds
+/// (std opens pipes close-on-exec, so no other child inherits it). The read returns at
+/// end of file, which comes when this process closes the end: on drop, at exit, or when
+/// the kernel closes every descriptor of a killed process. The shell then kills the
+/// server with `SIGKILL`, if the pid is still a Redis process (not a pid reused since).
+/// Redis has no option to exit with its parent, and a shell that waits for the server
+/// (`redis-server & wait`) outlives a killed test as the server does; a pipe's end of
+/// file is what every way of ending delivers.
+///
+/// Stopping a server on purpose kills its watchdog first (so it never fires at a pid the
+/// system may hand out again), then the server.
+#[derive(Debug)]
+struct Watchdog(Child);
+
+impl Watchdog {
+    /// Watches `pid`; when it fires, also removes `dir`, the process's scratch directory
+    /// (a server in a `static` is never dropped, so nothing else would).
+    fn watch(pid: u32, dir: &Path) -> io::Result<Self> {
+        // The pid and the directory are arguments, never part of the script's text.
+        let script = "read _ignored; \
+             if [ -r \"/proc/$1/comm\" ]; then \
+                 case $(cat \"/proc/$1/comm\") in redis*) kill -9 \"$1\" ;; esac; \
+             else kill -9 \"$1\"; fi 2>/dev/null; \
+             rm -rf \"$2\"";
+        let child = Command::new("sh")
+            .args(["-c", script, "watchdog", &pid.to_string()])
+            .arg(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot run sh (the watchdog): {e}")))?;
+        Ok(Self(child))
+    }
+
+    /// Ends the watchdog without letting it fire.
+    fn disarm(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A process started for a test, with its watchdog.
+#[derive(Debug)]
+struct Watched {
+    child: Child,
+    watchdog: Option<Watchdog>,
+}
+
+impl Watched {
+    /// Starts `command` and its watchdog; kills the process if the watchdog cannot start.
+    fn spawn(command: &mut Command, dir: &Path) -> io::Result<Self> {
+        let mut child = command.spawn()?;
+        match Watchdog::watch(child.id(), dir) {
+            Ok(watchdog) => Ok(Self {
+                child,
+                watchdog: Some(watchdog),
+            }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+
+    fn kill(mut self) {
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.disarm();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `redis-server` process on `127.0.0.1` and a free port; killed on drop, and when the
+/// test process ends (see the [module docs](self)).
 #[derive(Debug)]
 pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra_args: Vec<String>,
-    child: Option<Child>,
+    child: Option<Watched>,
 }
 
 impl RedisServer {
@@ -211,22 +296,27 @@ impl RedisServer {
         let port = self.port.to_string();
         let log = self.dir.join("redis.log");
         let _ = std::fs::remove_file(&log);
-        let mut child = Command::new("redis-server")
-            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--logfile")
-            .arg(&log)
-            .args(&self.extra_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
+        let child = Watched::spawn(
+            Command::new("redis-server")
+                .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--daemonize", "no"])
+                .arg("--dir")
+                .arg(&self.dir)
+                .arg("--logfile")
+                .arg(&log)
+                .args(&self.extra_args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            &self.dir,
+        )
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
+        let mut child = child;
         let deadline = Instant::now() + STARTUP;
         loop {
-            if let Some(status) = child.try_wait()? {
+            if let Some(status) = child.child.try_wait()? {
+                // Reaped: its pid is free again, so its watchdog must not fire.
+                child.kill();
                 return Err(io::Error::other(format!(
                     "redis-server on port {port} exited with {status}; log:\n{}",
                     log_tail(&self.dir)
@@ -237,8 +327,7 @@ impl RedisServer {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!(
@@ -263,7 +352,7 @@ impl RedisServer {
 
     /// The process id, while running.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.as_ref().map(|c| c.child.id())
     }
 
     /// Whether the process is running.
@@ -273,9 +362,8 @@ impl RedisServer {
 
     /// Kills the server (SIGKILL: no goodbye to clients, as a crash); its data is lost.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            child.kill();
         }
     }
 
@@ -508,7 +596,7 @@ pub struct RedisSentinel {
     replica: RedisServer,
     port: u16,
     dir: PathBuf,
-    child: Option<Child>,
+    child: Option<Watched>,
 }
 
 impl RedisSentinel {
@@ -549,13 +637,15 @@ impl RedisSentinel {
                 primary = primary.port,
             ),
         )?;
-        let child = Command::new("redis-sentinel")
-            .arg(&config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
+        let child = Watched::spawn(
+            Command::new("redis-sentinel")
+                .arg(&config)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            &dir,
+        )
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
         let sentinel = RedisSentinel {
             primary,
             replica,
@@ -655,9 +745,8 @@ impl RedisSentinel {
 
 impl Drop for RedisSentinel {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            child.kill();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }

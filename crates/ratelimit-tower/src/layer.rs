@@ -18,6 +18,7 @@ use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
 use crate::limiter::{ChargeWhen, Limiter};
 use crate::limits::{Limits, LimitsHandle, Live, Settings};
+use crate::metrics::DEFAULT_METRICS_TIER_LABELS;
 use crate::namespace;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::{BlockedStatus, OnRejection, PlainText};
@@ -107,6 +108,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             refund_refused: true,
             resolver: None,
             customer_cache: (DEFAULT_CUSTOMER_CACHE, DEFAULT_CUSTOMER_TTL),
+            metrics_tier_labels: DEFAULT_METRICS_TIER_LABELS,
         }
     }
 }
@@ -117,13 +119,10 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
         &self.limiter.store
     }
 
-    /// The rules in force for the default tier (for the first tier when there is no
-    /// default).
+    /// The rules in force for the default tier.
     pub fn rules(&self) -> RuleSet {
         let version = self.limiter.live.current.load();
-        version.tiers[version.default_tier.unwrap_or(0)]
-            .rules
-            .clone()
+        version.tiers[version.default_tier].rules.clone()
     }
 
     /// The rules in force for the tier `name` (`""` is the tier of
@@ -258,6 +257,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     refund_refused: bool,
     resolver: Option<Resolver>,
     customer_cache: (u64, Duration),
+    metrics_tier_labels: usize,
 }
 
 impl<S, K, C, T> fmt::Debug for RateLimitLayerBuilder<S, K, C, T> {
@@ -304,6 +304,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             refund_refused: self.refund_refused,
             resolver: self.resolver,
             customer_cache: self.customer_cache,
+            metrics_tier_labels: self.metrics_tier_labels,
         }
     }
 
@@ -353,9 +354,10 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
-    /// The tier for requests the selector puts in no tier (`""`, the tier of
-    /// [`rules`](Self::rules), by default, when there are such rules). Without a default
-    /// tier such requests are a misconfiguration, refused with 500.
+    /// The tier for requests the selector puts in no tier or in a tier the limits lack
+    /// (`""`, the tier of [`rules`](Self::rules), by default, when there are such rules).
+    /// A layer with a selector and neither rules nor a default tier does not build
+    /// ([`BuildError::NoDefaultTier`]).
     pub fn default_tier(mut self, name: &str) -> Self {
         self.default_tier = Some(name.to_owned());
         self
@@ -363,8 +365,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
 
     /// Chooses the tier of each request with `select` (a [`SelectTier`], e.g. a closure
     /// `|req| req.extensions().get::<Plan>().map(|p| p.name())`). A name that is not a
-    /// configured tier is a misconfiguration: the request is refused with 500 and the
-    /// layer logs an error at a bounded rate.
+    /// tier of the limits in force is decided under the [default tier](Self::default_tier),
+    /// with a `WARN` once per name (see [tiers](crate#tiers-rules-per-request)): replaced
+    /// limits that drop a plan still in use limit it, they never answer 500.
     ///
     /// [`SelectTier`]: crate::SelectTier
     pub fn select_tier<T2>(mut self, select: T2) -> RateLimitLayerBuilder<S, K, C, T2> {
@@ -592,6 +595,16 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
+    /// With the `metrics` feature: the most tier names that get a `tier` label of their
+    /// own (100 by default, [`DEFAULT_METRICS_TIER_LABELS`]), first come for the layer's
+    /// life; the metrics of further tiers carry `tier="other"` and `rule="other"`, so
+    /// limits with thousands of tiers, or reloads that bring new names, cannot multiply
+    /// the series without bound. 0 labels every tier `other`.
+    pub fn metrics_tier_labels(mut self, tiers: usize) -> Self {
+        self.metrics_tier_labels = tiers;
+        self
+    }
+
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
@@ -616,8 +629,11 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             self.failure_policy,
             self.fallback,
             self.selector_set,
+            self.metrics_tier_labels,
         );
         let live = Live::new(settings, limits)?;
+        #[cfg(feature = "metrics")]
+        let store_latency = crate::metrics::StoreLatency::new(namespace.as_str());
         if implicit && self.store.is_shared() {
             namespace::warn_implicit(self.location);
         }
@@ -656,6 +672,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
                 ))
             }),
             namespace_arc,
+            #[cfg(feature = "metrics")]
+            store_latency,
         };
         Ok(RateLimitLayer {
             limiter: Arc::new(limiter),
@@ -699,6 +717,9 @@ mod tests {
             .build()
             .unwrap_err();
         assert_eq!(err, BuildError::UnknownDefaultTier("gold".into()));
+        let err = tiers().select_tier(select).build().unwrap_err();
+        assert_eq!(err, BuildError::NoDefaultTier);
+        assert!(err.to_string().contains("default_tier"), "{err}");
         let err = RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
             .rules("1/s")
             .unwrap()

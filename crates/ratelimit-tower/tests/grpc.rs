@@ -155,11 +155,14 @@ async fn misconfiguration_is_internal_and_a_closed_store_failure_unavailable() {
 
 #[tokio::test]
 async fn messages_are_percent_encoded() {
-    // A tier name the selector makes up travels into the message: quotes, a percent
+    use ratelimit_tower::key::Extraction;
+
+    // What a key extractor says is missing travels into the message: quotes, a percent
     // sign and non-ASCII text must arrive as sent.
-    let layer = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new())
-        .tier("free", "2/min".parse().unwrap())
-        .select_tier(|_: &Request<Body>| Some("100% gratuit é"))
+    let key = |_: &Request<Body>| Extraction::<String>::Missing("\"100% gratuit é\"".into());
+    let layer = RateLimitLayer::builder(MemoryStore::new(), key)
+        .rules("2/min")
+        .unwrap()
         .build()
         .unwrap();
     let svc = layer.layer(ok_service());

@@ -38,7 +38,6 @@ static SHADOW_COST: HeaderValue = HeaderValue::from_static("cost-exceeded");
 static SHADOW_STORE: HeaderValue = HeaderValue::from_static("store-unavailable");
 static SHADOW_OMITTED: HeaderValue = HeaderValue::from_static("key-omitted");
 static SHADOW_MISSING: HeaderValue = HeaderValue::from_static("missing-key");
-static SHADOW_TIER: HeaderValue = HeaderValue::from_static("unknown-tier");
 
 impl<S, K, C, T> Limiter<S, K, C, T>
 where
@@ -195,7 +194,7 @@ where
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
         };
-        let tier_index = self.select_tier(version, req)?;
+        let tier_index = self.select_tier(version, req);
         let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
         let key = tier.store_key(client.as_ref());
@@ -239,6 +238,8 @@ where
                 }
             }
             let tier = check.tier.get(&version);
+            #[cfg(feature = "metrics")]
+            let started = std::time::Instant::now();
             let call = limiter.store.check(&check.key, &tier.rules, check.cost);
             let result = match limiter.store_timeout {
                 None => call.await.map_err(|e| e.to_string()),
@@ -247,6 +248,8 @@ where
                     Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
                 },
             };
+            #[cfg(feature = "metrics")]
+            limiter.store_latency.record(started.elapsed(), &result);
             let charged = limiter.charged(&result);
             let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
@@ -292,41 +295,16 @@ where
         Some(self.denial(tier, key, hit.decision, hit.retry_after, ratelimit))
     }
 
-    /// The index of the request's tier, or the refusal of a misconfigured selector.
-    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> Result<usize, Verdict>
+    /// The index of the request's tier: the default tier's for no tier or for a tier the
+    /// limits lack (with a `WARN`, see [`Version::tier_named`]).
+    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> usize
     where
         T: SelectTier<B>,
     {
-        let (found, why) = match self.select.select(req) {
-            None => (
-                version.default_tier,
-                Cow::Borrowed("the tier selector chose no tier and the layer has no default tier"),
-            ),
-            Some(name) => {
-                let name = name.as_ref();
-                match version.tiers.iter().position(|t| &*t.name == name) {
-                    Some(i) => return Ok(i),
-                    None => (
-                        None,
-                        Cow::Owned(format!(
-                            "the tier selector chose tier {:?}, which is not configured",
-                            KeyDisplay(name.as_bytes()).to_string()
-                        )),
-                    ),
-                }
-            }
-        };
-        found.ok_or_else(|| {
-            if let Some(count) = self.tier_log.hit(self.store.now_us()) {
-                tracing::error!(
-                    error = %why,
-                    requests = count,
-                    "rate limit misconfigured: no tier for the request; refusing with 500 \
-                     (reported at most every 10 s, with the requests since the last report)"
-                );
-            }
-            self.unknown_tier(why)
-        })
+        match self.select.select(req) {
+            None => version.default_tier,
+            Some(name) => version.tier_named(name.as_ref(), &self.tier_log, || self.store.now_us()),
+        }
     }
 
     /// Turns the decision of the store `by` names into a verdict. An admitted request's
@@ -520,7 +498,6 @@ where
                     RejectReason::StoreUnavailable => &SHADOW_STORE,
                     RejectReason::KeyOmitted => &SHADOW_OMITTED,
                     RejectReason::MissingKey => &SHADOW_MISSING,
-                    RejectReason::UnknownTier => &SHADOW_TIER,
                 };
                 (label, rejection.decision.as_ref().and_then(Binding::of))
             }

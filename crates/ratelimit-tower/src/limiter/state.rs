@@ -51,6 +51,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) customers: Option<Arc<Customers>>,
     /// The namespace, shared with the customers' tiers built later.
     pub(crate) namespace_arc: Arc<str>,
+    #[cfg(feature = "metrics")]
+    pub(crate) store_latency: crate::metrics::StoreLatency,
 }
 
 /// The predicate of [`charge_when`](crate::RateLimitLayerBuilder::charge_when).
