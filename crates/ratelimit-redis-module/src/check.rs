@@ -185,22 +185,7 @@ pub(crate) fn check_one(
         let mut raw = Vec::with_capacity(8 * header.width);
         packed::encode_state(&mut raw, &header, &rules, &states, log_until);
         let expiry = Expiry::new(&header, now, transition.expires_at_us);
-        {
-            let mut dma = state_key.as_string_dma_or_create()?;
-            dma.write(&raw).map_err(|e| e.to_string())?;
-        }
-        state_key
-            .set_expire(Duration::from_millis(expiry.relative_ms))
-            .map_err(|e| e.to_string())?;
-        ctx.replicate(
-            "SET",
-            &[
-                keys.state.as_slice(),
-                &raw[..],
-                b"PXAT",
-                expiry.absolute_ms.to_string().as_bytes(),
-            ][..],
-        );
+        write_state(ctx, keys.state, &state_key, &raw, expiry)?;
         drop(state_key);
         if let Some(log_key) = keys.log {
             write_log(
@@ -261,23 +246,13 @@ fn write_carried(
         .fold(now, u64::max);
     let mut raw = Vec::new();
     packed::encode_carried(&mut raw, header, rules, states, log_until);
-    let expiry = Expiry::new(header, now, until);
-    {
-        let mut dma = state_key.as_string_dma_or_create()?;
-        dma.write(&raw).map_err(|e| e.to_string())?;
-    }
-    state_key
-        .set_expire(Duration::from_millis(expiry.relative_ms))
-        .map_err(|e| e.to_string())?;
-    ctx.replicate(
-        "SET",
-        &[
-            keys.state.as_slice(),
-            &raw[..],
-            b"PXAT",
-            expiry.absolute_ms.to_string().as_bytes(),
-        ][..],
-    );
+    write_state(
+        ctx,
+        keys.state,
+        state_key,
+        &raw,
+        Expiry::new(header, now, until),
+    )?;
     if let (Some(log_key), Some(until)) = (keys.log, log_until) {
         let expiry = Expiry::new(header, now, until);
         replicated(
@@ -289,6 +264,33 @@ fn write_carried(
             ],
         )?;
     }
+    Ok(())
+}
+
+/// Writes a key's state with its expiry through the key API, replicated as
+/// `SET .. PXAT`.
+fn write_state(
+    ctx: &Context,
+    name: &RedisString,
+    key: &redis_module::key::RedisKeyWritable,
+    raw: &[u8],
+    expiry: Expiry,
+) -> Result<(), String> {
+    {
+        let mut dma = key.as_string_dma_or_create()?;
+        dma.write(raw).map_err(|e| e.to_string())?;
+    }
+    key.set_expire(Duration::from_millis(expiry.relative_ms))
+        .map_err(|e| e.to_string())?;
+    ctx.replicate(
+        "SET",
+        &[
+            name.as_slice(),
+            raw,
+            b"PXAT",
+            expiry.absolute_ms.to_string().as_bytes(),
+        ][..],
+    );
     Ok(())
 }
 
