@@ -1,14 +1,11 @@
 //! Rules chosen per request: tiers (plans) and the selector that picks one.
 
-use std::sync::Arc;
-
 use http::Request;
 use ratelimit_core::RuleSet;
 
 #[cfg(feature = "metrics")]
 use crate::headers::rule_names;
 use crate::headers::Policy;
-use crate::limits::Version;
 #[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
 use crate::namespace::key_prefix;
@@ -152,26 +149,6 @@ impl Tier {
         key.extend_from_slice(&self.prefix);
         key.extend_from_slice(client);
         key
-    }
-}
-
-/// A request's tier: one of the current limits' tiers, or a customer's own.
-#[derive(Clone)]
-pub(crate) enum TierRef {
-    /// The tier at this position of the version's tiers.
-    Index(usize),
-    /// A customer's tier (see [`Tier::customer`]).
-    Own(Arc<Tier>),
-}
-
-impl TierRef {
-    /// The tier, in `version` when it is one of its tiers.
-    #[inline]
-    pub(crate) fn get<'a>(&'a self, version: &'a Version) -> &'a Tier {
-        match self {
-            TierRef::Index(i) => &version.tiers[*i],
-            TierRef::Own(tier) => tier,
-        }
     }
 }
 

@@ -18,10 +18,10 @@ use crate::cost::RequestCost;
 use crate::customer::{Lookup, Own};
 use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
-use crate::limits::Version;
+use crate::limits::{TierRef, Version};
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
-use crate::tier::{SelectTier, StoreKey, Tier, TierRef};
+use crate::tier::{SelectTier, StoreKey, Tier};
 
 /// A request ready for the store: its tier, its store key and its cost.
 struct Check {

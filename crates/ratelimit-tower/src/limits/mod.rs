@@ -12,4 +12,4 @@ pub use file::{Change, Changes, LimitsFile, LoadError};
 pub use handle::LimitsHandle;
 pub(crate) use handle::Live;
 pub use spec::Limits;
-pub(crate) use version::{Settings, Version};
+pub(crate) use version::{Settings, TierRef, Version};

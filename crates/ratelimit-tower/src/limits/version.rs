@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use ratelimit_core::util::BoundedLog;
@@ -34,6 +35,26 @@ pub(crate) struct Version {
     warned: Mutex<HashSet<Box<str>, foldhash::fast::RandomState>>,
     /// The limits this version was built from, as given.
     pub(crate) limits: Limits,
+}
+
+/// A request's tier: one of the current limits' tiers, or a customer's own.
+#[derive(Clone)]
+pub(crate) enum TierRef {
+    /// The tier at this position of the version's tiers.
+    Index(usize),
+    /// A customer's tier (see `Tier::customer`).
+    Own(Arc<Tier>),
+}
+
+impl TierRef {
+    /// The tier, in `version` when it is one of its tiers.
+    #[inline]
+    pub(crate) fn get<'a>(&'a self, version: &'a Version) -> &'a Tier {
+        match self {
+            TierRef::Index(i) => &version.tiers[*i],
+            TierRef::Own(tier) => tier,
+        }
+    }
 }
 
 impl Version {
