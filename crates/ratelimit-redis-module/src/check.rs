@@ -59,6 +59,18 @@ pub(crate) struct Keys<'a> {
     pub(crate) log: Option<&'a RedisString>,
 }
 
+impl<'a> Keys<'a> {
+    /// A batch entry's keys in the order the store sends them: block marker, state,
+    /// then the log when there is one (the caller has checked there are 2 or 3).
+    pub(crate) fn of(names: &'a [RedisString]) -> Self {
+        Keys {
+            block: &names[0],
+            state: &names[1],
+            log: names.get(2),
+        }
+    }
+}
+
 /// Decides one check and appends its reply to `out`; an `Err` is the message of an
 /// error reply (for a batch, the check's failure entry), with nothing appended.
 pub(crate) fn check_one(

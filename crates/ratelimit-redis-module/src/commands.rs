@@ -121,11 +121,7 @@ pub(crate) fn check_many(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     for (m, packed_check) in counts.iter().zip(packs) {
         let these = &keys[k..k + m];
         k += m;
-        let keys = Keys {
-            block: &these[0],
-            state: &these[1],
-            log: these.get(2),
-        };
+        let keys = Keys::of(these);
         batch_entry(ctx, &keys, packed_check.as_slice(), now, &mut out);
     }
     Ok(RedisValue::StringBuffer(out))
@@ -165,11 +161,7 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
             packed::encode_failure(&mut out, format!("RLMOVED {why}").as_bytes());
             continue;
         }
-        let keys = Keys {
-            block: &these[0],
-            state: &these[1],
-            log: these.get(2),
-        };
+        let keys = Keys::of(these);
         batch_entry(ctx, &keys, packed_check.as_slice(), now, &mut out);
     }
     Ok(RedisValue::StringBuffer(out))

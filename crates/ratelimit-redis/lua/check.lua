@@ -1258,6 +1258,14 @@ end
 -- their TTLs (KEEPTTL): a refund only makes the state expire sooner in truth.
 --
 -- Returns 1 when something was given back, 0 otherwise.
+-- A count less the units given back, never below 0.
+local function less(count, cost)
+  if count > cost then
+    return count - cost
+  end
+  return 0
+end
+
 local function give_back(KEYS, ARGV)
   local packed = ARGV[1]
   local len = #packed
@@ -1337,11 +1345,7 @@ local function give_back(KEYS, ARGV)
     elseif code == FIXED_WINDOW then
       off = off + 2
       if st[off + 1] == divmod(charged, period) and st[off + 2] > 0 then
-        local count = st[off + 2] - cost
-        if count < 0 then
-          count = 0
-        end
-        st[off + 2], dirty = count, true
+        st[off + 2], dirty = less(st[off + 2], cost), true
       end
       off = off + 2
     elseif code == SLIDING_WINDOW then
@@ -1350,11 +1354,7 @@ local function give_back(KEYS, ARGV)
       if k <= idx and idx - k <= a then
         local j = off + 2 + idx - k
         if st[j] > 0 then
-          local count = st[j] - cost
-          if count < 0 then
-            count = 0
-          end
-          st[j], dirty = count, true
+          st[j], dirty = less(st[j], cost), true
         end
       end
       off = off + a + 2
