@@ -19,7 +19,7 @@ use ratelimit_core::util::BoundedLog;
 use ratelimit_core::RuleSet;
 
 use crate::key::KeyDigest;
-use crate::limits::Version;
+use crate::limits::{Clip, Version};
 use crate::policy::FailurePolicy;
 use crate::tier::Tier;
 
@@ -160,7 +160,7 @@ impl Customers {
                             if let Some(count) = this.errors.hit(now_us) {
                                 tracing::warn!(
                                     key = %client_shown,
-                                    error = %truncated(&error),
+                                    error = %Clip(&error),
                                     requests = count,
                                     "rate limit: the customer-limits resolver failed; the \
                                      tier's default rules apply until the next try (reported \
@@ -182,17 +182,4 @@ impl Customers {
         };
         call
     }
-}
-
-/// At most 200 bytes of `text` for a log line, cut at a character boundary and marked.
-fn truncated(text: &str) -> std::borrow::Cow<'_, str> {
-    const MAX: usize = 200;
-    if text.len() <= MAX {
-        return text.into();
-    }
-    let mut end = MAX;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}... ({} bytes)", &text[..end], text.len()).into()
 }

@@ -8,6 +8,7 @@ mod handle;
 mod spec;
 mod version;
 
+pub(crate) use clip::Clip;
 pub use file::{Change, Changes, LimitsFile, LoadError};
 pub use handle::LimitsHandle;
 pub(crate) use handle::Live;
