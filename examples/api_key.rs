@@ -13,7 +13,7 @@
 //! account's plan into the request; the limiter's tier selector reads it. A request
 //! costing more than its plan can ever grant at once would be answered 413, not 429:
 //! waiting would not help. The handler reads what is left of its budget from the
-//! `Decision` the limiter put into the request.
+//! `Admission` the limiter put into the request.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,8 +24,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Router};
-use ratelimit_core::{Decision, MemoryStore};
-use ratelimit_tower::{HeaderKey, RateLimitLayer};
+use ratelimit_core::MemoryStore;
+use ratelimit_tower::{Admission, HeaderKey, RateLimitLayer};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Plan {
@@ -75,11 +75,19 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-async fn search(Extension(decision): Extension<Decision>) -> String {
-    format!(
-        "results ({} left this hour)\n",
-        decision.rules()[0].remaining
-    )
+/// Every request the limiter passes on carries an `Admission`, also when it passed
+/// unchecked (the store down and failing open): extracting it never fails.
+async fn search(Extension(admission): Extension<Admission>) -> String {
+    match admission.binding() {
+        // The plan's rule nearest to its limit (the burst rule of "pro", often).
+        Some(rule) => format!(
+            "results ({} of {} left, all back in {} s)\n",
+            rule.remaining,
+            rule.limit,
+            rule.reset_after.as_secs()
+        ),
+        None => "results (not counted)\n".to_owned(),
+    }
 }
 
 #[tokio::main]
@@ -95,8 +103,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "pro",
                 "10000/h sliding-window precision=6 name=pro; 50/s gcra name=pro-burst".parse()?,
             )
-            // No plan in the request means the authentication layer did not run first: a
-            // misconfiguration, refused with 500 rather than guessed.
+            // Requests without a plan (the authentication layer did not run first) and
+            // plans these limits do not list are limited as free: never a free pass.
+            .default_tier("free")
             .select_tier(|req: &Request| req.extensions().get::<Plan>().map(|p| p.tier()))
             .cost(cost)
             .build()?;

@@ -13,13 +13,14 @@
 //! `LIMITS` names the file (top level `rules = "<rule text>"`, an optional `[tiers]`
 //! table of name = rule text, chosen by the `x-plan` request header); `PORT` the port
 //! (3000 by default). A reload logs what changed (`INFO`), or why the new file was
-//! refused (`ERROR`), the running limits staying.
+//! refused (`ERROR`), the running limits staying; a file above 1 MiB or with more than
+//! 1,024 tiers is refused (see `ratelimit_tower::LimitsFile`). A plan the file does not
+//! list is limited by the top-level rules, with a `WARN` naming it.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use ratelimit_core::MemoryStore;
-use ratelimit_examples::live::{app, read_limits, reload};
+use ratelimit_examples::live::{app, limits_file};
 use ratelimit_examples::serve::serve;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -27,18 +28,23 @@ use tokio::signal::unix::{signal, SignalKind};
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     ratelimit_examples::serve::logging_at("info");
 
-    let path = PathBuf::from(
+    let file = limits_file(
         std::env::var_os("LIMITS").ok_or("set LIMITS to the path of a TOML limits file")?,
     );
-    let limits = read_limits(&path)?;
-    tracing::info!("limits from {}: {limits}", path.display());
+    let limits = file.load().await?;
+    tracing::info!(
+        "limits from {}: {} tiers",
+        file.path().display(),
+        limits.tiers().count()
+    );
     let (app, handle) = app(Arc::new(MemoryStore::new()), limits)?;
 
     let mut hangups = signal(SignalKind::hangup())?;
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
-            // Refusals are logged; the running limits stay.
-            let _ = reload(&handle, &path);
+            // Read, parsed and compared off the runtime's workers, within the file's
+            // bounds; logged either way, a refused file leaving the running limits.
+            let _ = file.reload(&handle).await;
         }
     });
 

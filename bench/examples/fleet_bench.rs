@@ -18,7 +18,8 @@
 //!   with what that cost allows: the decisions/s 3 masters could serve with a core each,
 //!   if the load spread as it did here (the busiest master is the limit) and if it spread
 //!   evenly;
-//! * Redis calls per decision (`FCALL` and `EVALSHA` from `INFO commandstats`, all masters);
+//! * Redis calls per decision (`FCALL`, `EVALSHA` and the module's `RATELIMIT.CHECK*`
+//!   from `INFO commandstats`, all masters);
 //! * app CPU per decision: this process's user + system time (all instances) per decision;
 //! * admitted against the bound: for the rule `RULE` (a GCRA rule; burst B, rate r), no key
 //!   may be admitted more than B + r x (elapsed + lease) over the run. The run counts the
@@ -29,7 +30,10 @@
 //! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
 //! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `POOL` (the
 //! store's default), `LEASE` in ms (0: exact mode; else the stores are built with
-//! `.lease(..)` and the bound widens by the lease length).
+//! `.lease(..)` and the bound widens by the lease length), `MODULE` (1: every node loads
+//! the native module, `$RATELIMIT_MODULE` or one `testing::module_file` builds; build it
+//! with `cargo build --release -p ratelimit-redis-module` and point `RATELIMIT_MODULE`
+//! at `target/release/libratelimit_redis_module.so` to measure the release build).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -74,7 +78,11 @@ async fn main() -> Result<(), Error> {
     let rules: RuleSet = rule_text.parse()?;
     let (burst, rate_per_s) = gcra_bound(&rules)?;
 
-    let cluster = RedisCluster::start();
+    let cluster = if std::env::var("MODULE").is_ok_and(|v| v == "1") {
+        RedisCluster::start_with_module()
+    } else {
+        RedisCluster::start()
+    };
     println!(
         "fleet: {instances} store instances x {tasks} tasks, 3-master cluster on this machine, \
          {keys} keys, Zipf s={zipf_s}, rule `{rule_text}`, {} s per run",
@@ -92,6 +100,16 @@ async fn main() -> Result<(), Error> {
     for _ in 0..instances {
         let store = builder.clone().build_cluster(cluster.urls()).await?;
         wait_connected(&store).await;
+        if stores.is_empty() {
+            println!(
+                "decisions: {}",
+                if store.uses_module() {
+                    "native module"
+                } else {
+                    "Lua functions"
+                }
+            );
+        }
         stores.push(Arc::new(store));
     }
 
@@ -291,7 +309,11 @@ fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats,
     let stats = node.command("INFO commandstats")?;
     let calls = stats
         .lines()
-        .filter(|l| l.starts_with("cmdstat_fcall:") || l.starts_with("cmdstat_evalsha:"))
+        .filter(|l| {
+            l.starts_with("cmdstat_fcall:")
+                || l.starts_with("cmdstat_evalsha:")
+                || l.starts_with("cmdstat_ratelimit.check")
+        })
         .filter_map(|l| {
             l.split(&[':', ','][..])
                 .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())

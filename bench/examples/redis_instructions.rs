@@ -10,12 +10,16 @@
 //! - the least an exact limiter with a TTL on every key can ask of Redis per decision,
 //!   batched as the store batches: a function that reads every key with one `MGET`,
 //!   writes one 56-byte state with `SET .. PXAT` per check and replies 48 bytes per check;
-//! - `check_many` of `lua/check.lua` on batches of 64 checks, one rule and four rules.
+//! - `check_many` of `lua/check.lua` on batches of 64 checks, one rule and four rules;
+//! - the same batches as `RATELIMIT.CHECK_MANY` of the native module, when the server
+//!   loads it: `$RATELIMIT_MODULE` names the module's `.so`, else
+//!   `target/release/libratelimit_redis_module.so` when it is there (build it first).
 //!
 //! Every key is a new one for its round, so every check is admitted and writes its state.
 //!
 //! ```sh
 //! apt-get install valgrind   # Debian; callgrind_control comes with it
+//! cargo build --release -p ratelimit-redis-module   # for the module's rows
 //! cargo run --release -p ratelimit-bench --example redis_instructions
 //! # ROUNDS (20) batches of 64 per row
 //! ```
@@ -66,7 +70,8 @@ impl Drop for Server {
 
 fn main() {
     let rounds = env_or("ROUNDS", 20) as usize;
-    let server = start();
+    let module = module();
+    let server = start(module.as_deref());
     let mut con = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
         .unwrap()
         .get_connection()
@@ -105,25 +110,40 @@ fn main() {
         "| least an exact limiter asks: `MGET`, `SET .. PXAT` and a reply per check | {floor:.0} | {:.2}x |",
         floor / ping
     );
-    for (name, rules) in [
+    let paths: &[(&str, Option<&str>)] = if module.is_some() {
+        &[
+            ("check_many", Some(script.batch_function)),
+            ("RATELIMIT.CHECK_MANY", None),
+        ]
+    } else {
+        &[("check_many", Some(script.batch_function))]
+    };
+    for ((name, rules), (path, function)) in [
+        ("`100/s gcra burst=100`", "100/s gcra burst=100"),
         (
-            "`check_many`, `100/s gcra burst=100`",
-            "100/s gcra burst=100",
-        ),
-        (
-            "`check_many`, 4 rules (gcra, sliding p=1, fixed, token)",
+            "4 rules (gcra, sliding p=1, fixed, token)",
             "100/s gcra burst=10; 1000/min sliding-window precision=1; 10000/h fixed-window; \
              100000/day token-bucket capacity=1000",
         ),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|row| paths.iter().map(move |path| (row, *path)))
+    {
         let rules: RuleSet = rules.parse().expect("rules");
         let args = check_script_args(&rules, 1);
         assert_eq!(args.len(), 1, "one packed argument per check");
         // Block marker and state: none of these rules is a sliding log.
         let keys = 2;
         let cost = count(&server, &mut con, rounds, |con, round| {
-            let mut cmd = redis::cmd("FCALL");
-            cmd.arg(script.batch_function).arg(keys * BATCH);
+            let mut cmd = match function {
+                Some(function) => {
+                    let mut cmd = redis::cmd("FCALL");
+                    cmd.arg(function);
+                    cmd
+                }
+                None => redis::cmd(path),
+            };
+            cmd.arg(keys * BATCH);
             for i in 0..BATCH {
                 cmd.arg(format!("check:{{{round}:{i}}}:b"))
                     .arg(format!("check:{{{round}:{i}}}:s"));
@@ -135,8 +155,20 @@ fn main() {
             let reply: Vec<u8> = cmd.query(con).unwrap();
             assert!(reply.len() >= BATCH * 48, "every check decided");
         });
-        println!("| {name} | {cost:.0} | {:.2}x |", cost / ping);
+        println!("| `{path}`, {name} | {cost:.0} | {:.2}x |", cost / ping);
     }
+}
+
+/// The module's shared object, when there is one to load.
+fn module() -> Option<String> {
+    if let Ok(path) = std::env::var("RATELIMIT_MODULE") {
+        return Some(path);
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/release/libratelimit_redis_module.so");
+    built
+        .is_file()
+        .then(|| built.to_string_lossy().into_owned())
 }
 
 /// Instructions per decision of `rounds` runs of `batch` (each `BATCH` decisions), after
@@ -212,7 +244,7 @@ fn summary(path: &Path) -> Option<u64> {
         .ok()
 }
 
-fn start() -> Server {
+fn start(module: Option<&str>) -> Server {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -232,6 +264,7 @@ fn start() -> Server {
             "--appendonly",
             "no",
         ])
+        .args(module.map(|m| ["--loadmodule", m]).into_iter().flatten())
         .current_dir(&dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())

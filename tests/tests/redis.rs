@@ -4,11 +4,11 @@
 use std::time::{Duration, Instant};
 
 use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Router};
 use ratelimit_e2e::{client, one, TestServer};
 use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
-use ratelimit_tower::{FailurePolicy, GlobalKey, PeerIp, RateLimitLayer};
+use ratelimit_tower::{Admission, FailurePolicy, GlobalKey, PeerIp, RateLimitLayer};
 
 const STORE_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -193,4 +193,92 @@ async fn global_key_through_redis() {
         }
     }
     assert_eq!(statuses, [200, 200, 200, 429, 429]);
+}
+
+/// What a handler that extracts the layer's `Admission` answers.
+async fn admission_handler(Extension(admission): Extension<Admission>) -> String {
+    format!(
+        "{:?} checked={} remaining={:?}",
+        admission.by(),
+        admission.is_checked(),
+        admission.binding().map(|b| b.remaining)
+    )
+}
+
+/// Redis stopped: a handler that extracts the `Admission` answers under every policy that
+/// admits (fail-open, the fallback store, shadow mode), never a 500 for a missing
+/// extension; fail-closed refuses before the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_extract_the_admission_with_redis_stopped() {
+    let mut redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(STORE_TIMEOUT)
+        .build(&redis.url())
+        .await
+        .expect("connect to the test redis-server");
+    wait_connected(&store).await;
+    let server = |policy: FailurePolicy, shadow: bool| {
+        let layer = RateLimitLayer::builder(store.clone(), PeerIp::new())
+            .namespace("e2e-admission")
+            .rules("2/h sliding-log")
+            .unwrap()
+            .failure_policy(policy)
+            .shadow(shadow)
+            .build()
+            .unwrap();
+        TestServer::start(
+            Router::new()
+                .route("/", get(admission_handler))
+                .layer(layer),
+        )
+    };
+    let open = server(FailurePolicy::FailOpen, false).await;
+    let closed = server(FailurePolicy::FailClosed, false).await;
+    let fallback = server(FailurePolicy::Fallback, false).await;
+    let shadow = server(FailurePolicy::FailClosed, true).await;
+    let http = client();
+    let answer = |url: String| {
+        let http = http.clone();
+        async move {
+            let res = http.get(url).send().await.unwrap();
+            let status = res.status().as_u16();
+            let text = res.text().await.unwrap();
+            if status == 200 {
+                text
+            } else {
+                status.to_string()
+            }
+        }
+    };
+
+    // Healthy: decided by Redis.
+    assert_eq!(
+        answer(open.url("/")).await,
+        "Store checked=true remaining=Some(1)"
+    );
+
+    redis.stop();
+    for _ in 0..2 {
+        assert_eq!(
+            answer(open.url("/")).await,
+            "FailOpen checked=false remaining=None"
+        );
+        assert_eq!(answer(closed.url("/")).await, "503");
+        assert_eq!(
+            answer(shadow.url("/")).await,
+            "Shadow checked=false remaining=None"
+        );
+    }
+    let mut local = Vec::new();
+    for _ in 0..3 {
+        local.push(answer(fallback.url("/")).await);
+    }
+    assert_eq!(
+        local,
+        [
+            "Fallback checked=true remaining=Some(1)",
+            "Fallback checked=true remaining=Some(0)",
+            "429"
+        ]
+    );
 }

@@ -51,6 +51,7 @@ mod decision;
 mod error;
 pub mod key;
 mod memory;
+pub mod packed;
 mod rule;
 mod store;
 #[cfg(feature = "testing")]

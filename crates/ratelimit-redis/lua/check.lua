@@ -89,8 +89,10 @@ local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCR
   1, 2, 3, 4, 5, 6
 -- The identity of the log marker's entry; no rule has it.
 local LOG_MARKER = 0
--- The layout of a state a denial wrote after a conversion (see write_carried): 2^52, no
--- rule set's (their layouts are below it), so every check reads it entry by entry.
+-- The layouts of states a denial wrote after a conversion (see write_carried): 2^52 plus
+-- the writer's layout, no rule set's (their layouts are below 2^52), so every check reads
+-- it entry by entry; for the rule set that wrote it, the shared log counts as it does in
+-- a state of its own layout (as MemoryStore, whose entry then holds that rule set).
 local CARRIED = 4503599627370496
 
 -- Exact floor division of non-negative integers below 2^53. Lua's `a % b` is
@@ -546,7 +548,9 @@ local function carry(raw, v, n, now)
   end
   local log_counts = false
   local lp = at[LOG_MARKER]
-  if lp and t[lp - 1] == 1 and t[lp] > now then
+  -- A carried state's writer finds its log counting while the state says it has one, as
+  -- in a state of its own layout.
+  if lp and t[lp - 1] == 1 and (t[lp] > now or t[1] == CARRIED + v[9]) then
     log_counts = true
   end
   local st, fresh, off, converted = {}, {}, 1, false
@@ -635,16 +639,16 @@ end
 -- converting again from the old state at another time, and the denial's retry time
 -- holds. The state holds the entries of the rules that carried one, in this layout's
 -- order (headers from `new`, where the check put them; values from `st`), and the log
--- marker, under the layout CARRIED: a rule that starts fresh gets no entry (a fixed
+-- marker, under the layout CARRIED + this layout: a rule that starts fresh gets no entry (a fixed
 -- window has no values that read as fresh at every time), and the next check carries
 -- each entry as it is (a converted entry holds its new rule's limit and capacity). The
 -- log counts until its newest entry leaves the longest sliding-log window of these
 -- rules, and its key is kept as long. The state expires with its longest-lived rule,
 -- the largest reset in `out`. A peek, or a denial without a conversion, writes nothing.
 local function write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected,
-    ttl_floor, log_limit, log_period, newest)
+    ttl_floor, log_limit, log_period, newest, layout)
   local unpack_ = struct.unpack
-  local w, k, off, at, pos = {CARRIED}, 1, 1, now, 8 * HEADER + 1
+  local w, k, off, at, pos = {CARRIED + layout}, 1, 1, now, 8 * HEADER + 1
   for i = 1, n do
     local code, a, _
     code, _, _, a, _, _, pos = unpack_(RULE_FORMAT, packed, pos)
@@ -898,7 +902,7 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   if not all_ok or cost == 0 then
     if converted and cost > 0 then
       write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected, ttl_floor,
-        log_limit, log_period, newest)
+        log_limit, log_period, newest, layout)
     end
     return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))
   end
@@ -1254,6 +1258,14 @@ end
 -- their TTLs (KEEPTTL): a refund only makes the state expire sooner in truth.
 --
 -- Returns 1 when something was given back, 0 otherwise.
+-- A count less the units given back, never below 0.
+local function less(count, cost)
+  if count > cost then
+    return count - cost
+  end
+  return 0
+end
+
 local function give_back(KEYS, ARGV)
   local packed = ARGV[1]
   local len = #packed
@@ -1333,11 +1345,7 @@ local function give_back(KEYS, ARGV)
     elseif code == FIXED_WINDOW then
       off = off + 2
       if st[off + 1] == divmod(charged, period) and st[off + 2] > 0 then
-        local count = st[off + 2] - cost
-        if count < 0 then
-          count = 0
-        end
-        st[off + 2], dirty = count, true
+        st[off + 2], dirty = less(st[off + 2], cost), true
       end
       off = off + 2
     elseif code == SLIDING_WINDOW then
@@ -1346,11 +1354,7 @@ local function give_back(KEYS, ARGV)
       if k <= idx and idx - k <= a then
         local j = off + 2 + idx - k
         if st[j] > 0 then
-          local count = st[j] - cost
-          if count < 0 then
-            count = 0
-          end
-          st[j], dirty = count, true
+          st[j], dirty = less(st[j], cost), true
         end
       end
       off = off + a + 2

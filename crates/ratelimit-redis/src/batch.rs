@@ -184,7 +184,7 @@ async fn per_node(transport: &Transport, shared: &Shared, nodes: &Nodes, batch: 
     let mut groups: Vec<(u16, u16, Vec<Job>)> = Vec::new();
     for job in batch {
         let slot = job.check.slot();
-        let node = if shared.functions.load(Ordering::Relaxed) {
+        let node = if shared.paths.functions.load(Ordering::Relaxed) {
             nodes.of(slot)
         } else {
             // Every check a group of its own.
@@ -216,7 +216,7 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
     let reply = transport.call_on(slot, &call, shared.timeout).await;
     let ran_nothing = match &reply {
         // The node has no functions (before Redis 7).
-        Err(_) if !shared.functions.load(Ordering::Relaxed) => true,
+        Err(_) if !shared.paths.functions.load(Ordering::Relaxed) => true,
         // The function was missing even after loading the library (removed again in
         // between): each check alone falls back to the script form.
         Err(RedisStoreError::Script(e)) => function_missing(e),

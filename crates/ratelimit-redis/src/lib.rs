@@ -91,6 +91,22 @@
 //! (one list per client key, trimmed to the largest sliding-log limit and read by binary
 //! search). No sorted sets, no scans.
 //!
+//! # The native module
+//!
+//! Where the server loads the crate `ratelimit-redis-module` (`redis-server --loadmodule
+//! libratelimit_redis_module.so`, or `loadmodule` in redis.conf; its README says how to
+//! build it), the store decides with the module's commands instead of the Lua functions:
+//! the core's own algorithms compiled into Redis, on the same keys, state layout,
+//! arguments and replies, so nothing else changes (same decisions, same failure
+//! policies), and stores on both paths can share keys during a rollout. The store asks
+//! every primary for the module (`RATELIMIT.VERSION`) at each (re)connection and uses it
+//! when all have it with the store's state format; one INFO line says which path is in
+//! use. A server that loses the module (a restart or a failover without it) gets the
+//! call as a Lua function, and the store stays on Lua until it reconnects. Blocks and
+//! lease refunds are Lua functions on both paths.
+//! [`RedisStoreBuilder::force_lua`] keeps the Lua path; [`RedisStore::uses_module`]
+//! tells which is in use.
+//!
 //! # Lease mode
 //!
 //! Opt-in with [`RedisStoreBuilder::lease`]; exact mode (every check one call) is the

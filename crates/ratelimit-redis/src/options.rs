@@ -22,6 +22,7 @@ pub(crate) struct Options {
     pub(crate) connect_timeout: Duration,
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) ttl_floor: Duration,
+    pub(crate) force_lua: bool,
 }
 
 impl Default for Options {
@@ -32,6 +33,7 @@ impl Default for Options {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             clock: None,
             ttl_floor: DEFAULT_TTL_FLOOR,
+            force_lua: false,
         }
     }
 }
@@ -44,6 +46,7 @@ impl std::fmt::Debug for Options {
             .field("connect_timeout", &self.connect_timeout)
             .field("clock", &clock_name(self.clock.as_ref()))
             .field("ttl_floor", &self.ttl_floor)
+            .field("force_lua", &self.force_lua)
             .finish()
     }
 }
@@ -61,8 +64,8 @@ impl Options {
             clock: self.clock.clone(),
             ttl_floor_ms: u64::try_from(self.ttl_floor.as_millis()).unwrap_or(u64::MAX),
             timeout: self.timeout,
-            // Until a server says it has no FCALL.
-            functions: std::sync::atomic::AtomicBool::new(true),
+            paths: crate::script::Paths::new(),
+            force_lua: self.force_lua,
             redis_clock: RedisClock::new(),
             maxmemory_policy: std::sync::RwLock::new(None),
         })

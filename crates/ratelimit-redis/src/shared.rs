@@ -3,7 +3,7 @@
 //! clock, their eviction policy), and how each store operation becomes the request it
 //! sends.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,7 @@ use redis::Cmd;
 
 use crate::keys::KeyNames;
 use crate::script::{
-    self, block_us, Call, CheckArgs, CheckJob, Time, BLOCK, CHECK, GIVE_BACK, MAX_EXACT,
+    self, block_us, Call, CheckArgs, CheckJob, Paths, Time, BLOCK, CHECK, GIVE_BACK, MAX_EXACT,
 };
 
 /// The configuration of a store.
@@ -21,8 +21,11 @@ pub(crate) struct Shared {
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) ttl_floor_ms: u64,
     pub(crate) timeout: Duration,
-    /// Whether checks run as FCALL of the function library (Redis 7) or as EVALSHA.
-    pub(crate) functions: AtomicBool,
+    /// Whether checks run as the native module's commands, as FCALL of the function
+    /// library (Redis 7) or as EVALSHA.
+    pub(crate) paths: Paths,
+    /// The builder's `force_lua`: never the module.
+    pub(crate) force_lua: bool,
     /// The Redis clock as seen from here, for deadlines.
     pub(crate) redis_clock: RedisClock,
     /// `maxmemory-policy` as last read, when the server allowed it.
@@ -129,7 +132,7 @@ impl Shared {
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 2 + usize::from(has_log);
-        let mut call = CHECK.call(&self.functions, keys, keys + 1);
+        let mut call = CHECK.call(&self.paths, keys, keys + 1);
         let mut names = KeyNames::new(&self.prefix, key);
         call.cmd.arg(names.block());
         call.cmd.arg(names.state());
@@ -154,7 +157,7 @@ impl Shared {
 
     /// The call that decides `job` alone: the same as [`check_call`](Self::check_call).
     pub(crate) fn single_call(&self, job: &CheckJob) -> Call<'_> {
-        job.single_call(&self.functions)
+        job.single_call(&self.paths)
     }
 
     /// The call that decides `jobs` in order, in one run of `check_many`.
@@ -162,7 +165,7 @@ impl Shared {
         &'a self,
         jobs: impl Iterator<Item = &'j CheckJob> + Clone,
     ) -> Call<'a> {
-        script::batch_call(&self.functions, jobs)
+        script::batch_call(&self.paths, jobs)
     }
 
     /// The call that decides `jobs` in order, in one run of `check_local` on the Cluster
@@ -171,7 +174,7 @@ impl Shared {
         &'a self,
         jobs: impl Iterator<Item = &'j CheckJob> + Clone,
     ) -> Call<'a> {
-        script::node_batch_call(&self.functions, jobs)
+        script::node_batch_call(&self.paths, jobs)
     }
 
     /// Gives back `cost` units a check of `key` under `rules` charged at `charged_at`.
@@ -184,7 +187,7 @@ impl Shared {
     ) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 1 + usize::from(has_log);
-        let mut call = GIVE_BACK.call(&self.functions, keys, keys + 2);
+        let mut call = GIVE_BACK.call(&self.paths, keys, keys + 2);
         let mut names = KeyNames::new(&self.prefix, key);
         call.cmd.arg(names.state());
         if has_log {
@@ -200,7 +203,7 @@ impl Shared {
     }
 
     pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {
-        let mut call = BLOCK.call(&self.functions, 1, 4);
+        let mut call = BLOCK.call(&self.paths, 1, 4);
         call.cmd.arg(KeyNames::new(&self.prefix, key).block());
         match self.now() {
             Some(now) => call.cmd.arg(now),

@@ -187,6 +187,15 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Decides with the Lua functions even where the server has the native module
+    /// (crate `ratelimit-redis-module`), which the store otherwise finds and uses by
+    /// itself at every (re)connection. Both decide alike on the same keys; this is for
+    /// operators who want one path during a rollout, and for tests that compare them.
+    pub fn force_lua(mut self, force: bool) -> Self {
+        self.options.force_lua = force;
+        self
+    }
+
     /// A store for one server at `url` (`redis://[user:password@]host[:port][/db]`, or
     /// `rediss://` when the `redis` crate's TLS features are enabled).
     ///
@@ -434,6 +443,19 @@ impl RedisStore {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Whether the store's decisions run in the native module (crate
+    /// `ratelimit-redis-module`) rather than as Lua functions: as found at the last
+    /// (re)connection (on a Cluster, when every master has the module of the store's
+    /// state format), unless the builder's [`force_lua`](RedisStoreBuilder::force_lua)
+    /// said otherwise. False before the first connection.
+    pub fn uses_module(&self) -> bool {
+        self.inner
+            .shared
+            .paths
+            .module
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the store holds a connection to Redis now. A store starts and runs

@@ -8,6 +8,13 @@
 //! skips. Servers keep nothing on disk (no RDB, no AOF) and log to a temporary directory,
 //! whose log tail is part of any startup error.
 //!
+//! No server outlives the test process, even one kept in a `static` (never dropped) or a
+//! test binary killed with `SIGKILL`: each server has a watchdog, a `sh` that blocks
+//! reading a pipe whose only writing end the test process holds. When the process ends,
+//! however it ends, the kernel closes that end, the read returns, and the watchdog kills
+//! the server (with `SIGKILL`, after checking the pid is still a Redis process) and
+//! removes its temporary directory.
+//!
 //! A store's first connection may outlast its connect timeout on a loaded machine; the
 //! store is then returned disconnected and fails its checks until it reconnects in the
 //! background. A test that needs Redis waits for the connection with [`wait_connected`].
@@ -132,13 +139,91 @@ fn log_tail(dir: &Path) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
-/// A `redis-server` process on `127.0.0.1` and a free port; killed on drop.
+/// Kills a server when the test process ends, however it ends.
+///
+/// A `sh` reading its standard input, a pipe whose writing end only this process holds
+/// (std opens pipes close-on-exec, so no other child inherits it). The read returns at
+/// end of file, which comes when this process closes the end: on drop, at exit, or when
+/// the kernel closes every descriptor of a killed process. The shell then kills the
+/// server with `SIGKILL`, if the pid is still a Redis process (not a pid reused since).
+/// Redis has no option to exit with its parent, and a shell that waits for the server
+/// (`redis-server & wait`) outlives a killed test as the server does; a pipe's end of
+/// file is what every way of ending delivers.
+///
+/// Stopping a server on purpose kills its watchdog first (so it never fires at a pid the
+/// system may hand out again), then the server.
+#[derive(Debug)]
+struct Watchdog(Child);
+
+impl Watchdog {
+    /// Watches `pid`; when it fires, also removes `dir`, the process's scratch directory
+    /// (a server in a `static` is never dropped, so nothing else would).
+    fn watch(pid: u32, dir: &Path) -> io::Result<Self> {
+        // The pid and the directory are arguments, never part of the script's text.
+        let script = "read _ignored; \
+             if [ -r \"/proc/$1/comm\" ]; then \
+                 case $(cat \"/proc/$1/comm\") in redis*) kill -9 \"$1\" ;; esac; \
+             else kill -9 \"$1\"; fi 2>/dev/null; \
+             rm -rf \"$2\"";
+        let child = Command::new("sh")
+            .args(["-c", script, "watchdog", &pid.to_string()])
+            .arg(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot run sh (the watchdog): {e}")))?;
+        Ok(Self(child))
+    }
+
+    /// Ends the watchdog without letting it fire.
+    fn disarm(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A process started for a test, with its watchdog.
+#[derive(Debug)]
+struct Watched {
+    child: Child,
+    watchdog: Option<Watchdog>,
+}
+
+impl Watched {
+    /// Starts `command` and its watchdog; kills the process if the watchdog cannot start.
+    fn spawn(command: &mut Command, dir: &Path) -> io::Result<Self> {
+        let mut child = command.spawn()?;
+        match Watchdog::watch(child.id(), dir) {
+            Ok(watchdog) => Ok(Self {
+                child,
+                watchdog: Some(watchdog),
+            }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+
+    fn kill(mut self) {
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.disarm();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `redis-server` process on `127.0.0.1` and a free port; killed on drop, and when the
+/// test process ends (see the [module docs](self)).
 #[derive(Debug)]
 pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra_args: Vec<String>,
-    child: Option<Child>,
+    child: Option<Watched>,
 }
 
 impl RedisServer {
@@ -159,6 +244,17 @@ impl RedisServer {
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
         Self::try_start_with(&[], false)
+    }
+
+    /// Starts a server with the native module (crate `ratelimit-redis-module`) loaded,
+    /// built by [`module_file`] when needed.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start), and when the module cannot be built or loaded.
+    pub fn start_with_module() -> Self {
+        let module = module_file();
+        Self::start_with(&["--loadmodule", &module.to_string_lossy()])
     }
 
     /// Starts a server with extra command-line options, e.g.
@@ -200,22 +296,27 @@ impl RedisServer {
         let port = self.port.to_string();
         let log = self.dir.join("redis.log");
         let _ = std::fs::remove_file(&log);
-        let mut child = Command::new("redis-server")
-            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--logfile")
-            .arg(&log)
-            .args(&self.extra_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
+        let child = Watched::spawn(
+            Command::new("redis-server")
+                .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--daemonize", "no"])
+                .arg("--dir")
+                .arg(&self.dir)
+                .arg("--logfile")
+                .arg(&log)
+                .args(&self.extra_args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            &self.dir,
+        )
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
+        let mut child = child;
         let deadline = Instant::now() + STARTUP;
         loop {
-            if let Some(status) = child.try_wait()? {
+            if let Some(status) = child.child.try_wait()? {
+                // Reaped: its pid is free again, so its watchdog must not fire.
+                child.kill();
                 return Err(io::Error::other(format!(
                     "redis-server on port {port} exited with {status}; log:\n{}",
                     log_tail(&self.dir)
@@ -226,8 +327,7 @@ impl RedisServer {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!(
@@ -252,7 +352,7 @@ impl RedisServer {
 
     /// The process id, while running.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.as_ref().map(|c| c.child.id())
     }
 
     /// Whether the process is running.
@@ -262,9 +362,8 @@ impl RedisServer {
 
     /// Kills the server (SIGKILL: no goodbye to clients, as a crash); its data is lost.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            child.kill();
         }
     }
 
@@ -344,6 +443,22 @@ impl RedisCluster {
 
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
+        Self::try_start_with(&[])
+    }
+
+    /// Starts a cluster whose every node has the native module loaded, built by
+    /// [`module_file`] when needed.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start), and when the module cannot be built or loaded.
+    pub fn start_with_module() -> Self {
+        let module = module_file();
+        Self::try_start_with(&["--loadmodule", &module.to_string_lossy()])
+            .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module: {e}"))
+    }
+
+    fn try_start_with(extra: &[&str]) -> io::Result<Self> {
         let mut nodes = Vec::with_capacity(3);
         for _ in 0..3 {
             nodes.push(RedisServer::try_start_with(
@@ -357,7 +472,11 @@ impl RedisCluster {
                     // For tests that stall a node with DEBUG SLEEP.
                     "--enable-debug-command",
                     "yes",
-                ],
+                ]
+                .iter()
+                .chain(extra)
+                .copied()
+                .collect::<Vec<_>>(),
                 true,
             )?);
         }
@@ -477,7 +596,7 @@ pub struct RedisSentinel {
     replica: RedisServer,
     port: u16,
     dir: PathBuf,
-    child: Option<Child>,
+    child: Option<Watched>,
 }
 
 impl RedisSentinel {
@@ -518,13 +637,15 @@ impl RedisSentinel {
                 primary = primary.port,
             ),
         )?;
-        let child = Command::new("redis-sentinel")
-            .arg(&config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
+        let child = Watched::spawn(
+            Command::new("redis-sentinel")
+                .arg(&config)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            &dir,
+        )
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
         let sentinel = RedisSentinel {
             primary,
             replica,
@@ -624,10 +745,112 @@ impl RedisSentinel {
 
 impl Drop for RedisSentinel {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            child.kill();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The native module's shared object (crate `ratelimit-redis-module`) for servers that
+/// load it: `$RATELIMIT_MODULE` when set (a module built beforehand, e.g. in release
+/// mode for benchmarks); else the workspace's `target/debug` one when it is newer than
+/// every source it is built from (as `cargo test --workspace` leaves it, the module
+/// being a workspace member); else built once per test process with `cargo build -p
+/// ratelimit-redis-module` into `target/module-tests` (a target directory of its own,
+/// so the build never waits on the one running the tests), which takes that build's
+/// time after a change to the module or the core.
+///
+/// # Panics
+///
+/// When the module cannot be built (the message carries cargo's output) or
+/// `$RATELIMIT_MODULE` names no file.
+pub fn module_file() -> PathBuf {
+    static PATH: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    PATH.get_or_init(build_module)
+        .clone()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn build_module() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("RATELIMIT_MODULE") {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!("RATELIMIT_MODULE={} is not a file", path.display()))
+        };
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    if !workspace
+        .join("crates/ratelimit-redis-module/Cargo.toml")
+        .is_file()
+    {
+        return Err(
+            "the module's source is not beside this crate (a packaged build): build \
+             ratelimit-redis-module and set RATELIMIT_MODULE to its .so"
+                .to_owned(),
+        );
+    }
+    let file = format!(
+        "{}ratelimit_redis_module{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    );
+    let built = workspace.join("target/debug").join(&file);
+    if is_fresh(&built, &workspace) {
+        return Ok(built);
+    }
+    let target = workspace.join("target/module-tests");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .args(["build", "-p", "ratelimit-redis-module", "--target-dir"])
+        .arg(&target)
+        .current_dir(&workspace)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run cargo to build the module: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "cargo build -p ratelimit-redis-module failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let path = target.join("debug").join(file);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "the module was built but {} is missing",
+            path.display()
+        ))
+    }
+}
+
+/// Whether `built` exists and is newer than every file the module is built from: its
+/// crate, the core, the workspace's manifest and lock file.
+fn is_fresh(built: &Path, workspace: &Path) -> bool {
+    fn newest(path: &Path) -> Option<std::time::SystemTime> {
+        let meta = std::fs::metadata(path).ok()?;
+        if !meta.is_dir() {
+            return meta.modified().ok();
+        }
+        std::fs::read_dir(path)
+            .ok()?
+            .filter_map(|entry| newest(&entry.ok()?.path()))
+            .max()
+    }
+    let Some(at) = std::fs::metadata(built).and_then(|m| m.modified()).ok() else {
+        return false;
+    };
+    [
+        "crates/ratelimit-redis-module",
+        "crates/ratelimit-core/src",
+        "crates/ratelimit-core/Cargo.toml",
+        "Cargo.toml",
+        "Cargo.lock",
+    ]
+    .iter()
+    .all(|source| newest(&workspace.join(source)).is_some_and(|t| t < at))
 }

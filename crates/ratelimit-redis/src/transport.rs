@@ -815,7 +815,8 @@ async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
         Conn::Multiplexed(c) => load_scripts(c).await?,
         Conn::Cluster(c) => load_scripts(c).await?,
     };
-    shared.functions.store(functions, Ordering::Relaxed);
+    shared.paths.functions.store(functions, Ordering::Relaxed);
+    detect_module(conn, shared).await?;
     for (_, reply) in conn.each_master(redis::cmd("TIME")).await? {
         let (secs, micros): (u64, u64) =
             redis::from_redis_value(reply?).map_err(RedisError::from)?;
@@ -862,6 +863,69 @@ async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
         .write()
         .unwrap_or_else(PoisonError::into_inner) = policy;
     Ok(())
+}
+
+/// Finds out whether every primary has the native module of this crate's state format,
+/// which the store then uses for its decisions; says in one INFO line which path it is.
+async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
+    let mut found = Vec::new();
+    if !shared.force_lua {
+        for (primary, reply) in conn.each_master(redis::cmd("RATELIMIT.VERSION")).await? {
+            found.push((primary, reply.ok().and_then(|r| module_format(&r))));
+        }
+    }
+    let ours = ratelimit_core::packed::STATE_FORMAT;
+    let all = !found.is_empty()
+        && found
+            .iter()
+            .all(|(_, f)| f.as_ref().map(|f| f.1) == Some(ours));
+    shared.paths.module.store(all, Ordering::Relaxed);
+    if all {
+        let version = found
+            .first()
+            .and_then(|(_, f)| f.as_ref())
+            .map(|f| f.0.clone());
+        tracing::info!(
+            module_version = version.as_deref().unwrap_or(""),
+            state_format = ours,
+            "rate-limit decisions run in the Redis module ratelimit"
+        );
+    } else if shared.force_lua {
+        tracing::info!("rate-limit decisions run as Lua functions (force_lua)");
+    } else {
+        let without: Vec<String> = found
+            .iter()
+            .filter(|(_, f)| f.as_ref().map(|f| f.1) != Some(ours))
+            .map(|(primary, f)| match f {
+                Some((version, format)) => {
+                    format!("{primary:?}: module {version} of state format {format}, not {ours}")
+                }
+                None => format!("{primary:?}: no module"),
+            })
+            .collect();
+        tracing::info!(
+            servers = %without.join("; "),
+            "rate-limit decisions run as Lua functions: not every primary has the ratelimit \
+             module of this store's state format"
+        );
+    }
+    Ok(())
+}
+
+/// The version and state format in a `RATELIMIT.VERSION` reply.
+fn module_format(reply: &Value) -> Option<(String, u64)> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    let version = match items.first()? {
+        Value::SimpleString(s) => s.clone(),
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        _ => return None,
+    };
+    let Value::Int(format) = items.get(1)? else {
+        return None;
+    };
+    Some((version, u64::try_from(*format).ok()?))
 }
 
 /// The policy's value in a `CONFIG GET` reply: a map or a flat array.

@@ -8,9 +8,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
-use ratelimit_core::{Clock, ManualClock, MemoryStore, Rule, RuleSet, Store};
+use ratelimit_core::{Clock, Decision, ManualClock, MemoryStore, Rule, RuleSet, Store};
 use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
-use ratelimit_redis::RedisStore;
+use ratelimit_redis::{RedisStore, RedisStoreError};
 use tokio::runtime::Runtime;
 
 static PREFIXES: AtomicU64 = AtomicU64::new(0);
@@ -45,6 +45,123 @@ fn single(
                 .expect("store");
             wait_connected(&store).await;
             store
+        })
+    }
+}
+
+/// As [`single`], for a server with the native module: the store must be using it.
+fn on_module(
+    url: String,
+    tag: &'static str,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
+    let mut make = single(url, tag);
+    move |clock| {
+        let pending = make(clock);
+        Box::pin(async move {
+            let store = pending.await;
+            assert!(store.uses_module(), "the store should use the module");
+            store
+        })
+    }
+}
+
+/// As [`clustered`], for a cluster whose nodes have the module: the store must be
+/// using it.
+fn clustered_on_module(
+    urls: Vec<String>,
+    tag: &'static str,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
+    let mut make = clustered(urls, tag);
+    move |clock| {
+        let pending = make(clock);
+        Box::pin(async move {
+            let store = pending.await;
+            assert!(
+                store.uses_module(),
+                "the cluster store should use the module"
+            );
+            store
+        })
+    }
+}
+
+/// Two stores on the same server and keys taking turns, check by check: one forced onto
+/// the Lua functions, one on the native module (a rollout of the module).
+struct Alternating {
+    stores: [RedisStore; 2],
+    turn: AtomicU64,
+}
+
+impl Alternating {
+    fn next(&self) -> &RedisStore {
+        &self.stores[(self.turn.fetch_add(1, Ordering::Relaxed) % 2) as usize]
+    }
+}
+
+impl Store for Alternating {
+    type Error = RedisStoreError;
+
+    fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
+        self.next().check(key, rules, cost)
+    }
+
+    fn block(
+        &self,
+        key: &[u8],
+        duration: Option<Duration>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.next().block(key, duration)
+    }
+
+    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.next().unblock(key)
+    }
+
+    fn reset(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.next().reset(key, rules)
+    }
+
+    fn now_us(&self) -> u64 {
+        self.stores[0].now_us()
+    }
+}
+
+/// A Lua store and a module store on `url` sharing their keys, taking turns.
+fn lua_and_module(
+    url: String,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = Alternating>>> {
+    move |clock| {
+        let url = url.clone();
+        Box::pin(async move {
+            let prefix = fresh_prefix("shared");
+            let mut stores = Vec::new();
+            for force_lua in [true, false] {
+                let store = RedisStore::builder()
+                    .prefix(&prefix)
+                    .clock(clock.clone())
+                    .timeout(TIMEOUT)
+                    .force_lua(force_lua)
+                    .build(&url)
+                    .await
+                    .expect("store");
+                wait_connected(&store).await;
+                assert_eq!(store.uses_module(), !force_lua);
+                stores.push(store);
+            }
+            let [lua, module] = <[RedisStore; 2]>::try_from(stores).expect("two stores");
+            Alternating {
+                stores: [lua, module],
+                turn: AtomicU64::new(0),
+            }
         })
     }
 }
@@ -228,6 +345,75 @@ ratelimit_core::conformance_tests! {
         run: |test| runtime().block_on(test),
         store: single(server.url(), "conf"),
     }
+}
+
+// The same cases on a server with the native module.
+ratelimit_core::conformance_tests! {
+    mod module_store {
+        setup: {
+            let server = RedisServer::start_with_module();
+        },
+        run: |test| runtime().block_on(test),
+        store: on_module(server.url(), "modconf"),
+    }
+}
+
+#[test]
+fn module_traces_agree_with_memory_store() {
+    let server = RedisServer::start_with_module();
+    let rt = runtime();
+    traces_agree(&rt, 256, traces(), on_module(server.url(), "modtrace"));
+    traces_agree(
+        &rt,
+        128,
+        version_traces(),
+        on_module(server.url(), "modversions"),
+    );
+    segmented_traces_agree(
+        &rt,
+        128,
+        one_rule_traces(),
+        on_module(server.url(), "modone"),
+    );
+    traces_agree(
+        &rt,
+        24,
+        fine_sliding_windows(),
+        on_module(server.url(), "modfine"),
+    );
+}
+
+/// A rollout: a store on Lua and a store on the module take turns on the same keys, and
+/// every decision is the exact limiter's (MemoryStore's) for the whole trace, rule
+/// changes included.
+#[test]
+fn lua_and_module_stores_share_keys() {
+    let server = RedisServer::start_with_module();
+    let rt = runtime();
+    traces_agree(&rt, 192, traces(), lua_and_module(server.url()));
+    traces_agree(&rt, 96, version_traces(), lua_and_module(server.url()));
+}
+
+#[test]
+fn module_cluster_store_passes_the_conformance_suite_and_random_traces() {
+    let cluster = RedisCluster::start_with_module();
+    let rt = runtime();
+    rt.block_on(testing::conformance(clustered_on_module(
+        cluster.urls(),
+        "modconf",
+    )));
+    traces_agree(
+        &rt,
+        32,
+        traces(),
+        clustered_on_module(cluster.urls(), "modtrace"),
+    );
+    segmented_traces_agree(
+        &rt,
+        32,
+        one_rule_traces(),
+        clustered_on_module(cluster.urls(), "modone"),
+    );
 }
 
 #[test]

@@ -289,7 +289,21 @@ async fn script_and_function_flush_are_transparent() {
 
 #[tokio::test]
 async fn foreign_values_at_limiter_keys_heal() {
-    let server = RedisServer::start();
+    foreign_values_heal(&RedisServer::start(), false).await;
+}
+
+/// The same on the native module: the same healing, never a crash of the server.
+#[tokio::test]
+async fn foreign_values_at_limiter_keys_heal_in_the_module() {
+    let server = RedisServer::start_with_module();
+    foreign_values_heal(&server, true).await;
+    let pong: String = redis::cmd("PING")
+        .query(&mut common::conn(&server.url()))
+        .unwrap();
+    assert_eq!(pong, "PONG");
+}
+
+async fn foreign_values_heal(server: &RedisServer, module: bool) {
     let store = RedisStore::builder()
         .prefix("wt")
         .timeout(Duration::from_secs(5))
@@ -297,6 +311,7 @@ async fn foreign_values_at_limiter_keys_heal() {
         .await
         .unwrap();
     wait_connected(&store).await;
+    assert_eq!(store.uses_module(), module);
     let mut con = common::conn(&server.url());
     let rules = rules();
     // The documented layout: "wt:{k<hex of b"k">}:...".

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use http::response::Parts;
 use http::HeaderValue;
 
-use crate::limits::Version;
-use crate::tier::{StoreKey, TierRef};
+use crate::limits::{TierRef, Version};
+use crate::tier::StoreKey;
 
 /// Marks a response refused by a [`RateLimitLayer`](crate::RateLimitLayer) (a 429, a
 /// block, a store outage failing closed, any refusal): the layers around it give back

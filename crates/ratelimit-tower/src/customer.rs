@@ -19,7 +19,7 @@ use ratelimit_core::util::BoundedLog;
 use ratelimit_core::RuleSet;
 
 use crate::key::KeyDigest;
-use crate::limits::Version;
+use crate::limits::{Clip, Version};
 use crate::policy::FailurePolicy;
 use crate::tier::Tier;
 
@@ -73,8 +73,8 @@ type InFlight = Shared<Pin<Box<dyn Future<Output = Own> + Send>>>;
 /// The layer's customers: the resolver, its cached answers and the calls in flight.
 pub(crate) struct Customers {
     resolve: Resolver,
-    cache: moka::sync::Cache<(usize, CacheKey), Own>,
-    in_flight: Mutex<HashMap<(usize, CacheKey), InFlight>>,
+    cache: moka::sync::Cache<(u64, usize, CacheKey), Own>,
+    in_flight: Mutex<HashMap<(u64, usize, CacheKey), InFlight>>,
     errors: Arc<BoundedLog>,
 }
 
@@ -106,10 +106,10 @@ impl Customers {
         }
     }
 
-    /// The cached answer for `client` in the tier at `tier` (of `generation`: limits
-    /// replaced meanwhile make every answer stale).
+    /// The cached answer for `client` in the tier at `tier` of the limits of
+    /// `generation` (limits replaced meanwhile make every answer stale).
     pub(crate) fn lookup(&self, generation: u64, tier: usize, client: &[u8]) -> Lookup {
-        match self.cache.get(&(slot(generation, tier), cache_key(client))) {
+        match self.cache.get(&(generation, tier, cache_key(client))) {
             Some(own) => Lookup::Known(own),
             None => Lookup::Unknown,
         }
@@ -128,10 +128,7 @@ impl Customers {
         client: &[u8],
         now_us: u64,
     ) -> impl Future<Output = Own> + Send + 'static {
-        let key = (
-            slot(version.tiers[tier].generation, tier),
-            cache_key(client),
-        );
+        let key = (version.tiers[tier].generation, tier, cache_key(client));
         let call = {
             let mut in_flight = self.in_flight.lock();
             if let Some(call) = in_flight.get(&key) {
@@ -163,7 +160,7 @@ impl Customers {
                             if let Some(count) = this.errors.hit(now_us) {
                                 tracing::warn!(
                                     key = %client_shown,
-                                    error = %truncated(&error),
+                                    error = %Clip(&error),
                                     requests = count,
                                     "rate limit: the customer-limits resolver failed; the \
                                      tier's default rules apply until the next try (reported \
@@ -185,23 +182,4 @@ impl Customers {
         };
         call
     }
-}
-
-/// A tier and a position in the limits, as one cache key part (the generation moves
-/// with every replacement of the limits).
-fn slot(generation: u64, tier: usize) -> usize {
-    (generation as usize).wrapping_mul(1 << 20) ^ tier
-}
-
-/// At most 200 bytes of `text` for a log line, cut at a character boundary and marked.
-fn truncated(text: &str) -> std::borrow::Cow<'_, str> {
-    const MAX: usize = 200;
-    if text.len() <= MAX {
-        return text.into();
-    }
-    let mut end = MAX;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}... ({} bytes)", &text[..end], text.len()).into()
 }

@@ -12,7 +12,8 @@ pub enum BuildError {
     /// A namespace that is empty or longer than 255 bytes.
     #[error("namespace {0:?} must be 1 to 255 bytes long")]
     BadNamespace(String),
-    /// A tier name that is empty, longer than 64 bytes, or not `[A-Za-z0-9_.-]`.
+    /// A tier name that is empty, longer than 64 bytes, or not `[A-Za-z0-9_.-]` (shown cut
+    /// to 200 bytes).
     #[error("tier name {0:?} must be 1 to 64 characters of A-Z, a-z, 0-9, `_`, `-`, `.`")]
     BadTierName(String),
     /// The same tier name twice.
@@ -24,6 +25,14 @@ pub enum BuildError {
          one per request with `.select_tier(|req| ...)`"
     )]
     TiersWithoutSelector,
+    /// Tiers chosen by a selector, but no default tier: a request in a tier the limits
+    /// lack would have no rules to be decided under.
+    #[error(
+        "a layer with `select_tier` needs a default tier, for requests in no tier or in a \
+         tier the limits lack: add top-level rules (the tier \"\") or name one of the tiers \
+         with `default_tier`"
+    )]
+    NoDefaultTier,
     /// A default tier that is not configured.
     #[error("default tier {0:?} is not one of the configured tiers")]
     UnknownDefaultTier(String),

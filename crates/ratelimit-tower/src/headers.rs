@@ -20,9 +20,9 @@ pub static RATELIMIT_SHADOW: HeaderName = HeaderName::from_static("ratelimit-sha
 pub(crate) struct Fields {
     pub(crate) policy: Option<HeaderValue>,
     pub(crate) ratelimit: Option<HeaderValue>,
-    /// A `RATELIMIT_SHADOW` label; a static string keeps the fields (moved with every
+    /// A `RATELIMIT_SHADOW` label; a static value keeps the fields (moved with every
     /// admitted request) small.
-    pub(crate) shadow: Option<&'static str>,
+    pub(crate) shadow: Option<&'static HeaderValue>,
 }
 
 impl Fields {
@@ -35,7 +35,7 @@ impl Fields {
             headers.append(&RATELIMIT, v);
         }
         if let Some(v) = self.shadow {
-            headers.append(&RATELIMIT_SHADOW, HeaderValue::from_static(v));
+            headers.append(&RATELIMIT_SHADOW, v.clone());
         }
     }
 }

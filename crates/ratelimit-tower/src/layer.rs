@@ -18,6 +18,7 @@ use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
 use crate::limiter::{ChargeWhen, Limiter};
 use crate::limits::{Limits, LimitsHandle, Live, Settings};
+use crate::metrics::DEFAULT_METRICS_TIER_LABELS;
 use crate::namespace;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::{BlockedStatus, OnRejection, PlainText};
@@ -98,6 +99,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
             admitted_headers: true,
+            decision_extension: false,
             shadow: false,
             max_delay: DEFAULT_MAX_DELAY,
             deny_cache: Some(DenyCacheConfig::default()),
@@ -106,6 +108,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             refund_refused: true,
             resolver: None,
             customer_cache: (DEFAULT_CUSTOMER_CACHE, DEFAULT_CUSTOMER_TTL),
+            metrics_tier_labels: DEFAULT_METRICS_TIER_LABELS,
         }
     }
 }
@@ -116,13 +119,10 @@ impl<S: Store, K, C, T> RateLimitLayer<S, K, C, T> {
         &self.limiter.store
     }
 
-    /// The rules in force for the default tier (for the first tier when there is no
-    /// default).
+    /// The rules in force for the default tier.
     pub fn rules(&self) -> RuleSet {
         let version = self.limiter.live.current.load();
-        version.tiers[version.default_tier.unwrap_or(0)]
-            .rules
-            .clone()
+        version.tiers[version.default_tier].rules.clone()
     }
 
     /// The rules in force for the tier `name` (`""` is the tier of
@@ -248,6 +248,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
     admitted_headers: bool,
+    decision_extension: bool,
     shadow: bool,
     max_delay: Duration,
     deny_cache: Option<DenyCacheConfig>,
@@ -256,6 +257,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     refund_refused: bool,
     resolver: Option<Resolver>,
     customer_cache: (u64, Duration),
+    metrics_tier_labels: usize,
 }
 
 impl<S, K, C, T> fmt::Debug for RateLimitLayerBuilder<S, K, C, T> {
@@ -293,6 +295,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
+            decision_extension: self.decision_extension,
             shadow: self.shadow,
             max_delay: self.max_delay,
             deny_cache: self.deny_cache,
@@ -301,6 +304,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             refund_refused: self.refund_refused,
             resolver: self.resolver,
             customer_cache: self.customer_cache,
+            metrics_tier_labels: self.metrics_tier_labels,
         }
     }
 
@@ -350,9 +354,10 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
-    /// The tier for requests the selector puts in no tier (`""`, the tier of
-    /// [`rules`](Self::rules), by default, when there are such rules). Without a default
-    /// tier such requests are a misconfiguration, refused with 500.
+    /// The tier for requests the selector puts in no tier or in a tier the limits lack
+    /// (`""`, the tier of [`rules`](Self::rules), by default, when there are such rules).
+    /// A layer with a selector and neither rules nor a default tier does not build
+    /// ([`BuildError::NoDefaultTier`]).
     pub fn default_tier(mut self, name: &str) -> Self {
         self.default_tier = Some(name.to_owned());
         self
@@ -360,8 +365,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
 
     /// Chooses the tier of each request with `select` (a [`SelectTier`], e.g. a closure
     /// `|req| req.extensions().get::<Plan>().map(|p| p.name())`). A name that is not a
-    /// configured tier is a misconfiguration: the request is refused with 500 and the
-    /// layer logs an error at a bounded rate.
+    /// tier of the limits in force is decided under the [default tier](Self::default_tier),
+    /// with a `WARN` once per name (see [tiers](crate#tiers-rules-per-request)): replaced
+    /// limits that drop a plan still in use limit it, they never answer 500.
     ///
     /// [`SelectTier`]: crate::SelectTier
     pub fn select_tier<T2>(mut self, select: T2) -> RateLimitLayerBuilder<S, K, C, T2> {
@@ -435,6 +441,18 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// default; refusals always do).
     pub fn admitted_headers(mut self, enabled: bool) -> Self {
         self.admitted_headers = enabled;
+        self
+    }
+
+    /// Whether a request the store admitted also carries the store's whole
+    /// [`Decision`](ratelimit_core::Decision) (every rule's outcome) in its extensions,
+    /// beside the [`Admission`](crate::Admission) every admitted request carries. Off by
+    /// default: the decision is a few hundred bytes to copy into every request, and the
+    /// admission names the rule nearest to its limit. With it on, a handler reads
+    /// `Option<Extension<Decision>>`: a request passed unchecked (fail-open, an exempt
+    /// key, a missing key admitted, shadow mode overriding a refusal) has no decision.
+    pub fn decision_extension(mut self, enabled: bool) -> Self {
+        self.decision_extension = enabled;
         self
     }
 
@@ -577,6 +595,16 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
+    /// With the `metrics` feature: the most tier names that get a `tier` label of their
+    /// own (100 by default, [`DEFAULT_METRICS_TIER_LABELS`]), first come for the layer's
+    /// life; the metrics of further tiers carry `tier="other"` and `rule="other"`, so
+    /// limits with thousands of tiers, or reloads that bring new names, cannot multiply
+    /// the series without bound. 0 labels every tier `other`.
+    pub fn metrics_tier_labels(mut self, tiers: usize) -> Self {
+        self.metrics_tier_labels = tiers;
+        self
+    }
+
     /// The layer; fails when there is no rule, more than the core accepts in one set,
     /// or the namespace, tiers or fallback share cannot work.
     pub fn build(self) -> Result<RateLimitLayer<S, K, C, T>, BuildError> {
@@ -601,8 +629,11 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             self.failure_policy,
             self.fallback,
             self.selector_set,
+            self.metrics_tier_labels,
         );
         let live = Live::new(settings, limits)?;
+        #[cfg(feature = "metrics")]
+        let store_latency = crate::metrics::StoreLatency::new(namespace.as_str());
         if implicit && self.store.is_shared() {
             namespace::warn_implicit(self.location);
         }
@@ -625,6 +656,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_error_log: BoundedLog::new(),
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
+            decision_extension: self.decision_extension,
             shadow: self.shadow,
             max_delay: self.max_delay,
             deny_cache: self.deny_cache.map(DenyCache::new),
@@ -640,6 +672,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
                 ))
             }),
             namespace_arc,
+            #[cfg(feature = "metrics")]
+            store_latency,
         };
         Ok(RateLimitLayer {
             limiter: Arc::new(limiter),
@@ -683,6 +717,9 @@ mod tests {
             .build()
             .unwrap_err();
         assert_eq!(err, BuildError::UnknownDefaultTier("gold".into()));
+        let err = tiers().select_tier(select).build().unwrap_err();
+        assert_eq!(err, BuildError::NoDefaultTier);
+        assert!(err.to_string().contains("default_tier"), "{err}");
         let err = RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
             .rules("1/s")
             .unwrap()

@@ -155,7 +155,15 @@
 //! # Tiers: rules per request
 //!
 //! A layer can hold several tiers (plans), each with its own rules, budgets and
-//! `RateLimit-Policy`; a selector picks the tier of each request:
+//! `RateLimit-Policy`; a selector picks the tier of each request. A layer with a selector
+//! has a default tier (the top-level rules, the tier `""`, or the tier named with
+//! [`default_tier`](RateLimitLayerBuilder::default_tier)): requests the selector puts in
+//! no tier, and requests in a tier the limits lack (a plan the limits in force do not list
+//! yet, or any more), are decided under it, the latter with a `WARN` once per tier name
+//! per version of the limits (past 64 names, one line per 10 s for all of them). Limits
+//! without a default tier are refused, by [`build`](RateLimitLayerBuilder::build) and by
+//! [`LimitsHandle::replace`] alike ([`BuildError::NoDefaultTier`]): a tier missing from
+//! the limits never turns into 500s.
 //!
 //! ```
 //! use axum::body::Body;
@@ -187,7 +195,9 @@
 //! the layer, every clone of it and every service made from one, or refuses them with the
 //! [`BuildError`] [`build`](RateLimitLayerBuilder::build) would give, keeping the running
 //! ones. With the `serde` feature, [`Limits`] reads from a configuration file (rule sets in
-//! their text form); the `live_limits` example reloads a TOML file on `SIGHUP`.
+//! their text form). [`LimitsFile`] reads such a file with bounds (its size, its tiers),
+//! parses and compares it off the request path, and logs each reload in one bounded line;
+//! the `live_limits` example reloads a TOML file with it on `SIGHUP`.
 //!
 //! ```
 //! use ratelimit_core::MemoryStore;
@@ -359,7 +369,7 @@
 //! | limited, shaping delay above the maximum, cost above capacity | 8 `RESOURCE_EXHAUSTED` |
 //! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
 //! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
-//! | no key found, no tier (the server's misconfiguration) | 13 `INTERNAL` |
+//! | no key found (the server's misconfiguration) | 13 `INTERNAL` |
 //! | the client left out its key (a header) | 3 `INVALID_ARGUMENT` |
 //!
 //! Besides `grpc-status`, a refusal carries `grpc-message` (the same sentence as the HTTP
@@ -383,9 +393,17 @@
 //!
 //! # Handlers see the decision
 //!
-//! An admitted request carries the store's [`Decision`](ratelimit_core::Decision) in its
-//! extensions (remaining and reset per rule); with stacked layers, the innermost one's.
-//! In axum: `Extension(decision): Extension<Decision>`.
+//! Every request the layer passes on carries an [`Admission`] in its extensions: whether
+//! the store checked it ([`AdmittedBy`]: the store, the fallback store, or unchecked by
+//! fail-open, an exempt key, a missing key admitted, shadow mode) and the rule nearest to
+//! its limit ([`Binding`]: limit, remaining, reset). It is there under every policy, so
+//! `Extension(admission): Extension<Admission>` in an axum handler never fails because of
+//! one. With stacked layers, the innermost one's.
+//!
+//! The store's whole [`Decision`](ratelimit_core::Decision) (every rule's outcome) is put
+//! beside it for requests a store admitted when the layer is built with
+//! [`decision_extension(true)`](RateLimitLayerBuilder::decision_extension); read it as
+//! `Option<Extension<Decision>>`, since an unchecked request has none.
 //!
 //! # Testing your app
 //!
@@ -462,8 +480,8 @@
 //!
 //! # Metrics
 //!
-//! With the `metrics` feature, each layer registers these counters when it is built
-//! (install the recorder first):
+//! With the `metrics` feature, each layer registers these counters when it is built and
+//! when its limits are replaced (install the recorder first):
 //!
 //! | counter | labels |
 //! |---|---|
@@ -473,7 +491,31 @@
 //! | `ratelimit_store_errors_total` | `layer`, `tier`, `policy` (`fail_open`, `fail_closed`, `fallback`) |
 //!
 //! `layer` is the layer's namespace, `tier` the tier's name (`""` without tiers), `rule`
-//! the rule's name or `<limit>-per-<period>`.
+//! the rule's name or `<limit>-per-<period>`. The tier label is capped: the first 100
+//! tier names a layer sees get labels of their own
+//! ([`metrics_tier_labels`](RateLimitLayerBuilder::metrics_tier_labels) sets how many);
+//! further tiers count under `tier="other"`, `rule="other"`, so the series stay bounded
+//! whatever the limits hold.
+//!
+//! And one histogram, for stores that answer over the network (Redis): how long the
+//! store took, from the call to its answer or failure (the store timeout included), per
+//! request that reached it. A store that decides in process (`MemoryStore`) answers in
+//! nanoseconds and is not timed, and a build without the feature measures nothing.
+//!
+//! | histogram | labels |
+//! |---|---|
+//! | `ratelimit_store_duration_seconds` | `layer`, `outcome` (`admitted`, `limited`, `blocked`, `error`) |
+//!
+//! Give the exporter [`STORE_DURATION_BUCKETS`] (50 µs to 1 s) for it. The 99th
+//! percentile per layer over 5 minutes, in Prometheus:
+//!
+//! ```text
+//! histogram_quantile(0.99,
+//!   sum by (le, layer) (rate(ratelimit_store_duration_seconds_bucket[5m])))
+//! ```
+//!
+//! and the share of store calls that failed:
+//! `sum by (layer) (rate(ratelimit_store_duration_seconds_count{outcome="error"}[5m])) / sum by (layer) (rate(ratelimit_store_duration_seconds_count[5m]))`.
 //!
 //! # Cost
 //!
@@ -493,6 +535,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod admission;
 mod body;
 mod charge;
 mod cost;
@@ -515,6 +558,7 @@ mod service;
 pub mod throttle;
 mod tier;
 
+pub use admission::{Admission, AdmittedBy, Binding};
 pub use body::ResponseBody;
 pub use charge::Refused;
 pub use cost::{RequestCost, UnitCost};
@@ -527,7 +571,8 @@ pub use key::{
     KeyExtractorExt, PeerIp,
 };
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
-pub use limits::{Limits, LimitsHandle};
+pub use limits::{Change, Changes, Limits, LimitsFile, LimitsHandle, LoadError};
+pub use metrics::{DEFAULT_METRICS_TIER_LABELS, STORE_DURATION_BUCKETS};
 pub use policy::{FailurePolicy, MissingKey};
 pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectReason, Rejection};
 pub use service::RateLimit;

@@ -42,9 +42,6 @@ pub enum RejectReason {
     /// No key was found in the request and the [`MissingKey`](crate::MissingKey) policy
     /// refuses (500): the layer or the server is misconfigured.
     MissingKey,
-    /// The tier selector chose a tier the layer does not have, or none without a default
-    /// tier (500): the layer is misconfigured.
-    UnknownTier,
 }
 
 /// The status for blocked keys.
@@ -125,7 +122,7 @@ impl Rejection {
             // The client left out what its key is made of: its own mistake.
             RejectReason::KeyOmitted => Code::InvalidArgument,
             // The server's configuration, not the client's fault.
-            RejectReason::MissingKey | RejectReason::UnknownTier => Code::Internal,
+            RejectReason::MissingKey => Code::Internal,
         }
     }
 
@@ -151,7 +148,7 @@ impl Rejection {
                 "the request cannot be rate limited: {}",
                 self.detail.as_deref().unwrap_or("no key")
             ),
-            (RejectReason::MissingKey | RejectReason::UnknownTier, _) => format!(
+            (RejectReason::MissingKey, _) => format!(
                 "rate limiting is misconfigured: {}",
                 self.detail.as_deref().unwrap_or("no key")
             ),
@@ -374,11 +371,6 @@ mod tests {
                 RejectReason::KeyOmitted,
                 StatusCode::UNAUTHORIZED,
                 Code::InvalidArgument,
-            ),
-            (
-                RejectReason::UnknownTier,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                Code::Internal,
             ),
         ];
         for (reason, status, want) in cases {

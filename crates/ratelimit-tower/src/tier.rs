@@ -1,14 +1,11 @@
 //! Rules chosen per request: tiers (plans) and the selector that picks one.
 
-use std::sync::Arc;
-
 use http::Request;
 use ratelimit_core::RuleSet;
 
 #[cfg(feature = "metrics")]
 use crate::headers::rule_names;
 use crate::headers::Policy;
-use crate::limits::Version;
 #[cfg(feature = "metrics")]
 use crate::metrics::Metrics;
 use crate::namespace::key_prefix;
@@ -69,24 +66,37 @@ pub(crate) struct Tier {
     pub(crate) generation: u64,
     #[cfg(feature = "metrics")]
     pub(crate) metrics: Metrics,
+    /// The tier's label in metrics: its name, or `other` past the layer's cap.
+    #[cfg(feature = "metrics")]
+    metrics_label: Box<str>,
 }
 
 impl Tier {
+    /// The tier `name`; its metrics labelled `metrics_label` (the name, or `other` past
+    /// the layer's cap on tier labels).
     pub(crate) fn new(
         namespace: &str,
         name: &str,
+        metrics_label: &str,
         rules: RuleSet,
         failure_policy: FailurePolicy,
         fallback_rules: Option<RuleSet>,
     ) -> Self {
-        // The failure policy only labels the store-error counter.
+        // The failure policy and the label only label metrics.
         #[cfg(not(feature = "metrics"))]
-        let _ = failure_policy;
+        let _ = (failure_policy, metrics_label);
         Self {
             name: name.into(),
             policy: Policy::new(&rules, namespace),
             #[cfg(feature = "metrics")]
-            metrics: Metrics::new(namespace, name, &rule_names(&rules), failure_policy),
+            metrics: Metrics::new(
+                namespace,
+                metrics_label,
+                &rule_names(&rules),
+                failure_policy,
+            ),
+            #[cfg(feature = "metrics")]
+            metrics_label: metrics_label.into(),
             prefix: key_prefix(namespace, name),
             min_capacity: min_capacity(&rules),
             rules,
@@ -114,7 +124,9 @@ impl Tier {
             name: self.name.clone(),
             policy: Policy::new(&rules, namespace),
             #[cfg(feature = "metrics")]
-            metrics: Metrics::new(namespace, &self.name, &names, failure_policy),
+            metrics: Metrics::new(namespace, &self.metrics_label, &names, failure_policy),
+            #[cfg(feature = "metrics")]
+            metrics_label: self.metrics_label.clone(),
             prefix: self.prefix.clone(),
             min_capacity: min_capacity(&rules),
             rules,
@@ -137,26 +149,6 @@ impl Tier {
         key.extend_from_slice(&self.prefix);
         key.extend_from_slice(client);
         key
-    }
-}
-
-/// A request's tier: one of the current limits' tiers, or a customer's own.
-#[derive(Clone)]
-pub(crate) enum TierRef {
-    /// The tier at this position of the version's tiers.
-    Index(usize),
-    /// A customer's tier (see [`Tier::customer`]).
-    Own(Arc<Tier>),
-}
-
-impl TierRef {
-    /// The tier, in `version` when it is one of its tiers.
-    #[inline]
-    pub(crate) fn get<'a>(&'a self, version: &'a Version) -> &'a Tier {
-        match self {
-            TierRef::Index(i) => &version.tiers[*i],
-            TierRef::Own(tier) => tier,
-        }
     }
 }
 

@@ -17,9 +17,9 @@ use axum::routing::get;
 use axum::{Extension, Router};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use ratelimit_core::{Decision, ManualClock, MemoryStore};
+use ratelimit_core::{ManualClock, MemoryStore};
 use ratelimit_tower::{
-    FailurePolicy, GlobalKey, HeaderKey, MissingKey, PeerIp, ProblemJson, RateLimitLayer,
+    Admission, FailurePolicy, GlobalKey, HeaderKey, MissingKey, PeerIp, ProblemJson, RateLimitLayer,
 };
 use tower::ServiceExt;
 
@@ -243,10 +243,13 @@ async fn tiers_have_their_own_rules_budgets_and_policies() {
         assert_eq!(res.headers()["ratelimit-policy"], r#""pro";q=5;w=3600"#);
     }
     assert_eq!(status(&app, req("k1", Some("pro"))).await, 429);
-    // A plan the layer does not know is a misconfiguration, not a free pass.
-    let res = app.oneshot(req("k2", Some("gold"))).await.unwrap();
-    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
-    assert!(body(res).await.contains(r#"tier "gold""#));
+    // A plan the limits lack is decided under the default tier: neither a free pass nor
+    // a 500.
+    let res = app.clone().oneshot(req("k2", Some("gold"))).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["ratelimit-policy"], r#""free";q=2;w=3600"#);
+    assert_eq!(status(&app, req("k2", Some("gold"))).await, 200);
+    assert_eq!(status(&app, req("k2", None)).await, 429, "one free budget");
 }
 
 #[tokio::test]
@@ -279,8 +282,8 @@ async fn handlers_see_the_decision() {
     let app = Router::new()
         .route(
             "/",
-            get(|Extension(d): Extension<Decision>| async move {
-                let r = &d.rules()[0];
+            get(|Extension(a): Extension<Admission>| async move {
+                let r = a.binding().unwrap();
                 format!(
                     "remaining={} reset={}s",
                     r.remaining,

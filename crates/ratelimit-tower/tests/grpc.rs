@@ -155,11 +155,14 @@ async fn misconfiguration_is_internal_and_a_closed_store_failure_unavailable() {
 
 #[tokio::test]
 async fn messages_are_percent_encoded() {
-    // A tier name the selector makes up travels into the message: quotes, a percent
+    use ratelimit_tower::key::Extraction;
+
+    // What a key extractor says is missing travels into the message: quotes, a percent
     // sign and non-ASCII text must arrive as sent.
-    let layer = RateLimitLayer::builder(MemoryStore::new(), PeerIp::new())
-        .tier("free", "2/min".parse().unwrap())
-        .select_tier(|_: &Request<Body>| Some("100% gratuit é"))
+    let key = |_: &Request<Body>| Extraction::<String>::Missing("\"100% gratuit é\"".into());
+    let layer = RateLimitLayer::builder(MemoryStore::new(), key)
+        .rules("2/min")
+        .unwrap()
         .build()
         .unwrap();
     let svc = layer.layer(ok_service());
@@ -263,4 +266,52 @@ async fn a_call_without_its_key_header_is_invalid_argument() {
         .insert("x-api-key", "k-1".parse().unwrap());
     let res = send(&svc, with_key).await;
     assert_eq!(res.headers()["grpc-status"], "0");
+}
+
+/// Charging by outcome on gRPC: a call that failed at once is a trailers-only response,
+/// its `grpc-status` in the head the predicate reads; only failed calls count.
+#[tokio::test]
+async fn charge_when_sees_the_status_of_a_trailers_only_call() {
+    let store = Arc::new(MemoryStore::builder().clock(ManualClock::new(T0)).build());
+    let layer = RateLimitLayer::builder(store, PeerIp::new())
+        .rules("2/min fixed-window name=failures")
+        .unwrap()
+        .charge_when(|res: &http::response::Parts| {
+            res.headers.get("grpc-status").is_some_and(|s| s != "0")
+        })
+        .build()
+        .unwrap();
+    // The method names the status the call ends with.
+    let svc = layer.layer(service_fn(|req: Request<Body>| async move {
+        let status = if req.uri().path().ends_with("Fail") {
+            "16"
+        } else {
+            "0"
+        };
+        let mut res = Response::new(Body::empty());
+        res.headers_mut()
+            .insert(CONTENT_TYPE, "application/grpc".parse().unwrap());
+        res.headers_mut()
+            .insert("grpc-status", status.parse().unwrap());
+        Ok::<_, Infallible>(res)
+    }));
+    let at = |path: &str| {
+        let mut req = call("application/grpc", Some("192.0.2.7:5000"));
+        *req.uri_mut() = path.parse().unwrap();
+        req
+    };
+    for _ in 0..10 {
+        let res = send(&svc, at("/pkg.Svc/Ok")).await;
+        assert_eq!(res.headers()["grpc-status"], "0");
+    }
+    for _ in 0..2 {
+        assert_eq!(
+            send(&svc, at("/pkg.Svc/Fail")).await.headers()["grpc-status"],
+            "16"
+        );
+    }
+    // Two failures spent the budget: the next call is refused, whatever its method.
+    let refused = send(&svc, at("/pkg.Svc/Ok")).await;
+    assert_eq!(refused.status(), StatusCode::OK);
+    assert_eq!(refused.headers()["grpc-status"], "8");
 }

@@ -51,6 +51,14 @@ where
     svc.ready().await.unwrap().call(req).await.unwrap()
 }
 
+/// The tier named by the `x-plan` header.
+fn plan_header(req: &Request<Body>) -> Option<String> {
+    req.headers()
+        .get("x-plan")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
 fn get() -> Request<Body> {
     Request::get("/").body(Body::empty()).unwrap()
 }
@@ -159,15 +167,9 @@ async fn limits_the_layer_cannot_use_are_refused_and_the_running_ones_stay() {
 #[tokio::test]
 async fn tiers_come_and_go_with_the_limits() {
     let clock = ManualClock::new(T0);
-    let select = |req: &Request<Body>| {
-        req.headers()
-            .get("x-plan")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
     let layer = RateLimitLayer::builder(mem(&clock), GlobalKey)
         .limits(Limits::new(rules("1/min name=base")))
-        .select_tier(select)
+        .select_tier(plan_header)
         .build()
         .unwrap();
     let pro = || {
@@ -180,9 +182,10 @@ async fn tiers_come_and_go_with_the_limits() {
     let res = send(&mut svc, pro()).await;
     assert_eq!(
         res.status(),
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "no tier pro yet"
+        StatusCode::OK,
+        "no tier pro yet: the default tier"
     );
+    assert_eq!(field(&res, "ratelimit-policy"), r#""base";q=1;w=60"#);
 
     layer
         .limits()
@@ -337,4 +340,62 @@ fn limits_read_from_toml_name_the_line_of_a_mistake() {
     assert!(err.to_string().contains("tier name \"pro plan\""), "{err}");
     let err = toml::from_str::<Limits>("rules = \"1/s\"\nrule = \"1/s\"\n").unwrap_err();
     assert!(err.to_string().contains("line 2"), "{err}");
+}
+
+#[tokio::test]
+async fn limits_that_drop_a_tier_in_use_send_it_to_the_default_tier() {
+    let clock = ManualClock::new(T0);
+    let layer = RateLimitLayer::builder(mem(&clock), GlobalKey)
+        .limits(
+            Limits::tiered()
+                .tier("free", rules("2/min name=free"))
+                .tier("pro", rules("9/min name=pro"))
+                .default_tier("free"),
+        )
+        .select_tier(plan_header)
+        .build()
+        .unwrap();
+    let handle = layer.limits();
+    let plan = |name: &str| {
+        Request::get("/")
+            .header("x-plan", name)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut svc = svc(&layer);
+    let res = send(&mut svc, plan("pro")).await;
+    assert_eq!(field(&res, "ratelimit-policy"), r#""pro";q=9;w=60"#);
+
+    // Limits without any default tier are refused while a selector chooses tiers: a
+    // request in a tier they lack would have no rules.
+    let err = handle
+        .replace(Limits::tiered().tier("pro", rules("9/min name=pro")))
+        .unwrap_err();
+    assert_eq!(err, BuildError::NoDefaultTier);
+    assert_eq!(layer.tier_rules("pro"), Some(rules("9/min name=pro")));
+
+    // "pro" is gone: its requests take the default tier's rules and budget.
+    handle
+        .replace(
+            Limits::tiered()
+                .tier("free", rules("2/min name=free"))
+                .default_tier("free"),
+        )
+        .unwrap();
+    let codes = [
+        send(&mut svc, plan("pro")).await.status(),
+        send(&mut svc, plan("pro")).await.status(),
+        send(&mut svc, plan("free")).await.status(),
+    ];
+    assert_eq!(
+        codes,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ],
+        "one free budget of 2, never 500"
+    );
+    let res = send(&mut svc, plan("pro")).await;
+    assert_eq!(field(&res, "ratelimit-policy"), r#""free";q=2;w=60"#);
 }

@@ -136,6 +136,247 @@ fn missing_keys_are_logged_at_a_bounded_rate_with_a_count() {
 }
 
 #[test]
+fn a_tier_the_limits_lack_warns_once_per_name_at_a_bounded_rate() {
+    use ratelimit_core::{ManualClock, MemoryStore};
+
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let plan = |req: &Request<Body>| {
+        req.headers()
+            .get("x-plan")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let ((), log) = with_log(tracing::Level::WARN, || {
+        let layer = RateLimitLayer::builder(store, GlobalKey)
+            .rules("1000/min name=base")
+            .unwrap()
+            .tier("pro", "1000/min name=pro".parse().unwrap())
+            .select_tier(plan)
+            .build()
+            .unwrap();
+        let handle = layer.limits();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer);
+        let send = |name: &str| {
+            let req = Request::get("/")
+                .header("x-plan", name)
+                .body(Body::empty())
+                .unwrap();
+            let res = run(app.clone().oneshot(req)).unwrap();
+            assert_eq!(res.status(), StatusCode::OK, "{name}");
+            assert_eq!(res.headers()["ratelimit-policy"], r#""base";q=1000;w=60"#);
+        };
+        for name in ["gold", "gold", "silver", "gold", "silver"] {
+            send(name);
+        }
+        // A client making up names: 64 names get a line each, the rest one line per 10 s.
+        let long = "x".repeat(10_000);
+        send(&long);
+        for i in 0..200 {
+            send(&format!("made-up-{i}"));
+        }
+        clock.advance(Duration::from_secs(10));
+        send("made-up-last");
+        // New limits, a new version: "gold" is reported again if still missing.
+        handle
+            .replace(ratelimit_tower::Limits::new(
+                "1000/min name=base".parse().unwrap(),
+            ))
+            .unwrap();
+        send("gold");
+    });
+    let lines: Vec<&str> = log.lines().collect();
+    assert!(
+        lines.iter().all(|l| l.contains("WARN") && l.len() < 1024),
+        "{log}"
+    );
+    assert!(
+        lines.iter().all(|l| l.contains(r#"default_tier="""#)),
+        "{log}"
+    );
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("tier=gold ")).count(),
+        2,
+        "{log}"
+    );
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("tier=silver ")).count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("…[9800 more bytes]"), "{log}");
+    // gold, silver, the long name and 61 made-up names; then two bounded reports.
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("made-up-")).count(),
+        61 + 2,
+        "{log}"
+    );
+    let bounded: Vec<&&str> = lines.iter().filter(|l| l.contains("requests=")).collect();
+    assert_eq!(bounded.len(), 2, "{log}");
+    assert!(bounded[0].ends_with("requests=1"), "{log}");
+    assert!(bounded[1].ends_with("requests=139"), "{log}");
+    assert_eq!(lines.len(), 64 + 2 + 1, "{log}");
+}
+
+#[cfg(feature = "serde")]
+mod limits_file {
+    use super::*;
+    use ratelimit_tower::{Limits, LimitsFile, LimitsHandle, LoadError};
+
+    /// TOML, the error's message without the source line toml quotes.
+    fn parse(text: &str) -> Result<Limits, String> {
+        toml::from_str(text).map_err(|e: toml::de::Error| e.message().to_owned())
+    }
+
+    fn handle() -> LimitsHandle {
+        RateLimitLayer::builder(ratelimit_core::MemoryStore::new(), GlobalKey)
+            .rules("5/min name=base")
+            .unwrap()
+            .select_tier(|_: &Request<Body>| None::<&str>)
+            .build()
+            .unwrap()
+            .limits()
+    }
+
+    /// A file of its own, removed on drop.
+    struct Scratch(std::path::PathBuf);
+
+    impl Scratch {
+        fn new(name: &str, bytes: &[u8]) -> Self {
+            let path = std::env::temp_dir().join(format!(
+                "ratelimit-tower-{}-{name}.toml",
+                std::process::id()
+            ));
+            std::fs::write(&path, bytes).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// Reloads `path` into `handle` and returns the error and the log.
+    fn refused(handle: &LimitsHandle, file: &LimitsFile) -> (LoadError, String) {
+        let (result, log) = with_log(tracing::Level::INFO, || run(file.reload(handle)));
+        (result.unwrap_err(), log)
+    }
+
+    fn one_error_line(log: &str) {
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 1, "{log}");
+        assert!(lines[0].contains("ERROR"), "{log}");
+        assert!(lines[0].len() < 1024, "{} bytes: {log}", lines[0].len());
+        assert!(lines[0].contains("the running ones stay"), "{log}");
+    }
+
+    #[test]
+    fn a_file_above_the_size_cap_is_refused_reading_at_most_the_cap() {
+        let handle = handle();
+        let before = handle.current();
+        // 50 MB of rule text: refused on its size, never parsed.
+        let big = Scratch::new(
+            "big",
+            format!("rules = \"{}\"", "1".repeat(50 << 20)).as_bytes(),
+        );
+        let (err, log) = refused(&handle, &LimitsFile::new(&big.0, parse));
+        assert!(
+            matches!(
+                err,
+                LoadError::TooLarge {
+                    max_bytes: 1_048_576
+                }
+            ),
+            "{err}"
+        );
+        one_error_line(&log);
+        assert_eq!(handle.current(), before);
+        // A file without end: only a reader that stops at the cap comes back at all.
+        let (err, log) = refused(
+            &handle,
+            &LimitsFile::new("/dev/zero", parse).max_bytes(4096),
+        );
+        assert!(
+            matches!(err, LoadError::TooLarge { max_bytes: 4096 }),
+            "{err}"
+        );
+        one_error_line(&log);
+        assert_eq!(handle.current(), before);
+    }
+
+    #[test]
+    fn long_values_and_many_tiers_are_refused_in_one_short_line() {
+        let handle = handle();
+        let before = handle.current();
+        let name = "n".repeat(1_000_000);
+        let rule = format!("{}/s", "9".repeat(600_000));
+        let many = (0..1025).fold("rules = \"1/s\"\n[tiers]\n".to_owned(), |mut t, i| {
+            t.push_str(&format!("t{i} = \"{}/s\"\n", i + 1));
+            t
+        });
+        let cases = [
+            (
+                "name",
+                format!("rules = \"1/s\"\n[tiers]\n{name} = \"1/s\"\n"),
+                "tier name",
+            ),
+            ("rule", format!("rules = \"{rule}\"\n"), "more than 2048"),
+            (
+                "list",
+                format!("rules = [\"1/s\", \"{rule}\"]\n"),
+                "more than 2048",
+            ),
+            ("many", many, "1025 tiers, more than 1024"),
+            ("binary", "rules = \"\u{1}\"\0\u{ff}".into(), "line"),
+        ];
+        for (tag, text, says) in cases {
+            let file = Scratch::new(tag, text.as_bytes());
+            let (err, log) = refused(&handle, &LimitsFile::new(&file.0, parse));
+            assert!(err.to_string().contains(says), "{tag}: {err}");
+            one_error_line(&log);
+            assert_eq!(handle.current(), before, "{tag}");
+        }
+        let bad_utf8 = Scratch::new("utf8", b"rules = \"1/s\xff\"");
+        let (err, log) = refused(&handle, &LimitsFile::new(&bad_utf8.0, parse));
+        assert!(matches!(err, LoadError::NotUtf8 { at: 12 }), "{err}");
+        one_error_line(&log);
+    }
+
+    #[test]
+    fn a_reload_logs_its_changes_in_one_bounded_line() {
+        let handle = handle();
+        let tiers = (0..1024).fold(
+            "rules = \"5/min name=base\"\n[tiers]\n".to_owned(),
+            |mut t, i| {
+                t.push_str(&format!("t{i} = \"{}/s\"\n", i + 1));
+                t
+            },
+        );
+        let file = Scratch::new("tiers", tiers.as_bytes());
+        let file = LimitsFile::new(&file.0, parse);
+        let (changes, log) = with_log(tracing::Level::INFO, || run(file.reload(&handle)));
+        let changes = changes.unwrap();
+        assert_eq!(changes.iter().count(), 1024);
+        assert_eq!(handle.current().tiers().count(), 1024);
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 1, "{log}");
+        assert!(
+            lines[0].contains("INFO") && lines[0].contains("and 1016 more"),
+            "{log}"
+        );
+        assert!(lines[0].len() < 1024, "{log}");
+        // The same file again: nothing changed.
+        let (changes, log) = with_log(tracing::Level::INFO, || run(file.reload(&handle)));
+        assert!(changes.unwrap().is_empty());
+        assert!(log.contains("limits reloaded: no change"), "{log}");
+    }
+}
+
+#[test]
 fn an_unnamed_layer_on_a_shared_store_warns_once_at_build() {
     let build = |shared: bool, namespace: Option<&str>| {
         let store = Down {
@@ -278,8 +519,13 @@ mod counters {
     use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicU64, Ordering};
 
+    /// Counters, and histograms' samples, by name and labels.
     #[derive(Default)]
-    struct Counters(Mutex<BTreeMap<String, Arc<AtomicU64>>>);
+    #[allow(clippy::type_complexity)]
+    struct Counters(
+        Mutex<BTreeMap<String, Arc<AtomicU64>>>,
+        Mutex<BTreeMap<String, Arc<Samples>>>,
+    );
 
     impl Counters {
         fn get(&self, name: &str) -> u64 {
@@ -296,20 +542,188 @@ mod counters {
         fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
         fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
         fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-            let labels: Vec<String> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            let name = format!("{}{{{}}}", key.name(), labels(key));
             let counter = self.0.lock().unwrap().entry(name).or_default().clone();
             Counter::from_arc(counter)
         }
         fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
             Gauge::noop()
         }
-        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-            Histogram::noop()
+        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+            let name = format!("{}{{{}}}", key.name(), labels(key));
+            let samples = self.1.lock().unwrap().entry(name).or_default().clone();
+            Histogram::from_arc(samples)
         }
+    }
+
+    fn labels(key: &Key) -> String {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.join(",")
+    }
+
+    /// A histogram's samples.
+    #[derive(Default)]
+    struct Samples(Mutex<Vec<f64>>);
+
+    impl metrics::HistogramFn for Samples {
+        fn record(&self, value: f64) {
+            self.0.lock().unwrap().push(value);
+        }
+    }
+
+    /// A `MemoryStore` answering through a future, as a networked store does.
+    struct Remote(MemoryStore);
+
+    impl ratelimit_core::Store for Remote {
+        type Error = ratelimit_core::CapacityError;
+        fn check(
+            &self,
+            key: &[u8],
+            rules: &ratelimit_core::RuleSet,
+            cost: u64,
+        ) -> impl Future<Output = Result<ratelimit_core::Decision, Self::Error>> + Send {
+            self.0.check(key, rules, cost)
+        }
+        fn block(
+            &self,
+            key: &[u8],
+            d: Option<Duration>,
+        ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+            self.0.block(key, d)
+        }
+        fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send {
+            self.0.unblock(key)
+        }
+        fn reset(
+            &self,
+            key: &[u8],
+            rules: &ratelimit_core::RuleSet,
+        ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+            self.0.reset(key, rules)
+        }
+    }
+
+    #[test]
+    fn store_latency_by_layer_and_outcome() {
+        let _turn = super::one_at_a_time();
+        let counters = Counters::default();
+        let (remote, down, local) = metrics::with_local_recorder(&counters, || {
+            let build = |namespace: &str, rules: &str| {
+                RateLimitLayer::builder(Remote(MemoryStore::new()), GlobalKey)
+                    .rules(rules)
+                    .unwrap()
+                    .namespace(namespace)
+                    .without_deny_cache()
+                    .build()
+                    .unwrap()
+            };
+            let remote = build("remote", "2/min");
+            let down = RateLimitLayer::builder(Down::default(), GlobalKey)
+                .rules("2/min")
+                .unwrap()
+                .namespace("down")
+                .build()
+                .unwrap();
+            let local = RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
+                .rules("2/min")
+                .unwrap()
+                .namespace("local")
+                .build()
+                .unwrap();
+            let route = || Router::new().route("/", get(|| async { "ok" }));
+            (
+                route().layer(remote),
+                route().layer(down),
+                route().layer(local),
+            )
+        });
+        run(async {
+            for app in [&remote, &down, &local] {
+                for _ in 0..3 {
+                    let req = Request::get("/").body(Body::empty()).unwrap();
+                    app.clone().oneshot(req).await.unwrap();
+                }
+            }
+        });
+        let samples = |name: &str| {
+            let all = counters.1.lock().unwrap();
+            all.get(&format!("ratelimit_store_duration_seconds{{{name}}}"))
+                .map_or(0, |s| s.0.lock().unwrap().len())
+        };
+        assert_eq!(samples("layer=remote,outcome=admitted"), 2);
+        assert_eq!(samples("layer=remote,outcome=limited"), 1);
+        assert_eq!(samples("layer=down,outcome=error"), 3);
+        // An in-process store is not timed.
+        assert_eq!(samples("layer=local,outcome=admitted"), 0);
+        let buckets = ratelimit_tower::STORE_DURATION_BUCKETS;
+        assert!(buckets.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!((buckets[0], buckets[buckets.len() - 1]), (0.000_05, 1.0));
+    }
+
+    #[test]
+    fn tier_labels_are_capped_so_thousands_of_tiers_stay_few_series() {
+        use ratelimit_tower::Limits;
+
+        let _turn = super::one_at_a_time();
+        let many = |prefix: &str| {
+            (0..5000).fold(Limits::new("5/min name=base".parse().unwrap()), |l, i| {
+                l.tier(
+                    format!("{prefix}{i}"),
+                    format!("{}/min name={prefix}r{i}", i + 1).parse().unwrap(),
+                )
+            })
+        };
+        let counters = Counters::default();
+        let layer = metrics::with_local_recorder(&counters, || {
+            let layer = RateLimitLayer::builder(MemoryStore::new(), GlobalKey)
+                .limits(many("t"))
+                .select_tier(|req: &Request<Body>| {
+                    req.headers()
+                        .get("x-plan")
+                        .map(|v| v.to_str().unwrap().to_owned())
+                })
+                .namespace("tiers")
+                .metrics_tier_labels(10)
+                .build()
+                .unwrap();
+            // New names in new limits do not add series either.
+            layer.limits().replace(many("u")).unwrap();
+            layer
+        });
+        let series = || counters.0.lock().unwrap().len();
+        // 10 tiers ("" and t0..t8) with one rule each, and "other": admitted, limited,
+        // blocked and store errors.
+        assert_eq!(series(), 11 * 4, "{:#?}", counters.0.lock().unwrap().keys());
+        assert!(counters
+            .0
+            .lock()
+            .unwrap()
+            .contains_key("ratelimit_admitted_total{layer=tiers,tier=other,rule=other}"));
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer);
+        run(async {
+            for plan in ["u4999", "u4999", "u4998", "t3"] {
+                let req = Request::get("/")
+                    .header("x-plan", plan)
+                    .body(Body::empty())
+                    .unwrap();
+                app.clone().oneshot(req).await.unwrap();
+            }
+        });
+        // u4999 and u4998 count as "other", once per request; t3 (labelled before the
+        // replacement, gone since) takes the default tier.
+        assert_eq!(
+            counters.get("ratelimit_admitted_total{layer=tiers,tier=other,rule=other}"),
+            3
+        );
+        assert_eq!(
+            counters.get("ratelimit_admitted_total{layer=tiers,tier=,rule=base}"),
+            1
+        );
     }
 
     #[test]

@@ -85,20 +85,32 @@ pub(super) fn expires_at(state: &RuleState) -> u64 {
 /// is the TAT as it is. A TAT further ahead than the new capacity is kept: the new rule
 /// denies until it is within it, as a window whose count is above a lowered limit does.
 pub(super) fn carry(old: &Rule, rule: &Rule, state: &RuleState, now: u64) -> (RuleState, bool) {
+    carry_from(old.limit(), rule, state, now)
+}
+
+/// [`carry`] from a state written under a rule of limit `old_limit`: all of the old rule
+/// a carry needs, as a store that keeps the writer's limit beside the state has it. The
+/// stored values may be anyone's: the arithmetic saturates rather than overflows.
+pub(super) fn carry_from(
+    old_limit: u64,
+    rule: &Rule,
+    state: &RuleState,
+    now: u64,
+) -> (RuleState, bool) {
     let RuleState::Tat { us, frac } = *state else {
         return (RuleState::Fresh, false);
     };
     if !(us > now || (us == now && frac > 0)) {
         return (RuleState::Fresh, false);
     }
-    if old.limit() == rule.limit() {
+    if old_limit == rule.limit() {
         return (RuleState::Tat { us, frac }, false);
     }
-    let owed = (us - now) * old.limit() + frac;
+    let owed = (us - now).saturating_mul(old_limit).saturating_add(frac);
     let (whole, frac) = rule.limit_div().div_rem(owed);
     (
         RuleState::Tat {
-            us: now + whole,
+            us: now.saturating_add(whole),
             frac,
         },
         true,

@@ -362,6 +362,38 @@ fn undrained(rule: &Rule, cost: u64, charged_at: u64, now: u64) -> u64 {
     charge.saturating_sub(drained)
 }
 
+/// One rule's state carried as [`carry`] carries it, for a store that keeps beside each
+/// rule's state the limit and capacity of the rule that wrote it (the Redis store's
+/// state layout) rather than the whole rule set: `state`
+/// was written under a rule of `rule`'s identity (so of its algorithm and period) whose
+/// limit was `written_limit` and capacity `written_capacity`; and whether it was
+/// converted (as [`Carried::converted`] says). Windows and counters carry as they are; a
+/// sliding log's state is the shared log, which carries by its own marker, so `Fresh`
+/// here.
+pub fn carry_stored(
+    rule: &Rule,
+    written_limit: u64,
+    written_capacity: u64,
+    state: &RuleState,
+    now: u64,
+) -> (RuleState, bool) {
+    match rule.algorithm() {
+        Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => (state.clone(), false),
+        Algorithm::SlidingLog => (RuleState::Fresh, false),
+        Algorithm::TokenBucket { .. } => token_bucket::carry_from(
+            written_limit,
+            written_capacity,
+            rule.period_us(),
+            rule,
+            state,
+            now,
+        ),
+        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
+            gcra::carry_from(written_limit, rule, state, now)
+        }
+    }
+}
+
 /// [`decide`] for several rules, all or nothing.
 #[inline(never)]
 fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -> Transition {

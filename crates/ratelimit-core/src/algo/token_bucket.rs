@@ -78,15 +78,31 @@ pub(super) fn carry(
     state: &RuleState,
     now: u64,
 ) -> (RuleState, bool) {
+    carry_from(old.limit(), old_capacity, old.period_us(), rule, state, now)
+}
+
+/// [`carry`] from a state written under a rule of limit `old_limit`, capacity
+/// `old_capacity` and period `old_period_us`: all of the old rule a carry needs, as a
+/// store that keeps the writer's limit and capacity beside the state has it. The stored
+/// values may be anyone's: the arithmetic saturates rather than overflows.
+pub(super) fn carry_from(
+    old_limit: u64,
+    old_capacity: u64,
+    old_period_us: u64,
+    rule: &Rule,
+    state: &RuleState,
+    now: u64,
+) -> (RuleState, bool) {
     let RuleState::Tokens { level, last } = *state else {
         return (RuleState::Fresh, false);
     };
-    let old_full = old_capacity * old.period_us();
-    let held = level_at(old, old_capacity, state, now);
+    let old_full = old_capacity.saturating_mul(old_period_us);
+    let refill = now.saturating_sub(last).saturating_mul(old_limit);
+    let held = old_full.min(level.saturating_add(refill));
     if held >= old_full {
         return (RuleState::Fresh, false);
     }
-    if old.limit() == rule.limit() && old_capacity == rule.capacity() {
+    if old_limit == rule.limit() && old_capacity == rule.capacity() {
         return (RuleState::Tokens { level, last }, false);
     }
     let used = old_full - held;

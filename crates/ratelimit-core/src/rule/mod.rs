@@ -87,7 +87,30 @@ pub enum Algorithm {
 ///
 /// let err = Rule::fixed_window(0, Duration::from_secs(1)).unwrap_err();
 /// assert!(err.to_string().contains("`limit` must be at least 1"));
+///
+/// // Every option has a default: a sliding window's precision is 1.
+/// let p: Rule = "100/min sliding-window".parse().unwrap();
+/// assert_eq!(p.to_string(), "100/1m sliding-window precision=1");
 /// ```
+///
+/// # Text form
+///
+/// `<limit>/<period> [algorithm] [option=value ...]`: `per` may stand for `/`, the
+/// period's count defaults to 1 (`10/s`, `5/2 seconds`), its unit is one of `us`, `ms`,
+/// `s`, `min` (`m`), `h`, `d`, `w` or their long forms. Options and their defaults:
+///
+/// | algorithm (aliases) | option | default |
+/// |---|---|---|
+/// | `gcra` (the algorithm when none is named) | `burst` | the limit |
+/// | `sliding-window` (`sliding`, `sliding-counter`) | `precision`: sub-windows per period, 1 to 1,000, dividing the period | 1 (the two-counter scheme) |
+/// | `sliding-log`, `fixed-window` (`fixed`) | none | |
+/// | `token-bucket` (`token`) | `capacity` | the limit |
+/// | `leaky-bucket` (`leaky`) | `mode`: `meter` or `shaper` | `meter` |
+/// | `leaky-bucket mode=meter` | `capacity` | the limit |
+/// | `leaky-bucket mode=shaper` | `burst` (queued beyond the rate), `delay` (of those, admitted without waiting) | 0 and 0 |
+/// | any | `name`: 1 to 64 of `A-Z a-z 0-9 _ - .` | none: the rule is known by its algorithm and period |
+///
+/// An option the algorithm does not take, or the same option twice, is refused.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Rule {
     algorithm: Algorithm,

@@ -1,15 +1,16 @@
-//! The argument layout of `lua/check.lua`: how a check's time, cost, TTL floor and rules
-//! become the one packed argument the script reads. A change of the script's layout is
-//! a change of this file (and of [`CheckArgs::HEADER`] / [`CheckArgs::PER_RULE`]), and of
-//! no other.
+//! The argument of `lua/check.lua` (and of the native module's commands): how a check's
+//! time, cost, TTL floor and rules become the one packed argument the script reads. The
+//! layout is the core's `ratelimit_core::packed`; a change of it is a change there and
+//! in the script.
 
 use std::time::Duration;
 
-use ratelimit_core::{Algorithm, LeakyMode, Rule, RuleSet};
+use ratelimit_core::packed;
+use ratelimit_core::RuleSet;
 use redis::Cmd;
 
 /// Values above this are not exact in Lua's doubles.
-pub(crate) const MAX_EXACT: u64 = (1 << 53) - 1;
+pub(crate) const MAX_EXACT: u64 = packed::MAX_EXACT;
 
 /// Block lengths are capped so that `now + length` stays exact in Lua (about 142 years).
 const MAX_BLOCK_US: u64 = 1 << 52;
@@ -20,20 +21,9 @@ pub(crate) fn block_us(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros()).map_or(MAX_BLOCK_US, |us| us.min(MAX_BLOCK_US))
 }
 
-/// Algorithm codes of `lua/check.lua`, in the order of the core's algorithm files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-enum Code {
-    FixedWindow = 1,
-    SlidingWindow = 2,
-    SlidingLog = 3,
-    TokenBucket = 4,
-    LeakyBucket = 5,
-    Gcra = 6,
-}
-
-/// The argument layout of `lua/check.lua`: the one place it is written down on the Rust
-/// side (the reply's shape is [`CheckReply`](super::CheckReply)'s).
+/// The argument layout of `lua/check.lua` as the store sends it. The layout itself is
+/// the core's [`ratelimit_core::packed`], which the native module reads too; the reply's
+/// shape is [`CheckReply`](super::CheckReply)'s.
 ///
 /// The one argument, `ARGV[1]`, packs [`HEADER`](Self::HEADER) values (injected, now,
 /// cost, TTL floor, rules, state width, log limit, log period, layout, deadline) and
@@ -67,95 +57,13 @@ impl Time {
 
 impl CheckArgs {
     /// Values before the first rule.
-    pub(crate) const HEADER: usize = 10;
+    pub(crate) const HEADER: usize = packed::HEADER;
     /// Values per rule.
-    pub(crate) const PER_RULE: usize = 6;
-
-    /// The layout of a rule set's state: its fingerprint, cut to what a double holds.
-    fn layout(rules: &RuleSet) -> u64 {
-        rules.fingerprint() & ((1 << 52) - 1)
-    }
-
-    /// The values of one rule: code, limit, period_us, a, b, id.
-    fn rule(rule: &Rule, id: u64) -> [u64; 6] {
-        let (l, p) = (rule.limit(), rule.period_us());
-        let (code, a, b) = match rule.algorithm() {
-            Algorithm::FixedWindow => (Code::FixedWindow, 0, 0),
-            // The core refuses a precision that does not divide the period.
-            Algorithm::SlidingWindow { precision } => {
-                (Code::SlidingWindow, precision, p / precision.max(1))
-            }
-            Algorithm::SlidingLog => (Code::SlidingLog, 0, 0),
-            Algorithm::TokenBucket { capacity } => (Code::TokenBucket, capacity, 0),
-            Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => {
-                (Code::LeakyBucket, capacity, 0)
-            }
-            // `delay + 1` keeps 0 free for "meter"; the core bounds delay far below u64::MAX.
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
-                (Code::LeakyBucket, burst, delay.saturating_add(1))
-            }
-            Algorithm::Gcra { burst } => (Code::Gcra, burst, 0),
-        };
-        [code as u64, l, p, a, b, id]
-    }
-
-    /// Values the script keeps for a rule set: the layout; an entry per rule but the
-    /// sliding logs (identity, length, then the state: 2 values for a fixed window,
-    /// precision + 2 for a sliding window counter, the writer's limit and capacity and
-    /// 2 values for the others); and the log marker (3 values) when a rule is a
-    /// sliding log.
-    fn state_width(rules: &RuleSet) -> u64 {
-        let entries: u64 = rules
-            .rules()
-            .iter()
-            .map(|rule| match rule.algorithm() {
-                Algorithm::SlidingLog => 0,
-                Algorithm::FixedWindow => 2 + 2,
-                Algorithm::SlidingWindow { precision } => 2 + precision + 2,
-                _ => 2 + 4,
-            })
-            .sum();
-        let marker = if rules.log_limit() > 0 { 3 } else { 0 };
-        1 + entries + marker
-    }
-
-    /// Every packed value of a check, in order.
-    fn values(
-        time: Time,
-        cost: u64,
-        ttl_floor_ms: u64,
-        rules: &RuleSet,
-    ) -> impl Iterator<Item = u64> + '_ {
-        let header = [
-            u64::from(time.now.is_some()),
-            time.now.unwrap_or(0),
-            cost,
-            ttl_floor_ms.min(MAX_EXACT),
-            rules.len() as u64,
-            Self::state_width(rules),
-            rules.log_limit(),
-            rules.log_period_us(),
-            Self::layout(rules),
-            time.deadline.unwrap_or(0),
-        ];
-        header.into_iter().chain(
-            rules
-                .rules()
-                .iter()
-                .zip(rules.rule_ids())
-                .flat_map(|(rule, &id)| Self::rule(rule, id)),
-        )
-    }
+    pub(crate) const PER_RULE: usize = packed::PER_RULE;
 
     /// The one argument of a check: its values packed.
     pub(crate) fn pack(time: Time, cost: u64, ttl_floor_ms: u64, rules: &RuleSet) -> Vec<u8> {
-        let count = Self::HEADER + Self::PER_RULE * rules.len();
-        let mut packed = Vec::with_capacity(8 * count);
-        for value in Self::values(time, cost, ttl_floor_ms, rules) {
-            // Exact: rules, costs and times stay below 2^53 (see the tests).
-            packed.extend_from_slice(&(value as f64).to_le_bytes());
-        }
-        packed
+        packed::pack_check(rules, time.now, cost, ttl_floor_ms, time.deadline)
     }
 
     /// Appends the arguments of a check to `cmd`.
@@ -186,6 +94,7 @@ impl CheckArgs {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use ratelimit_core::Rule;
 
     fn rules(text: &str) -> RuleSet {
         text.parse().unwrap()
@@ -202,7 +111,7 @@ mod tests {
             .rules()
             .iter()
             .zip(r.rule_ids())
-            .map(|(rule, &id)| CheckArgs::rule(rule, id))
+            .map(|(rule, &id)| packed::rule_values(rule, id))
             .collect();
         let s = 1_000_000;
         let ids = r.rule_ids();
@@ -220,7 +129,7 @@ mod tests {
         );
         // The layout; entries of 2 + 2 (fixed window), 2 + 6 (sliding window), none (log),
         // 2 + 4 for each of the other four; the log marker.
-        assert_eq!(CheckArgs::state_width(&r), 1 + 4 + 8 + 4 * 6 + 3);
+        assert_eq!(packed::state_width(&r), 1 + 4 + 8 + 4 * 6 + 3);
         let time = Time {
             now: Some(7),
             deadline: Some(9),
@@ -293,7 +202,7 @@ mod tests {
                 let set = RuleSet::new(vec![rule]).unwrap();
                 let now = now & MAX_EXACT;
                 if set.check_cost(cost).is_ok() {
-                    for value in CheckArgs::values(Time::injected(now), cost, u64::MAX, &set) {
+                    for value in packed::check_values(&set, Some(now), cost, u64::MAX, None) {
                         prop_assert!(value <= MAX_EXACT, "{}: {} is not exact in Lua", set.rules()[0], value);
                     }
                 }

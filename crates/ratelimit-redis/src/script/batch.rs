@@ -4,12 +4,10 @@
 //! of a job, by which a Cluster's batch is divided between nodes. The queue that forms
 //! the batches is the crate's `batch` module.
 
-use std::sync::atomic::AtomicBool;
-
 use ratelimit_core::RuleSet;
 
 use super::args::{CheckArgs, Time};
-use super::load::{Call, Script, BATCH, CHECK, LOCAL};
+use super::load::{Call, Paths, Script, BATCH, CHECK, LOCAL};
 use crate::keys::KeyNames;
 
 /// One check as a batch carries it: its key names, its packed values, its number of rules.
@@ -76,8 +74,8 @@ impl CheckJob {
     }
 
     /// The call that decides this check alone: the call of an unbatched check.
-    pub(crate) fn single_call<'a>(&self, functions: &'a AtomicBool) -> Call<'a> {
-        let mut call = CHECK.call(functions, self.keys, self.keys + 1);
+    pub(crate) fn single_call<'a>(&self, paths: &'a Paths) -> Call<'a> {
+        let mut call = CHECK.call(paths, self.keys, self.keys + 1);
         for name in self.key_names() {
             call.cmd.arg(name);
         }
@@ -88,31 +86,31 @@ impl CheckJob {
 
 /// The call that decides `jobs` in order, in one run of `check_many`.
 pub(crate) fn batch_call<'a, 'j>(
-    functions: &'a AtomicBool,
+    paths: &'a Paths,
     jobs: impl Iterator<Item = &'j CheckJob> + Clone,
 ) -> Call<'a> {
-    many_call(&BATCH, functions, jobs)
+    many_call(&BATCH, paths, jobs)
 }
 
 /// The call that decides `jobs` in order, in one run of `check_local` on the Cluster
 /// node it is sent to: the keys travel as arguments, after the packed values.
 pub(crate) fn node_batch_call<'a, 'j>(
-    functions: &'a AtomicBool,
+    paths: &'a Paths,
     jobs: impl Iterator<Item = &'j CheckJob> + Clone,
 ) -> Call<'a> {
-    many_call(&LOCAL, functions, jobs)
+    many_call(&LOCAL, paths, jobs)
 }
 
 fn many_call<'a, 'j>(
     script: &'static Script,
-    functions: &'a AtomicBool,
+    paths: &'a Paths,
     jobs: impl Iterator<Item = &'j CheckJob> + Clone,
 ) -> Call<'a> {
     let (count, keys) = jobs
         .clone()
         .fold((0, 0), |(n, keys), job| (n + 1, keys + job.keys));
     let declared = std::ptr::eq(script, *BATCH);
-    let mut call = script.call(functions, if declared { keys } else { 0 }, keys + 1 + count);
+    let mut call = script.call(paths, if declared { keys } else { 0 }, keys + 1 + count);
     if declared {
         for job in jobs.clone() {
             for name in job.key_names() {

@@ -20,6 +20,41 @@ pub(crate) struct Script {
     body: String,
     sha: String,
     function: Option<Function>,
+    /// The command of the native module (crate `ratelimit-redis-module`) that stands for
+    /// this script, where there is one.
+    module: Option<ModuleCommand>,
+}
+
+/// A command of the native module that takes a script's keys and arguments.
+#[derive(Debug, Clone, Copy)]
+struct ModuleCommand {
+    name: &'static str,
+    /// Whether the number of keys follows the name, as after `FCALL <function>`; the
+    /// single check's command leaves it out (its keys come first, for a Cluster client
+    /// to route it by them).
+    numkeys: bool,
+}
+
+/// Which form of the decisions a store's calls take: what it learned from its servers,
+/// and what its builder asked for.
+#[derive(Debug)]
+pub(crate) struct Paths {
+    /// The server has Redis functions (Redis 7): checks go as FCALL, else EVALSHA.
+    pub(crate) functions: AtomicBool,
+    /// Every primary has the native module of this crate's state format: checks go as
+    /// its commands.
+    pub(crate) module: AtomicBool,
+}
+
+impl Paths {
+    pub(crate) fn new() -> Self {
+        Self {
+            // Until a server says it has no FCALL.
+            functions: AtomicBool::new(true),
+            // Until a server says it has the module.
+            module: AtomicBool::new(false),
+        }
+    }
 }
 
 /// A script as a Redis 7 function library: the library code and the function's name.
@@ -49,6 +84,7 @@ impl Script {
             body,
             sha,
             function: None,
+            module: None,
         }
     }
 
@@ -80,6 +116,21 @@ impl Script {
                 library: library.clone(),
                 name: format!("ratelimit_{name}_{tag}"),
             }),
+            module: match name {
+                "check" => Some(ModuleCommand {
+                    name: "RATELIMIT.CHECK",
+                    numkeys: false,
+                }),
+                "batch" => Some(ModuleCommand {
+                    name: "RATELIMIT.CHECK_MANY",
+                    numkeys: true,
+                }),
+                "local" => Some(ModuleCommand {
+                    name: "RATELIMIT.CHECK_LOCAL",
+                    numkeys: true,
+                }),
+                _ => None,
+            },
             ..Self::new(body(function))
         })
     }
@@ -99,18 +150,45 @@ impl Script {
         Some(cmd)
     }
 
-    /// `FCALL <function>` when `functions` says the server has them and this script is a
-    /// library, else `EVALSHA <sha>`; then the number of keys, to be followed by the keys
-    /// and arguments.
+    /// The module's command when `paths` says the servers have the module and it has one
+    /// for this script; else `FCALL <function>` when `paths` says the server has
+    /// functions and this script is a library, else `EVALSHA <sha>`; then the number of
+    /// keys (but for the module's single check), to be followed by the keys and
+    /// arguments.
     pub(crate) fn call<'a>(
         &'static self,
-        functions: &'a AtomicBool,
+        paths: &'a Paths,
         keys: usize,
         capacity: usize,
     ) -> Call<'a> {
+        let module = self.module.filter(|_| paths.module.load(Ordering::Relaxed));
+        self.call_as(paths, keys, capacity, module)
+    }
+
+    fn call_as<'a>(
+        &'static self,
+        paths: &'a Paths,
+        keys: usize,
+        capacity: usize,
+        module: Option<ModuleCommand>,
+    ) -> Call<'a> {
         let mut cmd = Cmd::with_capacity(3 + capacity, 64 + 48 * capacity);
+        if let Some(command) = module {
+            cmd.arg(command.name);
+            if command.numkeys {
+                cmd.arg(keys);
+            }
+            return Call {
+                script: self,
+                cmd,
+                fcall: false,
+                module: Some(command),
+                keys,
+                paths,
+            };
+        }
         let fcall = match &self.function {
-            Some(function) if functions.load(Ordering::Relaxed) => {
+            Some(function) if paths.functions.load(Ordering::Relaxed) => {
                 cmd.arg("FCALL").arg(function.name.as_str());
                 true
             }
@@ -124,7 +202,9 @@ impl Script {
             script: self,
             cmd,
             fcall,
-            functions,
+            module: None,
+            keys,
+            paths,
         }
     }
 }
@@ -263,11 +343,38 @@ pub(crate) struct Call<'a> {
     script: &'static Script,
     pub(crate) cmd: Cmd,
     fcall: bool,
-    /// Cleared, for every later call of the store, when the server has no FCALL.
-    functions: &'a AtomicBool,
+    /// The module's command this call is, if it is one.
+    module: Option<ModuleCommand>,
+    /// The call's number of keys.
+    keys: usize,
+    /// Its `functions` cleared, for every later call of the store, when the server has
+    /// no FCALL; its `module` when the server has no module.
+    paths: &'a Paths,
 }
 
-impl Call<'_> {
+impl<'a> Call<'a> {
+    /// This module call as a call of the Lua function, for a server that turned out to
+    /// lack the module (a restart without it, a failover to a node without it): the
+    /// store uses Lua from then on, until a reconnection finds the module again.
+    fn as_lua(&self) -> Call<'a> {
+        tracing::info!(
+            "the ratelimit module is gone from Redis; rate-limit decisions run as Lua \
+             functions until a reconnection finds it"
+        );
+        self.paths.module.store(false, Ordering::Relaxed);
+        let head = match self.module {
+            Some(ModuleCommand { numkeys: true, .. }) => 2,
+            _ => 1,
+        };
+        let mut call = self.script.call_as(self.paths, self.keys, 0, None);
+        for arg in self.cmd.args_iter().skip(head) {
+            if let redis::Arg::Simple(bytes) = arg {
+                call.cmd.arg(bytes);
+            }
+        }
+        call
+    }
+
     /// Runs the call. A server that lost the function library (restart, failover to a
     /// node without it, another version's `unload_other_versions`) gets it again and
     /// the call is resent, once; should the function be missing still (removed again
@@ -282,6 +389,12 @@ impl Call<'_> {
         &self,
         conn: &mut C,
     ) -> RedisResult<Value> {
+        if self.module.is_some() {
+            return match self.cmd.query_async(conn).await {
+                Err(e) if unknown_command(&e) => Box::pin(self.as_lua().invoke(conn)).await,
+                other => other,
+            };
+        }
         match self.cmd.query_async(conn).await {
             Err(e) if self.fcall && function_missing(&e) => {
                 tracing::debug!("rate-limit function not loaded in Redis; loading it");
@@ -306,7 +419,7 @@ impl Call<'_> {
             }
             Err(e) if self.fcall && unknown_command(&e) => {
                 tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
-                self.functions.store(false, Ordering::Relaxed);
+                self.paths.functions.store(false, Ordering::Relaxed);
                 let mut evalsha = redis::cmd("EVALSHA");
                 evalsha.arg(self.script.sha.as_str());
                 self.resend(conn, evalsha).await
@@ -357,6 +470,14 @@ impl Call<'_> {
         conn: &mut redis::cluster_async::ClusterConnection,
         routing: &redis::cluster_routing::RoutingInfo,
     ) -> RedisResult<Value> {
+        if self.module.is_some() {
+            return match route(conn, &self.cmd, routing).await {
+                Err(e) if unknown_command(&e) => {
+                    Box::pin(self.as_lua().invoke_routed(conn, routing)).await
+                }
+                other => other,
+            };
+        }
         match route(conn, &self.cmd, routing).await {
             Err(e) if self.fcall && function_missing(&e) => {
                 if let Some(load) = self.script.function_load_cmd() {
@@ -370,7 +491,7 @@ impl Call<'_> {
             Err(e) if self.fcall && unknown_command(&e) => {
                 // Nothing ran; the caller sends each check alone from now on.
                 tracing::info!("Redis has no FCALL (before 7.0); using EVALSHA");
-                self.functions.store(false, Ordering::Relaxed);
+                self.paths.functions.store(false, Ordering::Relaxed);
                 Err(e)
             }
             other => other,

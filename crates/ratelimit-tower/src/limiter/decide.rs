@@ -1,25 +1,27 @@
 //! From a request to a [`Verdict`].
 
 use std::borrow::Cow;
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Extensions, Request};
+use http::{Extensions, HeaderValue, Request};
 use ratelimit_core::{Decision, Outcome, Store};
 
 use super::state::Limiter;
-use super::verdict::{Begin, Charged, Pass, Verdict};
+use super::verdict::{Admitted, Begin, Charged, Deferred, Pass, Verdict};
+use crate::admission::{Admission, AdmittedBy, Binding};
 use crate::charge::{Charge, Settle};
 use crate::cost::RequestCost;
 use crate::customer::{Lookup, Own};
 use crate::headers::Fields;
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
-use crate::limits::Version;
+use crate::limits::{TierRef, Version};
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
-use crate::tier::{SelectTier, StoreKey, Tier, TierRef};
+use crate::tier::{SelectTier, StoreKey, Tier};
 
 /// A request ready for the store: its tier, its store key and its cost.
 struct Check {
@@ -28,14 +30,14 @@ struct Check {
     cost: u64,
 }
 
-const SHADOW_LIMITED: &str = "limited";
-const SHADOW_BLOCKED: &str = "blocked";
-const SHADOW_DELAYED: &str = "delayed";
-const SHADOW_COST: &str = "cost-exceeded";
-const SHADOW_STORE: &str = "store-unavailable";
-const SHADOW_OMITTED: &str = "key-omitted";
-const SHADOW_MISSING: &str = "missing-key";
-const SHADOW_TIER: &str = "unknown-tier";
+// Statics, so that the fields of a verdict hold a pointer rather than a header value.
+static SHADOW_LIMITED: HeaderValue = HeaderValue::from_static("limited");
+static SHADOW_BLOCKED: HeaderValue = HeaderValue::from_static("blocked");
+static SHADOW_DELAYED: HeaderValue = HeaderValue::from_static("delayed");
+static SHADOW_COST: HeaderValue = HeaderValue::from_static("cost-exceeded");
+static SHADOW_STORE: HeaderValue = HeaderValue::from_static("store-unavailable");
+static SHADOW_OMITTED: HeaderValue = HeaderValue::from_static("key-omitted");
+static SHADOW_MISSING: HeaderValue = HeaderValue::from_static("missing-key");
 
 impl<S, K, C, T> Limiter<S, K, C, T>
 where
@@ -44,9 +46,9 @@ where
     C: Send + Sync + 'static,
     T: Send + Sync + 'static,
 {
-    /// Decides `req`; an admitted decision known at once goes straight into its
-    /// extensions (a decision is a few hundred bytes: moving it through the verdict would
-    /// cost more than the rest of the layer's own work).
+    /// Decides `req`; the admission of a request decided at once goes straight into its
+    /// extensions, and the store's decision is read where the store wrote it (it is 160
+    /// bytes: moving it through the verdict costs a copy per step).
     pub(crate) fn begin<B>(this: &Arc<Self>, req: &mut Request<B>) -> Begin
     where
         K: KeyExtractor<B>,
@@ -104,8 +106,9 @@ where
         // and the request costs no allocation.
         match this.store.check_sync(&check.key, &tier.rules, check.cost) {
             Some(result) => {
-                let result = result.map_err(|e| e.to_string());
                 let charged = this.charged(&result);
+                // Decided where the store wrote it: the decision is not moved.
+                let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 let verdict = this.finish(verdict);
                 Begin::Now(Self::keep_charge(this, verdict, charged, || {
@@ -124,7 +127,6 @@ where
 
     /// Puts a customer's own tier, if it has one, in the check's place; or the refusal of
     /// a cost above what its rules can grant.
-    #[allow(clippy::result_large_err)]
     fn own_tier(&self, check: &mut Check, version: &Version, own: Own) -> Result<(), Verdict> {
         if let Some(own) = own {
             check.tier = TierRef::Own(own);
@@ -150,7 +152,7 @@ where
             if charged != Charged::No && this.settles() {
                 let (version, check, charged_at) = charge();
                 if check.cost > 0 {
-                    pass.charge = Some(Box::new(Charge {
+                    pass.admission.keep(Box::new(Charge {
                         settle: Arc::clone(this) as Arc<dyn Settle>,
                         version,
                         tier: check.tier,
@@ -177,9 +179,6 @@ where
     /// Extracts the key, selects the tier and prices the request; or the verdict that
     /// needs no store call (an exemption, a misconfiguration, a cost above capacity, a
     /// denial still in the deny cache).
-    // The early verdicts are refusals (boxed) and unchecked passes; a pass is as large
-    // as it is so that the in-process path allocates nothing.
-    #[allow(clippy::result_large_err)]
     fn prepare<B>(&self, version: &Version, req: &Request<B>) -> Result<Check, Verdict>
     where
         K: KeyExtractor<B>,
@@ -190,12 +189,12 @@ where
             Extraction::Key(key) => key,
             Extraction::Exempt => {
                 tracing::trace!("rate limit: exempt request");
-                return Err(Verdict::UNCHECKED);
+                return Err(Verdict::unchecked(AdmittedBy::Exempt));
             }
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
         };
-        let tier_index = self.select_tier(version, req)?;
+        let tier_index = self.select_tier(version, req);
         let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
         let key = tier.store_key(client.as_ref());
@@ -239,6 +238,8 @@ where
                 }
             }
             let tier = check.tier.get(&version);
+            #[cfg(feature = "metrics")]
+            let started = std::time::Instant::now();
             let call = limiter.store.check(&check.key, &tier.rules, check.cost);
             let result = match limiter.store_timeout {
                 None => call.await.map_err(|e| e.to_string()),
@@ -247,7 +248,10 @@ where
                     Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
                 },
             };
+            #[cfg(feature = "metrics")]
+            limiter.store_latency.record(started.elapsed(), &result);
             let charged = limiter.charged(&result);
+            let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
             let verdict = limiter.finish(verdict);
             Self::keep_charge(&limiter, verdict, charged, || (version, check, charged_at))
@@ -255,16 +259,25 @@ where
         Box::pin(tracing::Instrument::instrument(future, span))
     }
 
+    // Inlined for the same reason as `finish`.
+    #[inline]
     fn decided(
         &self,
         tier: &Tier,
         check: &Check,
-        result: Result<Decision, String>,
+        result: Result<&Decision, &dyn fmt::Display>,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         match result {
-            Ok(decision) => self.plan(tier, &check.key, check.cost, decision, extensions),
-            Err(error) => self.store_failed(tier, &check.key, check.cost, &error, extensions),
+            Ok(decision) => self.plan(
+                tier,
+                &check.key,
+                check.cost,
+                decision,
+                AdmittedBy::Store,
+                extensions,
+            ),
+            Err(error) => self.store_failed(tier, &check.key, check.cost, error, extensions),
         }
     }
 
@@ -282,77 +295,54 @@ where
         Some(self.denial(tier, key, hit.decision, hit.retry_after, ratelimit))
     }
 
-    /// The index of the request's tier, or the refusal of a misconfigured selector.
-    #[allow(clippy::result_large_err)]
-    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> Result<usize, Verdict>
+    /// The index of the request's tier: the default tier's for no tier or for a tier the
+    /// limits lack (with a `WARN`, see [`Version::tier_named`]).
+    fn select_tier<B>(&self, version: &Version, req: &Request<B>) -> usize
     where
         T: SelectTier<B>,
     {
-        let (found, why) = match self.select.select(req) {
-            None => (
-                version.default_tier,
-                Cow::Borrowed("the tier selector chose no tier and the layer has no default tier"),
-            ),
-            Some(name) => {
-                let name = name.as_ref();
-                match version.tiers.iter().position(|t| &*t.name == name) {
-                    Some(i) => return Ok(i),
-                    None => (
-                        None,
-                        Cow::Owned(format!(
-                            "the tier selector chose tier {:?}, which is not configured",
-                            KeyDisplay(name.as_bytes()).to_string()
-                        )),
-                    ),
-                }
-            }
-        };
-        found.ok_or_else(|| {
-            if let Some(count) = self.tier_log.hit(self.store.now_us()) {
-                tracing::error!(
-                    error = %why,
-                    requests = count,
-                    "rate limit misconfigured: no tier for the request; refusing with 500 \
-                     (reported at most every 10 s, with the requests since the last report)"
-                );
-            }
-            self.unknown_tier(why)
-        })
+        match self.select.select(req) {
+            None => version.default_tier,
+            Some(name) => version.tier_named(name.as_ref(), &self.tier_log, || self.store.now_us()),
+        }
     }
 
-    /// Turns the store's decision into a verdict. An admitted decision goes into
-    /// `extensions` when given, else into the verdict.
+    /// Turns the decision of the store `by` names into a verdict. An admitted request's
+    /// admission (and the decision, when kept for handlers) goes into `extensions` when
+    /// given, else into the verdict.
     fn plan(
         &self,
         tier: &Tier,
         key: &[u8],
         cost: u64,
-        decision: Decision,
+        decision: &Decision,
+        by: AdmittedBy,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         #[cfg(feature = "metrics")]
-        tier.metrics.decision(&decision);
+        tier.metrics.decision(decision);
         if decision.outcome() == Outcome::Allowed {
-            return self.admitted(tier, key, decision, extensions);
+            return self.admitted(tier, key, decision, by, extensions);
         }
         if let Some(cache) = &self.deny_cache {
-            cache.insert(key, tier.generation, cost, &decision, self.store.now_us());
+            cache.insert(key, tier.generation, cost, decision, self.store.now_us());
         }
-        let ratelimit = tier.policy.ratelimit(&decision);
+        let ratelimit = tier.policy.ratelimit(decision);
         let retry_after = decision.retry_after();
-        self.denial(tier, key, decision, retry_after, ratelimit)
+        self.denial(tier, key, decision.clone(), retry_after, ratelimit)
     }
 
     fn admitted(
         &self,
         tier: &Tier,
         key: &[u8],
-        decision: Decision,
+        decision: &Decision,
+        by: AdmittedBy,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         let delay = decision.delay();
         if delay > self.max_delay {
-            return self.delay_too_long(tier, key, decision);
+            return self.delay_too_long(tier, key, decision.clone());
         }
         if !delay.is_zero() {
             tracing::debug!(
@@ -366,21 +356,30 @@ where
         }
         let fields = self.admitted_headers.then(|| Fields {
             policy: Some(tier.policy.header.clone()),
-            ratelimit: tier.policy.ratelimit(&decision),
+            ratelimit: tier.policy.ratelimit(decision),
             shadow: None,
         });
-        let decision = match extensions {
-            Some(extensions) => {
-                extensions.insert(decision);
-                None
+        let admission = Admission::decided(by, decision);
+        let decision = self.decision_extension.then(|| decision.clone());
+        // Shadow mode may yet replace the admission: then it travels in the verdict.
+        let admission = match extensions {
+            Some(extensions) if !self.shadow => {
+                extensions.insert(admission);
+                if let Some(decision) = decision {
+                    extensions.insert(decision);
+                }
+                Admitted::Inserted
             }
-            None => Some(Box::new(decision)),
+            _ => Admitted::Later(Box::new(Deferred {
+                admission,
+                decision,
+                charge: None,
+            })),
         };
         Verdict::Pass(Pass {
             delay,
             fields,
-            decision,
-            charge: None,
+            admission,
         })
     }
 
@@ -389,12 +388,12 @@ where
         tier: &Tier,
         key: &StoreKey,
         cost: u64,
-        error: &str,
+        error: &dyn fmt::Display,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
         self.report_store_failure(tier, key, error);
         match self.failure_policy {
-            FailurePolicy::FailOpen => Verdict::UNCHECKED,
+            FailurePolicy::FailOpen => Verdict::unchecked(AdmittedBy::FailOpen),
             FailurePolicy::FailClosed => self.store_unavailable(),
             FailurePolicy::Fallback => {
                 let fallback = self
@@ -406,7 +405,9 @@ where
                     .as_ref()
                     .expect("built with the fallback policy");
                 match fallback.check_now(key, rules, cost) {
-                    Ok(decision) => self.plan(tier, key, cost, decision, extensions),
+                    Ok(decision) => {
+                        self.plan(tier, key, cost, &decision, AdmittedBy::Fallback, extensions)
+                    }
                     Err(e) => self.cost_exceeded(tier, key, &e),
                 }
             }
@@ -414,7 +415,7 @@ where
     }
 
     /// Counts a store failure and logs it at a bounded rate.
-    fn report_store_failure(&self, tier: &Tier, key: &[u8], error: &str) {
+    fn report_store_failure(&self, tier: &Tier, key: &[u8], error: &dyn fmt::Display) {
         #[cfg(feature = "metrics")]
         tier.metrics.store_error();
         if let Some(count) = self.store_error_log.hit(self.store.now_us()) {
@@ -425,7 +426,7 @@ where
             };
             tracing::warn!(
                 policy = self.failure_policy.label(),
-                error,
+                %error,
                 requests = count,
                 key = %KeyDigest(tier.client_key(key)),
                 action,
@@ -459,17 +460,26 @@ where
             );
         }
         if !refuse {
-            return Verdict::UNCHECKED;
+            return Verdict::unchecked(AdmittedBy::MissingKey);
         }
         self.missing_key(why)
     }
 
     /// Applies shadow mode: the one place where a refusal or a delay becomes a pass.
+    /// Inlined, with shadow mode out of line: the verdict is then built in its final
+    /// place instead of being copied out of a call (about 100 instructions a request).
+    #[inline]
     fn finish(&self, verdict: Verdict) -> Verdict {
-        if !self.shadow {
-            return verdict;
+        if self.shadow {
+            self.shadowed(verdict)
+        } else {
+            verdict
         }
-        let label = match verdict {
+    }
+
+    #[inline(never)]
+    fn shadowed(&self, verdict: Verdict) -> Verdict {
+        let (label, binding) = match verdict {
             // Admitted anyway: nothing to report, and no rate-limit fields in shadow mode.
             Verdict::Pass(pass) if pass.delay.is_zero() => {
                 return Verdict::Pass(Pass {
@@ -477,20 +487,23 @@ where
                     ..pass
                 });
             }
-            Verdict::Pass(_) => SHADOW_DELAYED,
-            Verdict::Refuse(refusal) => match refusal.rejection.reason {
-                RejectReason::Limited => SHADOW_LIMITED,
-                RejectReason::Blocked => SHADOW_BLOCKED,
-                RejectReason::DelayTooLong => SHADOW_DELAYED,
-                RejectReason::CostExceedsCapacity { .. } => SHADOW_COST,
-                RejectReason::StoreUnavailable => SHADOW_STORE,
-                RejectReason::KeyOmitted => SHADOW_OMITTED,
-                RejectReason::MissingKey => SHADOW_MISSING,
-                RejectReason::UnknownTier => SHADOW_TIER,
-            },
+            Verdict::Pass(pass) => (&SHADOW_DELAYED, pass.admission.binding()),
+            Verdict::Refuse(refusal) => {
+                let rejection = &refusal.rejection;
+                let label = match rejection.reason {
+                    RejectReason::Limited => &SHADOW_LIMITED,
+                    RejectReason::Blocked => &SHADOW_BLOCKED,
+                    RejectReason::DelayTooLong => &SHADOW_DELAYED,
+                    RejectReason::CostExceedsCapacity { .. } => &SHADOW_COST,
+                    RejectReason::StoreUnavailable => &SHADOW_STORE,
+                    RejectReason::KeyOmitted => &SHADOW_OMITTED,
+                    RejectReason::MissingKey => &SHADOW_MISSING,
+                };
+                (label, rejection.decision.as_ref().and_then(Binding::of))
+            }
         };
         tracing::info!(
-            verdict = label,
+            verdict = label.to_str().unwrap_or_default(),
             namespace = &*self.namespace,
             "rate limit (shadow mode): would have refused or delayed; passing"
         );
@@ -500,8 +513,11 @@ where
                 shadow: Some(label),
                 ..Fields::default()
             }),
-            decision: None,
-            charge: None,
+            admission: Admitted::Later(Box::new(Deferred {
+                admission: Admission::unchecked(AdmittedBy::Shadow, binding),
+                decision: None,
+                charge: None,
+            })),
         })
     }
 }

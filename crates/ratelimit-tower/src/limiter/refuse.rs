@@ -99,15 +99,6 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
         self.refusal(rejection, None)
     }
 
-    /// No tier for the request.
-    pub(super) fn unknown_tier(&self, why: Cow<'static, str>) -> Verdict {
-        let rejection = Rejection {
-            detail: Some(why),
-            ..Rejection::new(RejectReason::UnknownTier, StatusCode::INTERNAL_SERVER_ERROR)
-        };
-        self.refusal(rejection, None)
-    }
-
     /// `rejection` with the tier's `RateLimit-Policy` and the `RateLimit` field, when the
     /// refusal has a tier.
     fn refusal(

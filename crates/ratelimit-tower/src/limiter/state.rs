@@ -35,6 +35,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) store_error_log: BoundedLog,
     pub(crate) blocked_status: BlockedStatus,
     pub(crate) admitted_headers: bool,
+    /// Whether admitted requests carry the store's whole decision beside their admission.
+    pub(crate) decision_extension: bool,
     pub(crate) shadow: bool,
     pub(crate) max_delay: Duration,
     pub(crate) deny_cache: Option<DenyCache>,
@@ -49,6 +51,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) customers: Option<Arc<Customers>>,
     /// The namespace, shared with the customers' tiers built later.
     pub(crate) namespace_arc: Arc<str>,
+    #[cfg(feature = "metrics")]
+    pub(crate) store_latency: crate::metrics::StoreLatency,
 }
 
 /// The predicate of [`charge_when`](crate::RateLimitLayerBuilder::charge_when).

@@ -2,8 +2,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use http::Extensions;
 use ratelimit_core::Decision;
 
+use crate::admission::{Admission, AdmittedBy, Binding};
 use crate::charge::Charge;
 use crate::headers::Fields;
 use crate::rejection::Refusal;
@@ -17,16 +19,12 @@ pub(crate) enum Verdict {
 }
 
 /// An admitted request: call the inner service after `delay`, adding `fields` to its
-/// response; the store's decision, if any, goes into the request's extensions.
+/// response; its [`Admission`] (always) and the store's decision (when kept) go into the
+/// request's extensions.
 pub(crate) struct Pass {
     pub(crate) delay: Duration,
     pub(crate) fields: Option<Fields>,
-    /// Boxed: only a decision that arrives later (from a store that is not in process)
-    /// travels in the verdict, and a verdict is moved several times.
-    pub(crate) decision: Option<Box<Decision>>,
-    /// What the store charged, to be given back if the response says it does not
-    /// count; only when the layer settles charges.
-    pub(crate) charge: Option<Box<Charge>>,
+    pub(crate) admission: Admitted,
 }
 
 /// Who charged a request the store's answer admits.
@@ -38,14 +36,84 @@ pub(crate) enum Charged {
     Fallback,
 }
 
+/// Where a passed request's [`Admission`] is. A verdict is moved several times on the
+/// in-process path, so this stays two words: what is known at once goes straight into
+/// the request's extensions, what arrives later (a store that is not in process, shadow
+/// mode) travels boxed.
+pub(crate) enum Admitted {
+    /// Already in the request's extensions.
+    Inserted,
+    /// Passed unchecked, with no rule to name.
+    Unchecked(AdmittedBy),
+    /// To be put into the extensions when the request is passed on.
+    Later(Box<Deferred>),
+    /// Already in the extensions; what the store charged travels on, to be given back
+    /// if the response says it does not count (only when the layer settles charges).
+    Charged(Box<Charge>),
+}
+
+/// An admission, and the store's decision when the layer keeps it for handlers.
+pub(crate) struct Deferred {
+    pub(crate) admission: Admission,
+    pub(crate) decision: Option<Decision>,
+    /// What the store charged, as in [`Admitted::Charged`].
+    pub(crate) charge: Option<Box<Charge>>,
+}
+
+impl Admitted {
+    /// Puts what is not yet in `extensions` there; the charge to settle on the
+    /// response, if any.
+    pub(crate) fn insert_into(self, extensions: &mut Extensions) -> Option<Box<Charge>> {
+        match self {
+            Admitted::Inserted => None,
+            Admitted::Unchecked(by) => {
+                extensions.insert(Admission::unchecked(by, None));
+                None
+            }
+            Admitted::Later(later) => {
+                let Deferred {
+                    admission,
+                    decision,
+                    charge,
+                } = *later;
+                extensions.insert(admission);
+                if let Some(decision) = decision {
+                    extensions.insert(decision);
+                }
+                charge
+            }
+            Admitted::Charged(charge) => Some(charge),
+        }
+    }
+
+    /// Keeps `charge` with the admission.
+    pub(crate) fn keep(&mut self, charge: Box<Charge>) {
+        match self {
+            Admitted::Inserted => *self = Admitted::Charged(charge),
+            Admitted::Later(later) => later.charge = Some(charge),
+            // Nothing was charged for these.
+            Admitted::Unchecked(_) | Admitted::Charged(_) => {}
+        }
+    }
+
+    /// The binding rule of an admission not yet in the extensions.
+    pub(crate) fn binding(&self) -> Option<Binding> {
+        match self {
+            Admitted::Later(later) => later.admission.binding(),
+            Admitted::Inserted | Admitted::Unchecked(_) | Admitted::Charged(_) => None,
+        }
+    }
+}
+
 impl Verdict {
-    /// Passed without asking the store: no delay, no fields, no decision.
-    pub(crate) const UNCHECKED: Verdict = Verdict::Pass(Pass {
-        delay: Duration::ZERO,
-        fields: None,
-        decision: None,
-        charge: None,
-    });
+    /// Passed without asking the store (or without its answer): no delay, no fields.
+    pub(crate) const fn unchecked(by: AdmittedBy) -> Verdict {
+        Verdict::Pass(Pass {
+            delay: Duration::ZERO,
+            fields: None,
+            admission: Admitted::Unchecked(by),
+        })
+    }
 }
 
 pub(crate) type CheckFuture = Pin<Box<dyn Future<Output = Verdict> + Send>>;
@@ -54,4 +122,20 @@ pub(crate) type CheckFuture = Pin<Box<dyn Future<Output = Verdict> + Send>>;
 pub(crate) enum Begin {
     Now(Verdict),
     Later(CheckFuture),
+}
+
+#[cfg(test)]
+mod tests {
+    /// A verdict is moved several times on the in-process path (and returned as the error
+    /// of `prepare`, which clippy's `result_large_err` bounds at 128 bytes): what an
+    /// admitted request needs later goes into the request or into a box.
+    #[test]
+    fn a_verdict_stays_small() {
+        assert!(
+            std::mem::size_of::<super::Verdict>() <= 120,
+            "{} bytes",
+            std::mem::size_of::<super::Verdict>()
+        );
+        assert_eq!(std::mem::size_of::<super::Admitted>(), 16);
+    }
 }

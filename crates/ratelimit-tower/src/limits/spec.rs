@@ -4,6 +4,7 @@ use std::fmt;
 
 use ratelimit_core::{Rule, RuleSet};
 
+use super::clip::Clip;
 use crate::error::BuildError;
 
 /// What a layer decides with: the rules of its default tier (`""`), the rules of each
@@ -24,7 +25,10 @@ use crate::error::BuildError;
 /// ```
 ///
 /// Tier names are checked as the file is read (1 to 64 of `A-Z a-z 0-9 _ - .`, each
-/// once), so a parser that knows lines (TOML, YAML) names the line of a bad one.
+/// once), and rule texts are at most [`MAX_RULE_TEXT`](Self::MAX_RULE_TEXT) bytes, so a
+/// parser that knows lines (TOML, YAML) names the line of a bad one. To read a file with
+/// bounds on its size and tiers, off the request path, use
+/// [`LimitsFile`](crate::LimitsFile).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Limits {
     pub(crate) rules: Option<RuleSet>,
@@ -33,6 +37,11 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// The longest rule text (a rule set's, or one rule's in a list) read from a
+    /// configuration file, in bytes: 16 rules (the most in a set) of 128 bytes. Checked
+    /// before the text is parsed, so that a file cannot make the parser chew megabytes.
+    pub const MAX_RULE_TEXT: usize = 2048;
+
     /// Limits of one tier, `""`: every request is decided against `rules`.
     pub fn new(rules: RuleSet) -> Self {
         Self {
@@ -94,15 +103,18 @@ impl Limits {
         if self.rules.is_none() && self.tiers.is_empty() {
             return Err(ratelimit_core::ConfigError::EmptyRuleSet.into());
         }
-        for (i, (name, _)) in self.tiers.iter().enumerate() {
+        // A set, not a scan of the tiers before each: limits from a file may hold
+        // thousands of tiers.
+        let mut seen = std::collections::HashSet::with_capacity(self.tiers.len());
+        for (name, _) in &self.tiers {
             check_tier_name(name)?;
-            if self.tiers[..i].iter().any(|(n, _)| n == name) {
+            if !seen.insert(name.as_str()) {
                 return Err(BuildError::DuplicateTier(name.clone()));
             }
         }
         if let Some(name) = &self.default_tier {
             if self.tier_rules(name).is_none() {
-                return Err(BuildError::UnknownDefaultTier(name.clone()));
+                return Err(BuildError::UnknownDefaultTier(Clip::owned(name)));
             }
         }
         Ok(())
@@ -113,7 +125,7 @@ fn check_tier_name(name: &str) -> Result<(), BuildError> {
     if Rule::is_valid_name(name) {
         Ok(())
     } else {
-        Err(BuildError::BadTierName(name.to_owned()))
+        Err(BuildError::BadTierName(Clip::owned(name)))
     }
 }
 
@@ -143,20 +155,22 @@ impl fmt::Display for Limits {
 
 #[cfg(feature = "serde")]
 mod serde_impl {
+    use std::borrow::Cow;
+    use std::collections::HashSet;
     use std::fmt;
 
-    use ratelimit_core::RuleSet;
-    use serde::de::{Error, MapAccess, Visitor};
+    use ratelimit_core::{Rule, RuleSet};
+    use serde::de::{Error, MapAccess, SeqAccess, Visitor};
     use serde::ser::SerializeMap;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    use super::{check_tier_name, Limits};
+    use super::{check_tier_name, Clip, Limits};
     use crate::error::BuildError;
 
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Raw {
-        rules: Option<RuleSet>,
+        rules: Option<RuleText>,
         #[serde(default)]
         tiers: Tiers,
         default_tier: Option<String>,
@@ -164,6 +178,52 @@ mod serde_impl {
 
     #[derive(Default)]
     struct Tiers(Vec<(String, RuleSet)>);
+
+    /// A rule set read as `RuleSet` reads it (a string, or a list of rule strings), each
+    /// text refused above [`Limits::MAX_RULE_TEXT`] bytes before it is parsed.
+    struct RuleText(RuleSet);
+
+    fn check_len<E: Error>(text: &str) -> Result<(), E> {
+        if text.len() > Limits::MAX_RULE_TEXT {
+            return Err(E::custom(format_args!(
+                "a rule text of {} bytes, more than {} (\"{}\")",
+                text.len(),
+                Limits::MAX_RULE_TEXT,
+                Clip(text)
+            )));
+        }
+        Ok(())
+    }
+
+    impl<'de> Deserialize<'de> for RuleText {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = RuleText;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a rule string such as \"1/s; 20/min\" or a list of rule strings")
+                }
+                fn visit_str<E: Error>(self, v: &str) -> Result<RuleText, E> {
+                    check_len(v)?;
+                    v.parse().map(RuleText).map_err(E::custom)
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RuleText, A::Error> {
+                    let mut rules = Vec::new();
+                    while let Some(text) = seq.next_element::<Cow<'de, str>>()? {
+                        // One past the most a set holds is enough for `RuleSet::new` to
+                        // say there are too many.
+                        if rules.len() > ratelimit_core::MAX_RULES {
+                            break;
+                        }
+                        check_len(&text)?;
+                        rules.push(text.parse::<Rule>().map_err(A::Error::custom)?);
+                    }
+                    RuleSet::new(rules).map(RuleText).map_err(A::Error::custom)
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
 
     impl<'de> Deserialize<'de> for Tiers {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -175,12 +235,13 @@ mod serde_impl {
                 }
                 fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Tiers, A::Error> {
                     let mut tiers: Vec<(String, RuleSet)> = Vec::new();
+                    let mut seen = HashSet::new();
                     while let Some(name) = map.next_key::<String>()? {
                         check_tier_name(&name).map_err(A::Error::custom)?;
-                        if tiers.iter().any(|(n, _)| *n == name) {
+                        if !seen.insert(name.clone()) {
                             return Err(A::Error::custom(BuildError::DuplicateTier(name)));
                         }
-                        let rules = map.next_value()?;
+                        let rules = map.next_value::<RuleText>()?.0;
                         tiers.push((name, rules));
                     }
                     Ok(Tiers(tiers))
@@ -196,7 +257,7 @@ mod serde_impl {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
             let raw = Raw::deserialize(d)?;
             let limits = Limits {
-                rules: raw.rules,
+                rules: raw.rules.map(|r| r.0),
                 tiers: raw.tiers.0,
                 default_tier: raw.default_tier,
             };

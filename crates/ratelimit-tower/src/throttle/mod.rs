@@ -7,7 +7,7 @@
 //! with a shaping rule (`leaky-bucket mode=shaper`) one store call hands out the call's
 //! slot and the caller sleeps until it (no retry loop, no thundering herd); with other
 //! rules it sleeps until the units fit and asks again. A call whose turn is further
-//! away than the maximum wait fails with [`ThrottleError::Wait`], which says how long
+//! away than the maximum wait fails with [`ThrottleError::TooLong`], which says how long
 //! it would have waited; nothing is charged for it.
 //!
 //! ```

@@ -1,0 +1,718 @@
+//! The packed encoding of a check, of a key's rule states and of a decision, as the Redis
+//! store keeps and sends them: the layout its Lua functions (`check.lua`) read and write,
+//! and the one its native module reads and writes with this crate's own [`algo`] code,
+//! so that both serve the same keys.
+//!
+//! Every value is a little-endian double holding an integer below 2^53 (exact in Lua).
+//!
+//! * A **check** packs [`HEADER`] values (injected, now, cost, TTL floor in ms, rules,
+//!   state width, log limit, log period, layout, deadline; see [`Header`]), then
+//!   [`PER_RULE`] per rule: code, limit, period in µs, `a`, `b`, identity
+//!   ([`rule_values`]).
+//! * A key's **state** is the layout (the writing rule set's fingerprint, [`layout`]),
+//!   then one entry `{id, m, m values}` per rule but the sliding logs, in rule order:
+//!   fixed window `(index, count)`; sliding window counter `(index, c0 .. cp)`; token
+//!   bucket `(limit, capacity, level, last)`; GCRA and leaky bucket `(limit, capacity,
+//!   tat_us, tat_frac)`, the limit and capacity being the writer's (what a carry needs);
+//!   then, when a rule is a sliding log, the log marker `{0, 1, until}`: the shared log
+//!   (kept apart, newest first) counts until then. A state of the check's layout is read
+//!   in place; one of another layout entry by entry, each rule carried by identity as
+//!   [`algo::carry_stored`] says ([`decode_state`]).
+//! * A **reply** is `{1, block left or -1}`, `{3, server time}` (past the caller's
+//!   deadline) or `{status, delay, then per rule allowed, remaining, reset, retry}`, the
+//!   status 2 when a value the store did not write was found and discarded; in a batch,
+//!   a failed check is `{-1, n}` and `n` bytes of message.
+//!
+//! ```
+//! use ratelimit_core::packed::{self, Header, PackedRules};
+//! use ratelimit_core::RuleSet;
+//!
+//! let rules: RuleSet = "10/s gcra burst=5".parse().unwrap();
+//! let bytes = packed::pack_check(&rules, Some(1_000), 1, 0, None);
+//! let (header, rule_bytes) = Header::parse(&bytes).unwrap();
+//! let parsed = PackedRules::parse(rule_bytes, &header).unwrap();
+//! assert_eq!(header.now, Some(1_000));
+//! assert_eq!(parsed.ids(), rules.rule_ids());
+//! ```
+
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::algo::{self, RuleState};
+use crate::decision::Decision;
+use crate::rule::{Algorithm, LeakyMode, Rule, RuleSet, MAX_RULES};
+
+/// The version of this encoding. A change of the layout of a check, a state or a reply
+/// is a new version; the Redis store uses its module only when the module reports the
+/// store's own.
+pub const STATE_FORMAT: u64 = 2;
+/// The largest value the encoding holds exactly (2^53 - 1).
+pub const MAX_EXACT: u64 = (1 << 53) - 1;
+/// Values of a check's header.
+pub const HEADER: usize = 10;
+/// Values per rule of a check.
+pub const PER_RULE: usize = 6;
+/// The identity of the state's log marker entry; no rule has it.
+pub const LOG_MARKER: u64 = 0;
+
+/// Algorithm codes, in the order of the core's algorithm files.
+const FIXED_WINDOW: u64 = 1;
+const SLIDING_WINDOW: u64 = 2;
+const SLIDING_LOG: u64 = 3;
+const TOKEN_BUCKET: u64 = 4;
+const LEAKY_BUCKET: u64 = 5;
+const GCRA: u64 = 6;
+
+/// What is wrong with packed values: a message for the error reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PackedError(String);
+
+/// The values of one rule in a check: code, limit, period in µs, `a`, `b` and the rule's
+/// identity `id` ([`RuleSet::rule_ids`]). `a` is the sliding window counter's precision
+/// (`b` its sub-window in µs), a token bucket's or leaky meter's capacity, a GCRA burst,
+/// a leaky shaper's burst (`b` its delay + 1: 0 means a meter).
+pub fn rule_values(rule: &Rule, id: u64) -> [u64; PER_RULE] {
+    let (l, p) = (rule.limit(), rule.period_us());
+    let (code, a, b) = match rule.algorithm() {
+        Algorithm::FixedWindow => (FIXED_WINDOW, 0, 0),
+        // The core refuses a precision that does not divide the period.
+        Algorithm::SlidingWindow { precision } => (SLIDING_WINDOW, precision, p / precision.max(1)),
+        Algorithm::SlidingLog => (SLIDING_LOG, 0, 0),
+        Algorithm::TokenBucket { capacity } => (TOKEN_BUCKET, capacity, 0),
+        Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => (LEAKY_BUCKET, capacity, 0),
+        // `delay + 1` keeps 0 free for "meter"; the core bounds delay far below u64::MAX.
+        Algorithm::LeakyBucket(LeakyMode::Shaper { burst, delay }) => {
+            (LEAKY_BUCKET, burst, delay.saturating_add(1))
+        }
+        Algorithm::Gcra { burst } => (GCRA, burst, 0),
+    };
+    [code, l, p, a, b, id]
+}
+
+/// The values of a rule's entry in the state, its identity and length included.
+fn entry_len(rule: &Rule) -> u64 {
+    match rule.algorithm() {
+        Algorithm::SlidingLog => 0,
+        Algorithm::FixedWindow => 2 + 2,
+        Algorithm::SlidingWindow { precision } => 2 + precision + 2,
+        _ => 2 + 4,
+    }
+}
+
+/// Values a key's state holds under `rules`: the layout, an entry per rule but the
+/// sliding logs, and the log marker (3 values) when a rule is a sliding log.
+pub fn state_width(rules: &RuleSet) -> u64 {
+    let entries: u64 = rules.rules().iter().map(entry_len).sum();
+    let marker = if rules.log_limit() > 0 { 3 } else { 0 };
+    1 + entries + marker
+}
+
+/// The layout of a rule set's state: its fingerprint, cut to what a double holds.
+pub fn layout(rules: &RuleSet) -> u64 {
+    rules.fingerprint() & ((1 << 52) - 1)
+}
+
+/// The packed values of a check of `rules` for `cost` units, at the injected time `now`
+/// (`None`: the server's clock), with the TTL floor `ttl_floor_ms` and the caller's
+/// `deadline` in µs on the server's clock.
+pub fn check_values(
+    rules: &RuleSet,
+    now: Option<u64>,
+    cost: u64,
+    ttl_floor_ms: u64,
+    deadline: Option<u64>,
+) -> impl Iterator<Item = u64> + '_ {
+    let header = [
+        u64::from(now.is_some()),
+        now.unwrap_or(0),
+        cost,
+        ttl_floor_ms.min(MAX_EXACT),
+        rules.len() as u64,
+        state_width(rules),
+        rules.log_limit(),
+        rules.log_period_us(),
+        layout(rules),
+        deadline.unwrap_or(0),
+    ];
+    header.into_iter().chain(
+        rules
+            .rules()
+            .iter()
+            .zip(rules.rule_ids())
+            .flat_map(|(rule, &id)| rule_values(rule, id)),
+    )
+}
+
+/// [`check_values`] packed as doubles: the one argument of a check.
+pub fn pack_check(
+    rules: &RuleSet,
+    now: Option<u64>,
+    cost: u64,
+    ttl_floor_ms: u64,
+    deadline: Option<u64>,
+) -> Vec<u8> {
+    let mut packed = Vec::with_capacity(8 * (HEADER + PER_RULE * rules.len()));
+    for value in check_values(rules, now, cost, ttl_floor_ms, deadline) {
+        // Exact: rules, costs and times stay below 2^53.
+        packed.extend_from_slice(&(value as f64).to_le_bytes());
+    }
+    packed
+}
+
+/// The value at `bytes[8 * i..]` when it is an integer in `[0, 2^53)`.
+#[inline(always)]
+fn value(bytes: &[u8], i: usize) -> Option<u64> {
+    let chunk: [u8; 8] = bytes.get(8 * i..8 * i + 8)?.try_into().ok()?;
+    let x = f64::from_le_bytes(chunk);
+    // NaN and the infinities fail the range test.
+    (x >= 0.0 && x <= MAX_EXACT as f64 && x.fract() == 0.0).then_some(x as u64)
+}
+
+fn push(out: &mut Vec<u8>, x: u64) {
+    out.extend_from_slice(&(x as f64).to_le_bytes());
+}
+
+/// A check's header, as [`Header::parse`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Header {
+    /// The injected time in µs; `None`: the server's clock.
+    pub now: Option<u64>,
+    /// Units to charge; 0 peeks.
+    pub cost: u64,
+    /// The least TTL in ms of a key written under an injected clock.
+    pub ttl_floor_ms: u64,
+    /// Number of rules.
+    pub rules: usize,
+    /// Values of the state under these rules ([`state_width`]).
+    pub width: usize,
+    /// Entries the shared sliding log keeps (0: no sliding log).
+    pub log_limit: u64,
+    /// The longest sliding-log period in µs.
+    pub log_period_us: u64,
+    /// The fingerprint of the state's layout ([`layout`]).
+    pub layout: u64,
+    /// The caller's deadline in µs on the server's clock; `None`: none.
+    pub deadline: Option<u64>,
+}
+
+impl Header {
+    /// The header of the packed check `bytes`, and the bytes of its rules; an error that
+    /// says what is wrong when `bytes` is not a check of this layout.
+    pub fn parse(bytes: &[u8]) -> Result<(Self, &[u8]), PackedError> {
+        let len = bytes.len();
+        if len < 8 * HEADER || len % 8 != 0 {
+            return Err(PackedError(format!(
+                "a check takes its values as doubles, got {len} bytes"
+            )));
+        }
+        let mut v = [0u64; HEADER];
+        for (i, slot) in v.iter_mut().enumerate() {
+            *slot = value(bytes, i).ok_or_else(|| {
+                PackedError(format!(
+                    "value {i} of the header is not an integer below 2^53"
+                ))
+            })?;
+        }
+        let [injected, now, cost, ttl_floor_ms, n, width, log_limit, log_period_us, layout, deadline] =
+            v;
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        if !(1..=MAX_RULES).contains(&n) || len != 8 * (HEADER + PER_RULE * n) {
+            return Err(PackedError(format!(
+                "a check of {n} rules (1 to {MAX_RULES}) takes {} values, got {}",
+                HEADER.saturating_add(PER_RULE.saturating_mul(n)),
+                len / 8
+            )));
+        }
+        if injected > 1 {
+            return Err(PackedError(format!("injected is 0 or 1, got {injected}")));
+        }
+        let header = Header {
+            now: (injected == 1).then_some(now),
+            cost,
+            ttl_floor_ms,
+            rules: n,
+            width: usize::try_from(width).unwrap_or(usize::MAX),
+            log_limit,
+            log_period_us,
+            layout,
+            deadline: (deadline > 0).then_some(deadline),
+        };
+        Ok((header, &bytes[8 * HEADER..]))
+    }
+}
+
+/// The rules of a packed check, as the rule set they describe and each rule's identity.
+/// Building one costs more than a decision: a store that decides many checks of the same
+/// rules keeps them by their bytes.
+#[derive(Debug, Clone)]
+pub struct PackedRules {
+    rules: RuleSet,
+    ids: SmallVec<[u64; 4]>,
+}
+
+impl PackedRules {
+    /// The rules in `bytes` (the values after the header), checked against the header:
+    /// each a rule the core accepts, with the state width, log limit and log period the
+    /// header says.
+    pub fn parse(bytes: &[u8], header: &Header) -> Result<Self, PackedError> {
+        let mut rules = Vec::with_capacity(header.rules);
+        let mut ids = SmallVec::with_capacity(header.rules);
+        for r in 0..header.rules {
+            let mut v = [0u64; PER_RULE];
+            for (j, slot) in v.iter_mut().enumerate() {
+                *slot = value(bytes, PER_RULE * r + j).ok_or_else(|| {
+                    PackedError(format!(
+                        "value {j} of rule {r} is not an integer below 2^53"
+                    ))
+                })?;
+            }
+            let [code, limit, period_us, a, b, id] = v;
+            let period = Duration::from_micros(period_us);
+            let rule = match code {
+                FIXED_WINDOW => Rule::fixed_window(limit, period),
+                SLIDING_WINDOW => Rule::sliding_window(limit, period, a),
+                SLIDING_LOG => Rule::sliding_log(limit, period),
+                TOKEN_BUCKET => Rule::token_bucket(limit, period, a),
+                LEAKY_BUCKET if b == 0 => Rule::leaky_meter(limit, period, a),
+                LEAKY_BUCKET => Rule::leaky_shaper(limit, period, a, b - 1),
+                GCRA => Rule::gcra(limit, period, a),
+                _ => return Err(PackedError(format!("unknown algorithm code {code}"))),
+            }
+            .map_err(|e| PackedError(format!("rule {r}: {e}")))?;
+            if id == LOG_MARKER {
+                return Err(PackedError(format!(
+                    "rule {r} has the log marker's identity"
+                )));
+            }
+            rules.push(rule);
+            ids.push(id);
+        }
+        let rules = RuleSet::new(rules).map_err(|e| PackedError(e.to_string()))?;
+        let width = state_width(&rules);
+        if width != header.width as u64
+            || rules.log_limit() != header.log_limit
+            || rules.log_period_us() != header.log_period_us
+        {
+            return Err(PackedError(format!(
+                "the rules fill {width} values of a state of {}, with a log of {} entries \
+                 over {} µs; the header says {} entries over {} µs",
+                header.width,
+                rules.log_limit(),
+                rules.log_period_us(),
+                header.log_limit,
+                header.log_period_us
+            )));
+        }
+        Ok(Self { rules, ids })
+    }
+
+    /// The rule set (without names: [`ids`](Self::ids) stand for them).
+    pub fn rules(&self) -> &RuleSet {
+        &self.rules
+    }
+
+    /// Each rule's identity, in rule order.
+    pub fn ids(&self) -> &[u64] {
+        &self.ids
+    }
+}
+
+/// A key's rule states as read from its stored state by [`decode_state`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stored {
+    /// One state per rule, in rule order; a sliding log's slot is `Fresh` (the log is
+    /// kept apart: the store reads it into the first sliding-log rule's slot).
+    pub states: SmallVec<[RuleState; 1]>,
+    /// Whether the shared sliding log counts: the state was written under this layout,
+    /// or its log marker says the log counts still at `now`.
+    pub log_counts: bool,
+    /// Whether a state was converted to a changed limit at `now` (see
+    /// [`algo::Carried::converted`]): a check of cost > 0 that this denies writes the
+    /// carried states ([`encode_carried`]).
+    pub converted: bool,
+}
+
+/// The rule states of `raw`, a key's stored state, for the check's `rules` at `now`:
+/// read in place when it was written under the header's layout, else entry by entry,
+/// each rule taking the entry of its identity carried by [`algo::carry_stored`] (a rule
+/// without one starts `Fresh`). `None` when `raw` is not a state of this encoding: the
+/// store reads the key as fresh and replaces it when the check commits.
+pub fn decode_state(raw: &[u8], header: &Header, rules: &PackedRules, now: u64) -> Option<Stored> {
+    let n = rules.rules.len();
+    // As the Lua twin: in place when every value is one this encoding writes and the
+    // layout is the check's.
+    if raw.len() == 8 * header.width
+        && value(raw, 0) == Some(header.layout)
+        && (1..header.width).all(|i| value(raw, i).is_some())
+    {
+        let mut states = SmallVec::with_capacity(n);
+        let mut off = 1;
+        for rule in rules.rules.rules() {
+            let (state, len) = read_entry(rule, raw, off + 2)?;
+            states.push(state);
+            off += len;
+        }
+        return Some(Stored {
+            states,
+            log_counts: true,
+            converted: false,
+        });
+    }
+    if raw.is_empty() || raw.len() % 8 != 0 {
+        return None;
+    }
+    let len = raw.len() / 8;
+    // Where each identity's values start; a later entry of one identity wins, as in Lua.
+    let mut at: SmallVec<[(u64, usize); 8]> = SmallVec::new();
+    let mut pos = 1;
+    while pos < len {
+        let id = value(raw, pos)?;
+        let m = usize::try_from(value(raw, pos + 1)?).ok()?;
+        if pos + 2 + m > len {
+            return None;
+        }
+        // Every value must be one this encoding writes.
+        for i in pos + 2..pos + 2 + m {
+            value(raw, i)?;
+        }
+        at.retain(|(i, _)| *i != id);
+        at.push((id, pos + 2));
+        pos += 2 + m;
+    }
+    value(raw, 0)?;
+    let find = |id: u64| at.iter().find(|(i, _)| *i == id).map(|&(_, p)| p);
+    // A carried state's writer finds its log counting while the state says it has one,
+    // as in a state of its own layout.
+    let writer = value(raw, 0) == Some(CARRIED + header.layout);
+    let log_counts = find(LOG_MARKER).is_some_and(|p| {
+        value(raw, p - 1) == Some(1) && value(raw, p).is_some_and(|until| until > now || writer)
+    });
+    let mut states = SmallVec::with_capacity(n);
+    let mut converted = false;
+    for (rule, &id) in rules.rules.rules().iter().zip(&rules.ids) {
+        let state = match find(id) {
+            Some(p) if value(raw, p - 1) == Some(entry_len(rule) - 2) => {
+                let (state, _) = read_entry(rule, raw, p)?;
+                match rule.algorithm() {
+                    Algorithm::TokenBucket { .. }
+                    | Algorithm::Gcra { .. }
+                    | Algorithm::LeakyBucket(_) => {
+                        let (limit, capacity) = (value(raw, p)?, value(raw, p + 1)?);
+                        let (state, changed) =
+                            algo::carry_stored(rule, limit, capacity, &state, now);
+                        converted |= changed;
+                        state
+                    }
+                    _ => state,
+                }
+            }
+            _ => RuleState::Fresh,
+        };
+        states.push(state);
+    }
+    Some(Stored {
+        states,
+        log_counts,
+        converted,
+    })
+}
+
+/// The state of `rule` in the entry whose values start at `p` (past its identity and
+/// length), and the entry's length in values.
+fn read_entry(rule: &Rule, raw: &[u8], p: usize) -> Option<(RuleState, usize)> {
+    let v = |i: usize| value(raw, p + i);
+    let len = entry_len(rule) as usize;
+    let state = match rule.algorithm() {
+        Algorithm::SlidingLog => RuleState::Fresh,
+        Algorithm::FixedWindow => RuleState::Window {
+            index: v(0)?,
+            count: v(1)?,
+        },
+        Algorithm::SlidingWindow { precision } => {
+            let counts = (0..=precision as usize)
+                .map(|d| v(1 + d))
+                .collect::<Option<Box<[u64]>>>()?;
+            RuleState::Counters {
+                index: v(0)?,
+                counts,
+            }
+        }
+        Algorithm::TokenBucket { .. } => RuleState::Tokens {
+            level: v(2)?,
+            last: v(3)?,
+        },
+        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => RuleState::Tat {
+            us: v(2)?,
+            frac: v(3)?,
+        },
+    };
+    Some((state, len))
+}
+
+/// Appends the state `states` (after a committed check of `rules`) as stored: the
+/// header's layout, an entry per rule but the sliding logs, and the log marker saying
+/// the log counts until `log_until` when a rule is a sliding log.
+pub fn encode_state(
+    out: &mut Vec<u8>,
+    header: &Header,
+    rules: &PackedRules,
+    states: &[RuleState],
+    log_until: u64,
+) {
+    out.reserve(8 * header.width);
+    push(out, header.layout);
+    for ((rule, &id), state) in rules.rules.rules().iter().zip(&rules.ids).zip(states) {
+        encode_entry(out, rule, id, state);
+    }
+    if rules.rules.log_limit() > 0 {
+        for x in [LOG_MARKER, 1, log_until] {
+            push(out, x);
+        }
+    }
+}
+
+/// The layouts of states a denial writes after a conversion ([`encode_carried`]) are this
+/// plus the writer's layout: no rule set's fingerprint (those are below 2^52), so the
+/// next check reads it entry by entry; for the rule set that wrote it, the shared log
+/// counts as in a state of its own layout (as `MemoryStore`, whose entry then holds that
+/// rule set).
+pub const CARRIED: u64 = 1 << 52;
+
+/// Appends the states a denial writes after a conversion (check.lua's `write_carried`):
+/// the layout [`CARRIED`] + the header's, an entry for each rule but the sliding logs whose carried
+/// state is not `Fresh`, each tagged with its new limit and capacity (so reading it again
+/// converts nothing), and the log marker saying the log counts until `log_until` when
+/// one is given (a rule is a sliding log and the log has an entry).
+pub fn encode_carried(
+    out: &mut Vec<u8>,
+    header: &Header,
+    rules: &PackedRules,
+    states: &[RuleState],
+    log_until: Option<u64>,
+) {
+    push(out, CARRIED + header.layout);
+    for ((rule, &id), state) in rules.rules.rules().iter().zip(&rules.ids).zip(states) {
+        if *state != RuleState::Fresh {
+            encode_entry(out, rule, id, state);
+        }
+    }
+    if let Some(until) = log_until {
+        for x in [LOG_MARKER, 1, until] {
+            push(out, x);
+        }
+    }
+}
+
+/// Appends one rule's entry (none for a sliding log): identity, length, then the state,
+/// after the writer's limit and capacity for a token bucket, GCRA or leaky bucket.
+fn encode_entry(out: &mut Vec<u8>, rule: &Rule, id: u64, state: &RuleState) {
+    let (l, a) = (rule.limit(), rule.capacity());
+    match (rule.algorithm(), state) {
+        (Algorithm::SlidingLog, _) => {}
+        (Algorithm::FixedWindow, _) => {
+            let (i, c) = match *state {
+                RuleState::Window { index, count } => (index, count),
+                _ => (0, 0),
+            };
+            for x in [id, 2, i, c] {
+                push(out, x);
+            }
+        }
+        (Algorithm::SlidingWindow { precision }, _) => {
+            push(out, id);
+            push(out, precision + 2);
+            match state {
+                RuleState::Counters { index, counts } => {
+                    push(out, *index);
+                    for d in 0..=precision as usize {
+                        push(out, counts.get(d).copied().unwrap_or(0));
+                    }
+                }
+                _ => (0..precision + 2).for_each(|_| push(out, 0)),
+            }
+        }
+        (Algorithm::TokenBucket { capacity }, _) => {
+            let (level, last) = match *state {
+                RuleState::Tokens { level, last } => (level, last),
+                _ => (0, 0),
+            };
+            for x in [id, 4, l, capacity, level, last] {
+                push(out, x);
+            }
+        }
+        (Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_), _) => {
+            // The capacity the Lua twin's `gcra` is given: a shaper's burst + 1.
+            let cap = match rule.algorithm() {
+                Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst + 1,
+                _ => a,
+            };
+            let (us, frac) = match *state {
+                RuleState::Tat { us, frac } => (us, frac),
+                _ => (0, 0),
+            };
+            for x in [id, 4, l, cap, us, frac] {
+                push(out, x);
+            }
+        }
+    }
+}
+
+/// Appends the reply of a decided check: `discarded` when a value the store did not
+/// write was found at one of the check's keys and dropped.
+pub fn encode_decision(out: &mut Vec<u8>, decision: &Decision, discarded: bool) {
+    let us = |d: Duration| {
+        u64::try_from(d.as_micros())
+            .unwrap_or(u64::MAX)
+            .min(MAX_EXACT)
+    };
+    push(out, if discarded { 2 } else { 0 });
+    push(out, us(decision.delay()));
+    for rule in decision.rules() {
+        push(out, u64::from(rule.allowed));
+        push(out, rule.remaining.min(MAX_EXACT));
+        push(out, us(rule.reset_after));
+        push(out, rule.retry_after.map_or(0, us));
+    }
+}
+
+/// Appends the reply of a blocked key: the block's time left in µs, `None` for a block
+/// without end.
+pub fn encode_blocked(out: &mut Vec<u8>, left_us: Option<u64>) {
+    out.extend_from_slice(&1f64.to_le_bytes());
+    match left_us {
+        Some(left) => push(out, left.min(MAX_EXACT)),
+        None => out.extend_from_slice(&(-1f64).to_le_bytes()),
+    }
+}
+
+/// Appends the reply of a check that arrived past its caller's deadline, at the
+/// server's time `now_us`: nothing decided, nothing written.
+pub fn encode_late(out: &mut Vec<u8>, now_us: u64) {
+    push(out, 3);
+    push(out, now_us.min(MAX_EXACT));
+}
+
+/// Appends a failed check of a batch: `{-1, n}` and the `n` bytes of `message`.
+pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
+    out.extend_from_slice(&(-1f64).to_le_bytes());
+    push(out, message.len() as u64);
+    out.extend_from_slice(message);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(text: &str) -> RuleSet {
+        text.parse().unwrap()
+    }
+
+    fn parsed(r: &RuleSet) -> (Header, PackedRules) {
+        let bytes = pack_check(r, Some(5), 1, 0, None);
+        let (header, rest) = Header::parse(&bytes).unwrap();
+        let rules = PackedRules::parse(rest, &header).unwrap();
+        (header, rules)
+    }
+
+    #[test]
+    fn a_check_round_trips() {
+        let r = rules(
+            "5/s fixed-window; 6/s sliding-window precision=4; 7/s sliding-log; \
+             8/s token-bucket capacity=9; 10/s gcra burst=3 name=api; \
+             11/s leaky-bucket mode=meter capacity=4; 12/s leaky-bucket mode=shaper burst=5 delay=2",
+        );
+        let (header, p) = parsed(&r);
+        assert_eq!(header.now, Some(5));
+        assert_eq!(header.width as u64, state_width(&r));
+        assert_eq!(header.layout, layout(&r));
+        assert_eq!(p.ids(), r.rule_ids());
+        for (a, b) in p.rules().rules().iter().zip(r.rules()) {
+            assert_eq!(a.algorithm(), b.algorithm());
+            assert_eq!((a.limit(), a.period_us()), (b.limit(), b.period_us()));
+        }
+    }
+
+    #[test]
+    fn a_state_round_trips_in_place_and_carries_by_identity() {
+        let r = rules("5/s fixed-window; 6/s sliding-window precision=2; 8/s token-bucket capacity=9; 10/s gcra burst=3; 1/min sliding-log");
+        let (header, p) = parsed(&r);
+        let states = vec![
+            RuleState::Window { index: 7, count: 3 },
+            RuleState::Counters {
+                index: 9,
+                counts: vec![1, 2, 3].into(),
+            },
+            RuleState::Tokens {
+                level: 4_000_000,
+                last: 10,
+            },
+            RuleState::Tat { us: 20, frac: 3 },
+            RuleState::Fresh,
+        ];
+        let mut raw = Vec::new();
+        encode_state(&mut raw, &header, &p, &states, 99);
+        assert_eq!(raw.len(), 8 * header.width);
+        let stored = decode_state(&raw, &header, &p, 5).unwrap();
+        assert_eq!(stored.states.to_vec(), states);
+        assert!(stored.log_counts);
+        // Under another rule set: each rule by identity; the log by its marker.
+        let r2 = rules("6/s sliding-window precision=2; 12/s gcra burst=3; 2/min sliding-log");
+        let (h2, p2) = parsed(&r2);
+        let carried = decode_state(&raw, &h2, &p2, 5).unwrap();
+        assert_eq!(carried.states[0], states[1]);
+        // A TAT ahead of now, whose limit changed from 10 to 12: what is owed, 15 µs and
+        // 3/10 at 10/s (153 in 1/10 µs), is 12 µs and 9/12 at 12/s.
+        assert_eq!(carried.states[1], RuleState::Tat { us: 17, frac: 9 });
+        assert!(carried.converted);
+        assert!(carried.log_counts);
+        assert!(!decode_state(&raw, &h2, &p2, 99).unwrap().log_counts);
+        // A denial writes the carried states in the CARRIED layout: read again, they are
+        // the same and convert nothing.
+        let mut written = Vec::new();
+        encode_carried(&mut written, &h2, &p2, &carried.states, Some(7));
+        assert_eq!(value(&written, 0), Some(CARRIED + h2.layout));
+        let again = decode_state(&written, &h2, &p2, 9).unwrap();
+        assert_eq!(again.states[..2], carried.states[..2]);
+        assert!(!again.converted);
+        // Its writer's log counts past the marker, as in a state of its own layout.
+        assert!(again.log_counts);
+        assert!(!decode_state(&written, &header, &p, 9).unwrap().log_counts);
+    }
+
+    #[test]
+    fn foreign_values_are_not_states() {
+        let (header, p) = parsed(&rules("10/s gcra burst=3"));
+        for raw in [
+            &b"hello"[..],
+            &[0u8; 7][..],
+            &[],
+            &f64::NAN.to_le_bytes(),
+            &[1f64, 5.0, 9.0]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<_>>()[..],
+        ] {
+            assert_eq!(decode_state(raw, &header, &p, 0), None, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn bad_checks_are_refused_with_a_reason() {
+        let r = rules("10/s");
+        let mut bytes = pack_check(&r, None, 1, 0, None);
+        assert!(Header::parse(&bytes[..bytes.len() - 8]).is_err());
+        bytes[8 * HEADER..8 * HEADER + 8].copy_from_slice(&9f64.to_le_bytes());
+        let (header, rest) = Header::parse(&bytes).unwrap();
+        let err = PackedRules::parse(rest, &header).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown algorithm code 9"),
+            "{err}"
+        );
+        bytes[16..24].copy_from_slice(&0.5f64.to_le_bytes());
+        assert!(Header::parse(&bytes).is_err());
+    }
+}

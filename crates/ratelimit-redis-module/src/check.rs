@@ -1,0 +1,468 @@
+//! One check on its keys, as `check.lua`'s `check_one` decides it, with the core's own
+//! algorithms: the packed arguments read by [`ratelimit_core::packed`], the block marker
+//! and the state read and written through the key API, the decision made by
+//! [`ratelimit_core::algo::decide`], the writes replicated as their effects.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::time::Duration;
+
+use ratelimit_core::algo::{self, RuleState};
+use ratelimit_core::packed::{self, Header, PackedRules};
+use redis_module::{CallOptionsBuilder, CallReply, CallResult, Context, KeyType, RedisString};
+
+/// The rule sets seen lately, by their packed bytes: building one (validation, the
+/// divisors) costs more than a decision. Commands run on Redis's main thread, one at a
+/// time, so a thread-local map serves.
+const RULE_CACHE: usize = 1024;
+
+thread_local! {
+    static RULES: RefCell<HashMap<Box<[u8]>, Rc<PackedRules>>> = RefCell::new(HashMap::new());
+}
+
+/// The rules of a packed check, from the cache or built and cached.
+fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
+    if let Some(rules) = RULES.with(|cache| cache.borrow().get(bytes).cloned()) {
+        return Ok(rules);
+    }
+    let rules = Rc::new(PackedRules::parse(bytes, header).map_err(|e| args_error(&e))?);
+    RULES.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        if cache.len() >= RULE_CACHE {
+            // Many rule sets at once is rare (tiers, rollouts); start over rather than
+            // track recency on the hot path.
+            cache.clear();
+        }
+        cache.insert(bytes.into(), rules.clone());
+    });
+    Ok(rules)
+}
+
+fn args_error(e: &dyn std::fmt::Display) -> String {
+    format!("RLARGS {e}; the store and the module are from different versions")
+}
+
+/// The server's time in µs since the Unix epoch: the realtime clock Redis's `TIME` reads
+/// (a check's clock when it has none injected, and the clock of every deadline).
+pub(crate) fn server_now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// The keys of one check: block marker, state, and the shared sliding log when a rule is
+/// a sliding log.
+pub(crate) struct Keys<'a> {
+    pub(crate) block: &'a RedisString,
+    pub(crate) state: &'a RedisString,
+    pub(crate) log: Option<&'a RedisString>,
+}
+
+impl<'a> Keys<'a> {
+    /// A batch entry's keys in the order the store sends them: block marker, state,
+    /// then the log when there is one (the caller has checked there are 2 or 3).
+    pub(crate) fn of(names: &'a [RedisString]) -> Self {
+        Keys {
+            block: &names[0],
+            state: &names[1],
+            log: names.get(2),
+        }
+    }
+}
+
+/// Decides one check and appends its reply to `out`; an `Err` is the message of an
+/// error reply (for a batch, the check's failure entry), with nothing appended.
+pub(crate) fn check_one(
+    ctx: &Context,
+    keys: &Keys<'_>,
+    packed_check: &[u8],
+    server_now: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let (header, rule_bytes) = Header::parse(packed_check).map_err(|e| args_error(&e))?;
+    let rules = rules_of(rule_bytes, &header)?;
+    if (header.log_limit > 0) != keys.log.is_some() {
+        return Err(args_error(&format_args!(
+            "a check {} a sliding log takes {} keys",
+            if header.log_limit > 0 {
+                "with"
+            } else {
+                "without"
+            },
+            if header.log_limit > 0 { 3 } else { 2 }
+        )));
+    }
+    rules
+        .rules()
+        .check_cost(header.cost)
+        .map_err(|e| args_error(&e))?;
+    if header
+        .deadline
+        .is_some_and(|deadline| server_now > deadline)
+    {
+        // The caller stopped waiting before Redis got to this check: decide nothing and
+        // charge nothing.
+        packed::encode_late(out, server_now);
+        return Ok(());
+    }
+    let now = header.now.unwrap_or(server_now);
+    let mut discarded = false;
+
+    // Blocks come first: a blocked key consults no rule.
+    let block = ctx.open_key_writable(keys.block);
+    if block.key_type() == KeyType::String {
+        let until = {
+            let marker = block.as_string_dma().map_err(|e| e.to_string())?;
+            if &marker[..] == b"inf" {
+                packed::encode_blocked(out, None);
+                return Ok(());
+            }
+            std::str::from_utf8(&marker)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+        };
+        match until {
+            Some(until) if until > now => {
+                packed::encode_blocked(out, Some(until - now));
+                return Ok(());
+            }
+            Some(_) => {}
+            // Not a marker this store wrote: dropped, and said.
+            None => discarded = true,
+        }
+        delete(ctx, &block, keys.block);
+    }
+    drop(block);
+
+    // The state: read in place, or carried entry by entry; anything else reads as fresh
+    // and is replaced when the check commits.
+    let state_key = ctx.open_key_writable(keys.state);
+    let mut stored = None;
+    if state_key.key_type() == KeyType::String {
+        let raw = state_key.as_string_dma().map_err(|e| e.to_string())?;
+        stored = packed::decode_state(&raw, &header, &rules, now);
+        discarded |= stored.is_none();
+    }
+    let (mut states, log_counts, converted) = match stored {
+        Some(stored) => (stored.states, stored.log_counts, stored.converted),
+        None => (
+            std::iter::repeat_n(RuleState::Fresh, rules.rules().len()).collect(),
+            false,
+            false,
+        ),
+    };
+
+    // The shared sliding log, when it counts.
+    let mut drop_log = false;
+    let mut log_len = 0;
+    if let Some(log_key) = keys.log {
+        if log_counts {
+            match read_log(ctx, log_key, header.log_limit)? {
+                Log::Entries(log, len) => {
+                    log_len = len;
+                    if let Some(slot) = rules
+                        .rules()
+                        .rules()
+                        .iter()
+                        .position(|r| r.algorithm() == ratelimit_core::Algorithm::SlidingLog)
+                    {
+                        if !log.is_empty() {
+                            states[slot] = RuleState::Log(Box::new(log));
+                        }
+                    }
+                }
+                Log::Foreign => {
+                    discarded = true;
+                    replicated(ctx, "DEL", &[log_key.as_slice()])?;
+                }
+            }
+        } else {
+            // A log the state does not vouch for is no one's: read as empty, dropped when
+            // the check commits (a peek or a denial writes nothing, as in Lua).
+            drop_log = true;
+        }
+    }
+
+    let transition = algo::decide(rules.rules(), &mut states, now, header.cost);
+    if transition.committed {
+        let log_now = match states.iter().find_map(|s| match s {
+            RuleState::Log(log) => log.front().copied(),
+            _ => None,
+        }) {
+            Some(newest) => newest,
+            None => now,
+        };
+        let log_until = log_now + header.log_period_us;
+        let mut raw = Vec::with_capacity(8 * header.width);
+        packed::encode_state(&mut raw, &header, &rules, &states, log_until);
+        let expiry = Expiry::new(&header, now, transition.expires_at_us);
+        write_state(ctx, keys.state, &state_key, &raw, expiry)?;
+        drop(state_key);
+        if let Some(log_key) = keys.log {
+            write_log(
+                ctx,
+                log_key,
+                drop_log,
+                log_now,
+                log_len,
+                &header,
+                Expiry::new(&header, now, log_until),
+            )?;
+        }
+    } else if converted && header.cost > 0 {
+        // A state converted to a changed limit depends on the time of this check: a
+        // denial writes it (check.lua's `write_carried`), so that the next check keeps
+        // this one's retry time rather than converting again at its own.
+        write_carried(
+            ctx,
+            keys,
+            &state_key,
+            &header,
+            &rules,
+            &states,
+            now,
+            &transition,
+        )?;
+    }
+    packed::encode_decision(out, &transition.decision, discarded);
+    Ok(())
+}
+
+/// Writes the carried states of a denied check after a conversion, with an expiry that
+/// covers the longest of them, and the sliding log's marker and expiry when it has an
+/// entry; each write replicated.
+#[allow(clippy::too_many_arguments)]
+fn write_carried(
+    ctx: &Context,
+    keys: &Keys<'_>,
+    state_key: &redis_module::key::RedisKeyWritable,
+    header: &Header,
+    rules: &PackedRules,
+    states: &[RuleState],
+    now: u64,
+    transition: &algo::Transition,
+) -> Result<(), String> {
+    let newest = states.iter().find_map(|s| match s {
+        RuleState::Log(log) => log.front().copied(),
+        _ => None,
+    });
+    let log_until = newest
+        .filter(|_| header.log_limit > 0)
+        .map(|newest| newest + header.log_period_us);
+    let until = transition
+        .decision
+        .rules()
+        .iter()
+        .map(|r| now.saturating_add(u64::try_from(r.reset_after.as_micros()).unwrap_or(u64::MAX)))
+        .fold(now, u64::max);
+    let mut raw = Vec::new();
+    packed::encode_carried(&mut raw, header, rules, states, log_until);
+    write_state(
+        ctx,
+        keys.state,
+        state_key,
+        &raw,
+        Expiry::new(header, now, until),
+    )?;
+    if let (Some(log_key), Some(until)) = (keys.log, log_until) {
+        let expiry = Expiry::new(header, now, until);
+        replicated(
+            ctx,
+            "PEXPIREAT",
+            &[
+                log_key.as_slice(),
+                expiry.absolute_ms.to_string().as_bytes(),
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// Writes a key's state with its expiry through the key API, replicated as
+/// `SET .. PXAT`.
+fn write_state(
+    ctx: &Context,
+    name: &RedisString,
+    key: &redis_module::key::RedisKeyWritable,
+    raw: &[u8],
+    expiry: Expiry,
+) -> Result<(), String> {
+    {
+        let mut dma = key.as_string_dma_or_create()?;
+        dma.write(raw).map_err(|e| e.to_string())?;
+    }
+    key.set_expire(Duration::from_millis(expiry.relative_ms))
+        .map_err(|e| e.to_string())?;
+    ctx.replicate(
+        "SET",
+        &[
+            name.as_slice(),
+            raw,
+            b"PXAT",
+            expiry.absolute_ms.to_string().as_bytes(),
+        ][..],
+    );
+    Ok(())
+}
+
+/// Deletes an open key, replicated as `DEL`.
+fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &RedisString) {
+    let _ = key.delete();
+    ctx.replicate("DEL", &[name.as_slice()][..]);
+}
+
+/// Runs a write command whose effect is replicated (the `!` flag of `RM_Call`).
+fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String> {
+    let options = CallOptionsBuilder::new()
+        .replicate()
+        .errors_as_replies()
+        .build();
+    let reply: CallResult<'_> = ctx.call_ext(command, &options, args);
+    match reply {
+        // No reply at all: Redis before 7.2 refused the call (`E` is newer).
+        Ok(CallReply::Unknown) => Err(format!("RLSTATE {command} was refused")),
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!(
+            "RLSTATE {command} failed: {}",
+            e.to_utf8_string().unwrap_or_default()
+        )),
+    }
+}
+
+/// The shared log as read: its newest entries (at most the log limit) and its length,
+/// or a value this store did not write.
+enum Log {
+    Entries(VecDeque<u64>, u64),
+    Foreign,
+}
+
+fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<Log, String> {
+    match ctx.open_key(key).key_type() {
+        KeyType::Empty => return Ok(Log::Entries(VecDeque::new(), 0)),
+        KeyType::List => {}
+        _ => return Ok(Log::Foreign),
+    }
+    let len = match ctx.call("LLEN", &[key.as_slice()][..]) {
+        Ok(redis_module::RedisValue::Integer(n)) => u64::try_from(n).unwrap_or(0),
+        other => return Err(format!("RLSTATE LLEN of the sliding log: {other:?}")),
+    };
+    let last = limit.saturating_sub(1).to_string();
+    let entries = match ctx.call("LRANGE", &[key.as_slice(), b"0", last.as_bytes()][..]) {
+        Ok(redis_module::RedisValue::Array(items)) => items,
+        other => return Err(format!("RLSTATE LRANGE of the sliding log: {other:?}")),
+    };
+    let mut log = VecDeque::with_capacity(entries.len());
+    for (i, item) in entries.iter().enumerate() {
+        let stamp = match item {
+            redis_module::RedisValue::BulkRedisString(s) => s.as_slice().to_vec(),
+            redis_module::RedisValue::StringBuffer(b) => b.clone(),
+            redis_module::RedisValue::BulkString(s) | redis_module::RedisValue::SimpleString(s) => {
+                s.clone().into_bytes()
+            }
+            _ => Vec::new(),
+        };
+        match std::str::from_utf8(&stamp)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            Some(ts) => log.push_back(ts),
+            // The newest entry is not a timestamp: the log is no one's.
+            None if i == 0 => return Ok(Log::Foreign),
+            None => {
+                replicated(ctx, "DEL", &[key.as_slice()])?;
+                return Err(
+                    "RLSTATE the sliding log held a value this store did not write; \
+                            it was deleted"
+                        .to_owned(),
+                );
+            }
+        }
+    }
+    Ok(Log::Entries(log, len))
+}
+
+/// Logs `cost` copies of the log's time after a committed check, keeps the log limit's
+/// newest, and sets the expiry, each write replicated.
+fn write_log(
+    ctx: &Context,
+    key: &RedisString,
+    drop_log: bool,
+    log_now: u64,
+    log_len: u64,
+    header: &Header,
+    expiry: Expiry,
+) -> Result<(), String> {
+    let name = key.as_slice();
+    if drop_log {
+        replicated(ctx, "DEL", &[name])?;
+    }
+    let stamp = log_now.to_string();
+    let mut left = header.cost;
+    while left > 0 {
+        let m = left.min(1000);
+        let mut args: Vec<&[u8]> = Vec::with_capacity(1 + m as usize);
+        args.push(name);
+        args.extend(std::iter::repeat_n(stamp.as_bytes(), m as usize));
+        replicated(ctx, "LPUSH", &args)?;
+        left -= m;
+    }
+    if log_len + header.cost > header.log_limit {
+        let last = (header.log_limit - 1).to_string();
+        replicated(ctx, "LTRIM", &[name, b"0", last.as_bytes()])?;
+    }
+    replicated(
+        ctx,
+        "PEXPIREAT",
+        &[name, expiry.absolute_ms.to_string().as_bytes()],
+    )
+}
+
+/// When a written key expires: as `check.lua`'s `expiry_arg` computes it, both relative
+/// (for the key API here) and absolute (for the replicas and the AOF).
+#[derive(Debug, Clone, Copy)]
+struct Expiry {
+    relative_ms: u64,
+    absolute_ms: u64,
+}
+
+impl Expiry {
+    /// A key whose state matters until `at` µs: on the server's clock exactly (`PXAT`
+    /// of the ms after `at`); under an injected clock, which need not run at the
+    /// server's pace, relative to `now` with the TTL floor, and at least 1 ms.
+    fn new(header: &Header, now: u64, at: u64) -> Self {
+        let server_ms = server_now_us() / 1000;
+        if header.now.is_some() {
+            let ms = at
+                .saturating_sub(now)
+                .div_ceil(1000)
+                .max(header.ttl_floor_ms)
+                .max(1);
+            Expiry {
+                relative_ms: ms,
+                absolute_ms: server_ms + ms,
+            }
+        } else {
+            let absolute_ms = at.div_ceil(1000);
+            Expiry {
+                relative_ms: absolute_ms.saturating_sub(server_ms).max(1),
+                absolute_ms,
+            }
+        }
+    }
+}
+
+/// The key API's direct access to a string, creating it when the key is empty and
+/// replacing a value of another type.
+trait DmaOrCreate {
+    fn as_string_dma_or_create(&self) -> Result<redis_module::key::StringDMA<'_>, String>;
+}
+
+impl DmaOrCreate for redis_module::key::RedisKeyWritable {
+    fn as_string_dma_or_create(&self) -> Result<redis_module::key::StringDMA<'_>, String> {
+        if !matches!(self.key_type(), KeyType::String | KeyType::Empty) {
+            let _ = self.delete();
+        }
+        self.as_string_dma().map_err(|e| e.to_string())
+    }
+}

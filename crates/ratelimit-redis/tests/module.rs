@@ -1,0 +1,334 @@
+//! The native module (crate `ratelimit-redis-module`) under what a store never sends and
+//! what no test trace covers: malformed arguments, oversized keys, writes that must
+//! reach a replica. Every case is an error for that check only or a decision; the server
+//! stays up. (Its decisions are the conformance suite's, in tests/conformance.rs; foreign
+//! values at its keys, in tests/faults.rs.)
+
+mod common;
+
+use std::time::Duration;
+
+use ratelimit_core::{RuleSet, Store};
+use ratelimit_redis::redis::{self, Value};
+use ratelimit_redis::testing::{check_script_args, module_file, wait_connected, RedisServer};
+use ratelimit_redis::RedisStore;
+
+fn alive(server: &RedisServer) {
+    let pong: String = redis::cmd("PING")
+        .query(&mut common::conn(&server.url()))
+        .expect("the server answers");
+    assert_eq!(pong, "PONG");
+}
+
+fn doubles(values: &[f64]) -> Vec<u8> {
+    values.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn the_module_reports_its_version_and_state_format() {
+    let server = RedisServer::start_with_module();
+    let reply: Value = redis::cmd("RATELIMIT.VERSION")
+        .query(&mut common::conn(&server.url()))
+        .unwrap();
+    let Value::Array(items) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(items.len(), 2);
+    assert_eq!(
+        items[1],
+        Value::Int(ratelimit_core::packed::STATE_FORMAT as i64)
+    );
+}
+
+/// Arguments no store sends: each answered with an error that names the problem (in a
+/// batch, that check's failure entry beside the others' decisions).
+#[test]
+fn malformed_arguments_are_errors_not_crashes() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "10/s gcra burst=5".parse().unwrap();
+    let good = check_script_args(&rules, 1).remove(0);
+    let mut bad_code = good.clone();
+    bad_code[80..88].copy_from_slice(&99f64.to_le_bytes());
+    let mut huge_cost = good.clone();
+    huge_cost[16..24].copy_from_slice(&1e15f64.to_le_bytes());
+    let mut nan = good.clone();
+    nan[8..16].copy_from_slice(&f64::NAN.to_le_bytes());
+    let mut negative_limit = good.clone();
+    negative_limit[88..96].copy_from_slice(&(-3f64).to_le_bytes());
+    let mut many_rules = good.clone();
+    many_rules[32..40].copy_from_slice(&1e9f64.to_le_bytes());
+    for (what, packed) in [
+        ("empty", Vec::new()),
+        ("truncated", good[..good.len() - 8].to_vec()),
+        ("unknown code", bad_code),
+        ("cost above capacity", huge_cost),
+        ("not an integer", nan),
+        ("negative limit", negative_limit),
+        ("rule count", many_rules),
+        ("text", b"hello world!".to_vec()),
+        ("header only", doubles(&[0.0; 10])),
+    ] {
+        let err = redis::cmd("RATELIMIT.CHECK")
+            .arg("m:{k}:b")
+            .arg("m:{k}:s")
+            .arg(&packed[..])
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert!(err.to_string().contains("RLARGS"), "{what}: {err}");
+    }
+    // Arity: too few, too many.
+    for args in [vec!["a"], vec!["a", "b", "c", "d", "e"]] {
+        let err = redis::cmd("RATELIMIT.CHECK")
+            .arg(&args)
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert!(err.to_string().contains("RLARGS"), "{err}");
+    }
+    // In a batch the bad check fails alone.
+    let reply: Vec<u8> = redis::cmd("RATELIMIT.CHECK_MANY")
+        .arg(4)
+        .arg(&["m:{a}:b", "m:{a}:s", "m:{b}:b", "m:{b}:s"])
+        .arg("22")
+        .arg(&b"junk"[..])
+        .arg(&good[..])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(f64::from_le_bytes(reply[..8].try_into().unwrap()), -1.0);
+    let n = f64::from_le_bytes(reply[8..16].try_into().unwrap()) as usize;
+    assert!(String::from_utf8_lossy(&reply[16..16 + n]).contains("RLARGS"));
+    let second = &reply[16 + n..];
+    assert_eq!(second.len(), 16 + 32, "a decision of one rule follows");
+    assert_eq!(f64::from_le_bytes(second[16..24].try_into().unwrap()), 1.0);
+    // Key counts that do not add up.
+    for (counts, keys) in [("2", 3), ("9", 2), ("22", 2)] {
+        let err = redis::cmd("RATELIMIT.CHECK_MANY")
+            .arg(keys)
+            .arg(vec!["k"; keys])
+            .arg(counts)
+            .arg(&good[..])
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert!(err.to_string().contains("RLARGS"), "{counts}: {err}");
+    }
+    alive(&server);
+}
+
+/// A 64 KiB key name and client key: decided like any other.
+#[tokio::test]
+async fn sixty_four_kib_keys_are_decided() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "2/min fixed-window".parse().unwrap();
+    let packed = check_script_args(&rules, 1).remove(0);
+    let long = format!("m:{{{}}}", "x".repeat(64 * 1024));
+    for expect in [1.0, 1.0, 0.0] {
+        let reply: Vec<u8> = redis::cmd("RATELIMIT.CHECK")
+            .arg(format!("{long}:b"))
+            .arg(format!("{long}:s"))
+            .arg(&packed[..])
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(
+            f64::from_le_bytes(reply[16..24].try_into().unwrap()),
+            expect
+        );
+    }
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    assert!(store.uses_module());
+    let client = vec![b'y'; 64 * 1024];
+    assert!(store.check(&client, &rules, 1).await.unwrap().is_allowed());
+    assert!(store.check(&client, &rules, 1).await.unwrap().is_allowed());
+    assert!(!store.check(&client, &rules, 1).await.unwrap().is_allowed());
+    alive(&server);
+}
+
+/// The module's writes reach a replica as their effects: the replica holds the
+/// primary's state, byte for byte, with an expiry, and a store on it (after a failover)
+/// goes on from where the primary was.
+#[tokio::test]
+async fn a_replica_holds_what_the_primary_decided() {
+    let module = module_file();
+    let module = module.to_string_lossy();
+    let primary = RedisServer::start_with(&["--loadmodule", &module]);
+    let replica = RedisServer::start_with(&[
+        "--loadmodule",
+        &module,
+        "--replicaof",
+        "127.0.0.1",
+        &primary.port().to_string(),
+    ]);
+    // The replica has synced before the primary decides anything.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !replica
+        .command("INFO replication")
+        .unwrap_or_default()
+        .contains("master_link_status:up")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica did not sync"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let store = RedisStore::builder()
+        .prefix("rep")
+        .timeout(Duration::from_secs(5))
+        .build(&primary.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    assert!(store.uses_module());
+    let rules: RuleSet = "5/min gcra burst=5; 3/min sliding-log".parse().unwrap();
+    for _ in 0..3 {
+        assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    }
+    assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    let mut p = common::conn(&primary.url());
+    let mut r = common::conn(&replica.url());
+    let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
+    assert_eq!(acked, 1, "the replica acknowledged the writes");
+    for key in ["rep:{k6b}:s", "rep:{k6b}:l"] {
+        let dump = |con: &mut redis::Connection| -> (Value, i64) {
+            let kind: String = redis::cmd("TYPE").arg(key).query(con).unwrap();
+            let value = if kind == "list" {
+                redis::cmd("LRANGE")
+                    .arg(key)
+                    .arg(0)
+                    .arg(-1)
+                    .query(con)
+                    .unwrap()
+            } else {
+                redis::cmd("GET").arg(key).query(con).unwrap()
+            };
+            (
+                value,
+                redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap(),
+            )
+        };
+        let (on_primary, on_replica) = (dump(&mut p), dump(&mut r));
+        assert_ne!(on_primary.0, Value::Nil, "{key}");
+        assert_eq!(on_primary, on_replica, "{key}");
+        assert!(on_replica.1 > 0, "{key} expires");
+    }
+    // Fail over: the replica becomes the primary, and the limit holds there.
+    let _: Value = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query(&mut r)
+        .unwrap();
+    let promoted = RedisStore::builder()
+        .prefix("rep")
+        .timeout(Duration::from_secs(5))
+        .build(&replica.url())
+        .await
+        .unwrap();
+    wait_connected(&promoted).await;
+    assert!(promoted.uses_module());
+    assert!(!promoted.check(b"k", &rules, 1).await.unwrap().is_allowed());
+}
+
+/// A state cut short or grown by a few bytes (a partial write by hand, another tool):
+/// the module reads it as the Lua functions do, as fresh, replaced on commit with a
+/// state of the right length, and the two paths decide alike on it.
+#[tokio::test]
+async fn truncated_and_oversized_states_are_replaced_as_lua_replaces_them() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "3/min gcra burst=3; 5/h fixed-window".parse().unwrap();
+    let mut decisions = Vec::new();
+    for force_lua in [true, false] {
+        let prefix = if force_lua { "lua" } else { "mod" };
+        let store = RedisStore::builder()
+            .prefix(prefix)
+            .clock(ratelimit_core::ManualClock::new(
+                ratelimit_core::testing::T0_US,
+            ))
+            .timeout(Duration::from_secs(5))
+            .force_lua(force_lua)
+            .build(&server.url())
+            .await
+            .unwrap();
+        wait_connected(&store).await;
+        assert_eq!(store.uses_module(), !force_lua);
+        let state = format!("{prefix}:{{k6b}}:s");
+        let mut seen = Vec::new();
+        for edit in [
+            |raw: &mut Vec<u8>| raw.truncate(raw.len() - 8),
+            |raw: &mut Vec<u8>| raw.truncate(raw.len() - 3),
+            |raw: &mut Vec<u8>| raw.extend_from_slice(&[0; 8]),
+            |raw: &mut Vec<u8>| raw.truncate(12),
+        ] {
+            seen.push(store.check(b"k", &rules, 1).await.unwrap());
+            let mut raw: Vec<u8> = redis::cmd("GET").arg(&state).query(&mut con).unwrap();
+            let len = raw.len();
+            edit(&mut raw);
+            redis::cmd("SET")
+                .arg(&state)
+                .arg(raw)
+                .exec(&mut con)
+                .unwrap();
+            seen.push(store.check(b"k", &rules, 1).await.unwrap());
+            let healed: Vec<u8> = redis::cmd("GET").arg(&state).query(&mut con).unwrap();
+            assert_eq!(
+                healed.len(),
+                len,
+                "replaced with a state of the right length"
+            );
+        }
+        decisions.push(seen);
+    }
+    assert_eq!(
+        decisions[0], decisions[1],
+        "Lua and the module decide alike"
+    );
+    alive(&server);
+}
+
+/// A server that loses the module (`MODULE UNLOAD`, a restart or a failover without it)
+/// is answered by the Lua functions on the same keys: the check goes on, the state
+/// carries, and the store stays on Lua until it reconnects.
+#[tokio::test]
+async fn a_server_that_loses_the_module_is_answered_by_lua() {
+    let module = module_file();
+    let server = RedisServer::start_with(&[
+        "--loadmodule",
+        &module.to_string_lossy(),
+        "--enable-module-command",
+        "yes",
+    ]);
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .clock(ratelimit_core::ManualClock::new(
+            ratelimit_core::testing::T0_US,
+        ))
+        .build(&server.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    assert!(store.uses_module());
+    let rules: RuleSet = "3/min fixed-window".parse().unwrap();
+    let first = store.check(b"k", &rules, 1).await.unwrap();
+    assert_eq!(first.rules()[0].remaining, 2);
+    let _: Value = redis::cmd("MODULE")
+        .arg("UNLOAD")
+        .arg("ratelimit")
+        .query(&mut common::conn(&server.url()))
+        .unwrap();
+    let second = store.check(b"k", &rules, 1).await.unwrap();
+    assert_eq!(
+        second.rules()[0].remaining,
+        1,
+        "the module's state, read by Lua"
+    );
+    assert!(!store.uses_module());
+    let third = store.check(b"k", &rules, 1).await.unwrap();
+    assert_eq!(third.rules()[0].remaining, 0);
+    assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    alive(&server);
+}
