@@ -115,8 +115,10 @@ struct Entry {
     tag: Tag,
 }
 
-/// Keys of up to this many bytes are held in their entry: an IPv6 address under a short
-/// namespace, an IPv4 one under the tower layer's implicit namespace.
+/// Keys of up to this many bytes are held in their entry: an IPv4 address or an IPv6 /64
+/// network under a short namespace (the tower layer's key under `api` is at most 20
+/// bytes). The tower layer's implicit namespace takes 19 bytes of prefix, which puts
+/// its keys out of line.
 const INLINE: usize = 23;
 
 /// An entry's key kind, state form and eviction tier in one byte.
@@ -187,17 +189,6 @@ fn pack(rule: &Rule, state: &RuleState) -> Option<[u64; 2]> {
     }
 }
 
-/// [`pack`] for a state the rule's own commit wrote, whose kind is the rule's.
-#[inline(always)]
-fn pack_written(state: &RuleState) -> Option<[u64; 2]> {
-    match *state {
-        RuleState::Window { index, count } => Some([index, count]),
-        RuleState::Tokens { level, last } => Some([level, last]),
-        RuleState::Tat { us, frac } => Some([us, frac]),
-        _ => None,
-    }
-}
-
 /// The state [`pack`] gave `words` for, under the same rule.
 #[inline(always)]
 fn unpack(rule: &Rule, [a, b]: [u64; 2]) -> RuleState {
@@ -209,6 +200,54 @@ fn unpack(rule: &Rule, [a, b]: [u64; 2]) -> RuleState {
             unreachable!("only two-word states are packed")
         }
     }
+}
+
+/// The check of a packed entry, its state restored by `unpack` (the rule's own kind of
+/// state, as [`unpack`] gives it): inlined in one arm per algorithm of the hot path.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn decide_packed(
+    algorithm: Algorithm,
+    entry: &mut Entry,
+    spills: &mut Slab<Spill>,
+    rules: &RuleSet,
+    rule: &Rule,
+    now: u64,
+    cost: u64,
+    unpack: impl FnOnce([u64; 2]) -> RuleState,
+) -> Decision {
+    let log_limit = rules.log_limit();
+    let mut state = unpack(entry.words);
+    let tag = &mut entry.tag;
+    let capacity = algorithm.capacity(rule.limit());
+    let decision = decide_one_then(
+        algorithm,
+        rule,
+        &mut state,
+        log_limit,
+        now,
+        cost,
+        |c, _, o| {
+            if c {
+                *tag = tag.with_tier(rule_tier(capacity, o.remaining));
+            } else if !o.allowed {
+                *tag = tag.with_tier(Tag::AT_LIMIT);
+            }
+        },
+    );
+    // Written back whether or not the check committed (a denial leaves the state as it
+    // was): one store, no branch. The rule's own commit writes its own kind of state.
+    // Taken by value: a state packed is moved out, not dropped (a call per check).
+    match state {
+        RuleState::Window { index: a, count: b }
+        | RuleState::Tokens { level: a, last: b }
+        | RuleState::Tat { us: a, frac: b } => entry.words = [a, b],
+        other => {
+            let expires = expires_at_for(rules, std::slice::from_ref(&other));
+            entry.spill(spills, smallvec![other], expires);
+        }
+    }
+    decision
 }
 
 /// Saturation of an expiry in an eviction rank (2^56 µs is two thousand years after
@@ -367,19 +406,19 @@ impl Shard {
     #[inline(always)]
     fn find(&self, hash: u64, held: &[u8], is_digest: bool) -> Option<usize> {
         let (entries, long_keys) = (&self.entries, &self.long_keys);
+        // The position the comparison matched, kept in a register: reading it back from
+        // the table's slot costs a load and the entry's address once more.
+        let mut found = 0;
+        let mut holds = |at: usize| {
+            found = at;
+            entries[at].holds(held, is_digest, long_keys)
+        };
         // A match per width rather than `Positions::find`: the comparison stays inlined.
-        match &self.index {
-            Positions::Narrow(t) => t
-                .find(hash, |&at| {
-                    entries[usize::from(at)].holds(held, is_digest, long_keys)
-                })
-                .map(|&at| usize::from(at)),
-            Positions::Wide(t) => t
-                .find(hash, |&at| {
-                    entries[at as usize].holds(held, is_digest, long_keys)
-                })
-                .map(|&at| at as usize),
-        }
+        let hit = match &self.index {
+            Positions::Narrow(t) => t.find(hash, |&at| holds(usize::from(at))).is_some(),
+            Positions::Wide(t) => t.find(hash, |&at| holds(at as usize)).is_some(),
+        };
+        hit.then_some(found)
     }
 
     /// The moment from which the entry's state is equivalent to a fresh one.
@@ -642,47 +681,58 @@ impl<C: Clock> MemoryStore<C> {
         }
         if !entry.tag.is_spilled() {
             // Packed: the set has one rule (the one that packed it, since the set is the
-            // same), whose state is two words.
+            // same), whose state is two words. One arm per algorithm, each with the
+            // decision inlined: within an arm the state's kind, the algorithm's step and
+            // the rule's capacity are known, so the check dispatches on the rule once
+            // rather than four times (unpacking, deciding, the tier, packing back).
             let rule = &rules.rules()[0];
-            let mut state = unpack(rule, entry.words);
-            let tag = &mut entry.tag;
-            let mut committed = None;
-            let decision = decide_one_then(
-                rule,
-                &mut state,
-                rules.log_limit(),
-                now,
-                cost,
-                |c, exp, o| {
-                    if c {
-                        committed = Some(exp);
-                        *tag = tag.with_tier(rule_tier(rule.capacity(), o.remaining));
-                    } else if !o.allowed {
-                        *tag = tag.with_tier(Tag::AT_LIMIT);
-                    }
-                },
-            );
-            if let Some(expires) = committed {
-                // The rule's own commit wrote its own kind of state: the variant suffices.
-                match pack_written(&state) {
-                    Some(words) => entry.words = words,
-                    None => entry.spill(spills, smallvec![state], expires),
+            let a = rule.algorithm();
+            let decision = match a {
+                Algorithm::Gcra { .. } => {
+                    decide_packed(a, entry, spills, rules, rule, now, cost, |[a, b]| {
+                        RuleState::Tat { us: a, frac: b }
+                    })
                 }
-            }
+                Algorithm::LeakyBucket(_) => {
+                    decide_packed(a, entry, spills, rules, rule, now, cost, |[a, b]| {
+                        RuleState::Tat { us: a, frac: b }
+                    })
+                }
+                Algorithm::FixedWindow => {
+                    decide_packed(a, entry, spills, rules, rule, now, cost, |[a, b]| {
+                        RuleState::Window { index: a, count: b }
+                    })
+                }
+                Algorithm::TokenBucket { .. } => {
+                    decide_packed(a, entry, spills, rules, rule, now, cost, |[a, b]| {
+                        RuleState::Tokens { level: a, last: b }
+                    })
+                }
+                Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+                    unreachable!("only two-word states are packed")
+                }
+            };
             return Ok(decision);
         }
         let Spill { states, expires_at } = &mut spills[entry.words[0] as usize];
         if let ([rule], [state]) = (rules.rules(), &mut states[..]) {
             let tag = &mut entry.tag;
-            let decision =
-                decide_one_then(rule, state, rules.log_limit(), now, cost, |c, exp, o| {
+            let decision = decide_one_then(
+                rule.algorithm(),
+                rule,
+                state,
+                rules.log_limit(),
+                now,
+                cost,
+                |c, exp, o| {
                     if c {
                         *expires_at = exp;
                         *tag = tag.with_tier(rule_tier(rule.capacity(), o.remaining));
                     } else if !o.allowed {
                         *tag = tag.with_tier(Tag::AT_LIMIT);
                     }
-                });
+                },
+            );
             return Ok(decision);
         }
         let t = decide(rules, states, now, cost);

@@ -406,7 +406,7 @@ fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -
     {
         let log = shared_log(states);
         for (rule, state) in rules.rules().iter().zip(states.iter()) {
-            let e = evaluate(rule, state, log, now, c);
+            let e = evaluate(rule.algorithm(), rule, state, log, now, c);
             allowed &= e.allowed;
             delay = delay.max(e.delay_us);
             evals.push(e);
@@ -472,9 +472,17 @@ fn decide_one(
     cost: u64,
 ) -> Transition {
     let (mut committed, mut expires_at_us) = (false, 0);
-    let decision = decide_one_then(rule, state, log_limit, now, cost, |c, expires, _| {
-        (committed, expires_at_us) = (c, if c { expires } else { 0 });
-    });
+    let decision = decide_one_then(
+        rule.algorithm(),
+        rule,
+        state,
+        log_limit,
+        now,
+        cost,
+        |c, expires, _| {
+            (committed, expires_at_us) = (c, if c { expires } else { 0 });
+        },
+    );
     Transition {
         decision,
         committed,
@@ -486,8 +494,13 @@ fn decide_one(
 /// and the rule's outcome before the decision is built. A store updates its entry in
 /// `then`, so the decision is built last, straight into the store's return value,
 /// rather than built, inspected and copied out.
+///
+/// The rule's algorithm is given as a value (`rule.algorithm()`): a caller that has
+/// matched on it already gets every dispatch on the algorithm resolved, where a reload
+/// of the rule's field would be matched again.
 #[inline(always)]
 pub(crate) fn decide_one_then(
+    algorithm: Algorithm,
     rule: &Rule,
     state: &mut RuleState,
     log_limit: u64,
@@ -495,12 +508,12 @@ pub(crate) fn decide_one_then(
     cost: u64,
     then: impl FnOnce(bool, u64, &RuleOutcome),
 ) -> Decision {
-    let e = evaluate(rule, state, own_log(state), now, cost.max(1));
+    let e = evaluate(algorithm, rule, state, own_log(state), now, cost.max(1));
     let committed = cost > 0 && e.allowed;
     let expires = if committed {
         commit_expiring(rule, state, &e.next, log_limit, now, cost)
     } else {
-        expires_at(rule, state, own_log(state))
+        expires_at_as(algorithm, rule, state, own_log(state))
     };
     let outcome = RuleOutcome {
         allowed: e.allowed,
@@ -531,16 +544,18 @@ fn shared_log(states: &[RuleState]) -> Option<&VecDeque<u64>> {
     })
 }
 
-/// One rule's verdict on the states as they stand.
+/// One rule's verdict on the states as they stand; `algorithm` is `rule.algorithm()`
+/// (see [`decide_one_then`]).
 #[inline(always)]
 fn evaluate(
+    algorithm: Algorithm,
     rule: &Rule,
     state: &RuleState,
     log: Option<&VecDeque<u64>>,
     now: u64,
     cost: u64,
 ) -> Eval {
-    match rule.algorithm() {
+    match algorithm {
         Algorithm::FixedWindow => fixed_window::evaluate(rule, state, now, cost),
         Algorithm::SlidingWindow { precision } => {
             sliding_window::evaluate(rule, precision, state, now, cost)
@@ -602,7 +617,18 @@ fn commit_expiring(
 /// The moment from which the rule's state is equivalent to `Fresh`.
 #[inline(always)]
 fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>) -> u64 {
-    match rule.algorithm() {
+    expires_at_as(rule.algorithm(), rule, state, log)
+}
+
+/// [`expires_at`] with the rule's algorithm as a value (see [`decide_one_then`]).
+#[inline(always)]
+fn expires_at_as(
+    algorithm: Algorithm,
+    rule: &Rule,
+    state: &RuleState,
+    log: Option<&VecDeque<u64>>,
+) -> u64 {
+    match algorithm {
         Algorithm::FixedWindow => fixed_window::expires_at(rule, state),
         Algorithm::SlidingWindow { precision } => {
             sliding_window::expires_at(rule, precision, state)

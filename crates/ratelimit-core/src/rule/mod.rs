@@ -71,6 +71,24 @@ pub enum Algorithm {
     },
 }
 
+impl Algorithm {
+    /// [`Rule::capacity`] of a rule of this algorithm and `limit`: for a caller holding
+    /// the algorithm as a value, whose matches on it then fold into one.
+    #[inline]
+    pub(crate) fn capacity(self, limit: u64) -> u64 {
+        match self {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+                limit
+            }
+            Algorithm::TokenBucket { capacity }
+            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
+            // Validation keeps `burst` below `MAX_EXACT_PRODUCT`.
+            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst.saturating_add(1),
+            Algorithm::Gcra { burst } => burst,
+        }
+    }
+}
+
 /// One limit: an algorithm, a number of units per period, and an optional name.
 ///
 /// Built through constructors that refuse nonsense with an error naming the field, or
@@ -343,16 +361,7 @@ impl Rule {
     /// The most units a single check can be granted: larger costs can never be admitted.
     #[inline]
     pub fn capacity(&self) -> u64 {
-        match self.algorithm {
-            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
-                self.limit
-            }
-            Algorithm::TokenBucket { capacity }
-            | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
-            // Validation keeps `burst` below `MAX_EXACT_PRODUCT`.
-            Algorithm::LeakyBucket(LeakyMode::Shaper { burst, .. }) => burst.saturating_add(1),
-            Algorithm::Gcra { burst } => burst,
-        }
+        self.algorithm.capacity(self.limit)
     }
 }
 
