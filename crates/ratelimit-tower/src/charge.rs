@@ -37,6 +37,8 @@ pub(crate) struct Charge {
     pub(crate) charged_at: u64,
     /// Charged by the local fallback store (the store had failed), under its rules.
     pub(crate) by_fallback: bool,
+    /// The layer judges responses (`charge_when`): every response is settled on its head.
+    pub(crate) judged: bool,
 }
 
 impl std::fmt::Debug for Charge {
@@ -77,6 +79,14 @@ pub(crate) enum Settled {
 }
 
 impl Charge {
+    /// Whether the response with `extensions` may give the charge back: with no predicate
+    /// to ask, only a refusal further in does. Otherwise the charge counts as it is, and
+    /// the response is not taken apart to settle it (two moves of its head).
+    #[inline]
+    pub(crate) fn may_refund(&self, extensions: &http::Extensions) -> bool {
+        self.judged || extensions.get::<Refused>().is_some()
+    }
+
     /// Settles the charge on `parts`: gives it back when a refusal further in marked the
     /// response or the predicate says it does not count; rewrites the `RateLimit` field
     /// in `ratelimit` (the layer's own, still to be sent) to match.

@@ -161,7 +161,11 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    let Some(charge) = this.charge.take() else {
+                    let charge = this.charge.take();
+                    // A charge that counts as it is (no predicate, no refusal further in)
+                    // is dropped here, the response kept whole.
+                    let charge = charge.filter(|c| c.may_refund(response.extensions()));
+                    let Some(charge) = charge else {
                         if let Some(fields) = this.fields.take() {
                             fields.apply(response.headers_mut());
                         }

@@ -223,6 +223,45 @@ async fn admitted_fields_can_be_turned_off() {
     assert!(denied.headers().get("ratelimit").is_some());
 }
 
+/// Without `charge_when`, a response counts unless it carries `Refused`: a handler's own
+/// refusal marked so gives its unit back, an unmarked one keeps it.
+#[tokio::test]
+async fn a_handler_refusal_marked_refused_gives_its_unit_back() {
+    use axum::response::IntoResponse;
+    let clock = clock();
+    let layer = RateLimitLayer::builder(mem(&clock), PeerIp::new())
+        .rules("1/min")
+        .unwrap()
+        .build()
+        .unwrap();
+    let refused = || async {
+        let mut res = (StatusCode::CONFLICT, "taken").into_response();
+        res.extensions_mut().insert(ratelimit_tower::Refused);
+        res
+    };
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/refused", get(refused))
+        .route("/conflict", get(|| async { StatusCode::CONFLICT }))
+        .layer(layer);
+    let call = |path: &'static str| app.clone().oneshot(get_from(path, "192.0.2.1"));
+    for _ in 0..3 {
+        let res = call("/refused").await.unwrap();
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        let field = header(&res, "ratelimit").unwrap();
+        assert!(field.contains(";r=1;"), "the unit shows back: {field}");
+    }
+    assert_eq!(
+        call("/conflict").await.unwrap().status(),
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        call("/").await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "an unmarked refusal counts"
+    );
+}
+
 #[tokio::test]
 async fn blocked_keys_429_or_403() {
     let clock = clock();

@@ -160,6 +160,7 @@ where
                         cost: check.cost,
                         charged_at,
                         by_fallback: charged == Charged::Fallback,
+                        judged: this.charge_when.is_some(),
                     }));
                 }
             }
