@@ -235,9 +235,6 @@ pub enum ServerKind {
 }
 
 impl ServerKind {
-    /// Both kinds, for a test that runs on each.
-    pub const ALL: [ServerKind; 2] = [ServerKind::Redis, ServerKind::Valkey];
-
     /// `"redis-server"` or `"valkey-server"`, for messages.
     pub fn name(self) -> &'static str {
         match self {
@@ -418,8 +415,13 @@ impl RedisServer {
             };
             match server.launch() {
                 Ok(()) => return Ok(server),
-                // A missing program stays missing: no point in retrying.
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // A missing or wrong program stays so: only a port race is worth a retry.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::NotFound | io::ErrorKind::InvalidInput
+                    ) =>
+                {
                     server.dir = PathBuf::new();
                     last_error = Some(e);
                     break;
@@ -494,10 +496,13 @@ impl RedisServer {
             let info = raw_command(self.port, "INFO server").unwrap_or_default();
             if !info.contains("server_name:valkey") {
                 child.kill();
-                return Err(io::Error::other(format!(
-                    "{} on port {port} is not Valkey (no server_name:valkey in INFO server)",
-                    program.display()
-                )));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} on port {port} is not Valkey (no server_name:valkey in INFO server)",
+                        program.display()
+                    ),
+                ));
             }
         }
         self.child = Some(child);
