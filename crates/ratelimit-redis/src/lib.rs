@@ -309,12 +309,14 @@
 //! call's timeout), then with growing pauses as above, so the same store recovers when
 //! Redis comes back. Whether to fail open or closed is the caller's policy.
 //!
-//! Requires Redis 6.2 or newer (tested with 7.0).
+//! Requires Redis 6.2 or newer, or Valkey. Tested on Redis 7.0.15 and Valkey 9.1.2, on one
+//! server and on a Cluster, through the Lua functions and through the native module.
 //!
 //! # Features
 //!
 //! - `testing`: `testing::RedisServer`, `testing::RedisCluster` and
-//!   `testing::RedisSentinel`, throwaway servers on free ports for tests, and
+//!   `testing::RedisSentinel`, throwaway servers on free ports for tests (the first two
+//!   also on Valkey, `testing::ServerKind`, and with the native module loaded), and
 //!   `testing::wait_connected`, which waits for a store's first connection.
 
 // docs.rs builds with every feature and `--cfg docsrs`: badge items behind a feature.

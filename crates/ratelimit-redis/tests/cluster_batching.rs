@@ -100,7 +100,16 @@ fn cmd<T: redis::FromRedisValue>(con: &mut redis::Connection, args: &[&str]) -> 
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_since_the_map_was_read_still_decides_each_check_once() {
-    let cluster = RedisCluster::start();
+    slot_moved_since_the_map_was_read(RedisCluster::start()).await;
+}
+
+/// The same on Valkey, whose slot migration and redirections are its own code.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_on_valkey_still_decides_each_check_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey()).await;
+}
+
+async fn slot_moved_since_the_map_was_read(cluster: RedisCluster) {
     let urls = cluster.urls();
     let mut cons: Vec<_> = urls.iter().map(|u| common::conn(u)).collect();
     let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();

@@ -1,5 +1,6 @@
 //! The core conformance suite and random traces: RedisStore on one server and on a Cluster must
-//! make exactly the decisions MemoryStore makes.
+//! make exactly the decisions MemoryStore makes, on Redis and on Valkey, through the Lua
+//! functions and through the native module.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +10,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use ratelimit_core::testing::{self, run_trace, strategy, Step, T0_US};
 use ratelimit_core::{Clock, Decision, ManualClock, MemoryStore, Rule, RuleSet, Store};
-use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer, ServerKind};
 use ratelimit_redis::{RedisStore, RedisStoreError};
 use tokio::runtime::Runtime;
 
@@ -49,20 +50,37 @@ fn single(
     }
 }
 
+/// The stores `make` builds, each required to be on the module (`uses_module`) or on
+/// the Lua functions.
+fn expecting(
+    mut make: impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>>,
+    uses_module: bool,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
+    move |clock| {
+        let pending = make(clock);
+        Box::pin(async move {
+            let store = pending.await;
+            assert_eq!(
+                store.uses_module(),
+                uses_module,
+                "the store should use the {}",
+                if uses_module {
+                    "module"
+                } else {
+                    "Lua functions"
+                }
+            );
+            store
+        })
+    }
+}
+
 /// As [`single`], for a server with the native module: the store must be using it.
 fn on_module(
     url: String,
     tag: &'static str,
 ) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
-    let mut make = single(url, tag);
-    move |clock| {
-        let pending = make(clock);
-        Box::pin(async move {
-            let store = pending.await;
-            assert!(store.uses_module(), "the store should use the module");
-            store
-        })
-    }
+    expecting(single(url, tag), true)
 }
 
 /// As [`clustered`], for a cluster whose nodes have the module: the store must be
@@ -71,18 +89,7 @@ fn clustered_on_module(
     urls: Vec<String>,
     tag: &'static str,
 ) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
-    let mut make = clustered(urls, tag);
-    move |clock| {
-        let pending = make(clock);
-        Box::pin(async move {
-            let store = pending.await;
-            assert!(
-                store.uses_module(),
-                "the cluster store should use the module"
-            );
-            store
-        })
-    }
+    expecting(clustered(urls, tag), true)
 }
 
 /// Two stores on the same server and keys taking turns, check by check: one forced onto
@@ -170,6 +177,16 @@ fn clustered(
     urls: Vec<String>,
     tag: &'static str,
 ) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
+    clustered_with(urls, tag, false)
+}
+
+/// As [`clustered`], the store forced onto the Lua functions when `force_lua` (on a
+/// cluster whose nodes have the module: the Lua path beside the module's).
+fn clustered_with(
+    urls: Vec<String>,
+    tag: &'static str,
+    force_lua: bool,
+) -> impl FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = RedisStore>>> {
     move |clock| {
         let urls = urls.clone();
         Box::pin(async move {
@@ -177,6 +194,7 @@ fn clustered(
                 .prefix(&fresh_prefix(tag))
                 .clock(clock)
                 .timeout(TIMEOUT)
+                .force_lua(force_lua)
                 .build_cluster(&urls)
                 .await
                 .expect("cluster store");
@@ -630,4 +648,82 @@ fn cluster_store_passes_the_conformance_suite_and_random_traces() {
         version_traces(),
         clustered(cluster.urls(), "versions"),
     );
+}
+
+// Valkey: the conformance suite through the Lua functions and through the module, each
+// case its own test against its own valkey-server.
+ratelimit_core::conformance_tests! {
+    mod valkey_store {
+        setup: {
+            let server = RedisServer::start_valkey();
+        },
+        run: |test| runtime().block_on(test),
+        store: expecting(single(server.url(), "vconf"), false),
+    }
+}
+
+ratelimit_core::conformance_tests! {
+    mod valkey_module_store {
+        setup: {
+            let server = RedisServer::start_valkey_with_module();
+        },
+        run: |test| runtime().block_on(test),
+        store: on_module(server.url(), "vmodconf"),
+    }
+}
+
+/// Every trace strategy of this file, `cases` of each (fewer of the slow ones), against
+/// stores `make(tag)` builds: a second server kind, whose arithmetic is the same
+/// functions' or module's and whose traces need not be as many as Redis's.
+fn all_traces<St, F>(rt: &Runtime, cases: u32, mut make: impl FnMut(&'static str) -> F)
+where
+    St: Store,
+    F: FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = St>>>,
+{
+    traces_agree(rt, cases, traces(), make("trace"));
+    traces_agree(rt, cases, version_traces(), make("versions"));
+    traces_agree(rt, cases / 2, aligned_traces(), make("edge"));
+    segmented_traces_agree(rt, cases, one_rule_traces(), make("one"));
+    traces_agree(rt, cases / 8, fine_sliding_windows(), make("fine"));
+}
+
+#[test]
+fn valkey_traces_agree_with_memory_store() {
+    let server = RedisServer::start_valkey();
+    all_traces(&runtime(), 64, |tag| {
+        expecting(single(server.url(), tag), false)
+    });
+}
+
+#[test]
+fn valkey_module_traces_agree_with_memory_store() {
+    let server = RedisServer::start_valkey_with_module();
+    all_traces(&runtime(), 64, |tag| on_module(server.url(), tag));
+}
+
+/// A rollout on Valkey: a Lua store and a module store take turns on the same keys.
+#[test]
+fn valkey_lua_and_module_stores_share_keys() {
+    let server = RedisServer::start_valkey_with_module();
+    let rt = runtime();
+    traces_agree(&rt, 48, traces(), lua_and_module(server.url()));
+    traces_agree(&rt, 24, version_traces(), lua_and_module(server.url()));
+}
+
+/// A Valkey Cluster whose nodes have the module: the suite and traces through the
+/// module, and through the Lua functions on the same nodes.
+#[test]
+fn valkey_cluster_store_passes_the_conformance_suite_and_random_traces() {
+    let cluster = RedisCluster::start_valkey_with_module();
+    assert!(cluster
+        .nodes()
+        .iter()
+        .all(|n| n.kind() == ServerKind::Valkey));
+    let rt = runtime();
+    for force_lua in [false, true] {
+        let make = |tag| expecting(clustered_with(cluster.urls(), tag, force_lua), !force_lua);
+        rt.block_on(testing::conformance(make("vconf")));
+        traces_agree(&rt, 16, traces(), make("vtrace"));
+        segmented_traces_agree(&rt, 16, one_rule_traces(), make("vone"));
+    }
 }

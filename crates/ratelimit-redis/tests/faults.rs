@@ -295,8 +295,18 @@ async fn foreign_values_at_limiter_keys_heal() {
 /// The same on the native module: the same healing, never a crash of the server.
 #[tokio::test]
 async fn foreign_values_at_limiter_keys_heal_in_the_module() {
-    let server = RedisServer::start_with_module();
-    foreign_values_heal(&server, true).await;
+    foreign_values_heal_in_the_module(&RedisServer::start_with_module()).await;
+}
+
+/// The same on Valkey: its module API answers a wrong type as Redis's does.
+#[tokio::test]
+async fn foreign_values_at_limiter_keys_heal_on_valkey() {
+    foreign_values_heal(&RedisServer::start_valkey(), false).await;
+    foreign_values_heal_in_the_module(&RedisServer::start_valkey_with_module()).await;
+}
+
+async fn foreign_values_heal_in_the_module(server: &RedisServer) {
+    foreign_values_heal(server, true).await;
     let pong: String = redis::cmd("PING")
         .query(&mut common::conn(&server.url()))
         .unwrap();

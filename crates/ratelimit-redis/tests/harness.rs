@@ -10,23 +10,26 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use ratelimit_redis::testing::{RedisSentinel, RedisServer};
+use ratelimit_redis::testing::{RedisSentinel, RedisServer, ServerKind, VALKEY_VERSION};
 
 const MODE: &str = "RATELIMIT_HARNESS_CHILD";
 
-/// Runs in the child only (`--ignored`): a server and a Sentinel set in statics, their
-/// pids on stdout, then the end the parent asked for.
+/// Runs in the child only (`--ignored`): a Redis server, a Valkey server and a Sentinel
+/// set in statics, their pids on stdout, then the end the parent asked for.
 #[test]
 #[ignore = "run by the other tests of this file in a child process"]
 fn child_process() {
     static SERVER: OnceLock<RedisServer> = OnceLock::new();
+    static VALKEY: OnceLock<RedisServer> = OnceLock::new();
     static SENTINEL: OnceLock<RedisSentinel> = OnceLock::new();
     let mode = std::env::var(MODE).expect("run by the other tests of this file");
     let server = SERVER.get_or_init(RedisServer::start);
+    let valkey = VALKEY.get_or_init(RedisServer::start_valkey);
     let sentinel = SENTINEL.get_or_init(RedisSentinel::start);
     let sentinel_pid = sentinel_pid(sentinel);
     let pids = [
         server.pid().unwrap(),
+        valkey.pid().unwrap(),
         sentinel.primary().pid().unwrap(),
         sentinel.replica().pid().unwrap(),
         sentinel_pid,
@@ -60,17 +63,33 @@ fn sentinel_pid(sentinel: &RedisSentinel) -> u32 {
         .unwrap_or_else(|| panic!("no process_id in {text}"))
 }
 
-/// Runs `child_process` with `mode`; returns the child and the pids it printed.
-fn spawn_child(mode: &str) -> (std::process::Child, Vec<u32>) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
+/// Runs in the child only (`--ignored`): starts a Valkey server, with
+/// `RATELIMIT_VALKEY_SERVER` as the parent set it.
+#[test]
+#[ignore = "run by the other tests of this file in a child process"]
+fn child_starts_valkey() {
+    std::env::var(MODE).expect("run by the other tests of this file");
+    RedisServer::start_valkey();
+}
+
+/// Runs the ignored test `name` of this binary in a child process, with `env` set.
+fn child_command(name: &str, env: &[(&str, &str)]) -> Command {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
         .args([
             "--ignored",
             "--exact",
-            "child_process",
+            name,
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(MODE, mode)
+        .envs(env.iter().copied());
+    command
+}
+
+/// Runs `child_process` with `mode`; returns the child and the pids it printed.
+fn spawn_child(mode: &str) -> (std::process::Child, Vec<u32>) {
+    let mut child = child_command("child_process", &[(MODE, mode)])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -137,7 +156,7 @@ fn assert_gone(child: u32, pids: &[u32]) {
 fn servers_in_statics_end_when_the_test_process_exits() {
     let (mut child, pids) = spawn_child("exit");
     assert!(pids.iter().all(|&p| alive(p)), "{pids:?}");
-    assert_eq!(scratch_dirs(child.id()).len(), 4);
+    assert_eq!(scratch_dirs(child.id()).len(), 5);
     assert!(child.wait().unwrap().success());
     assert_gone(child.id(), &pids);
 }
@@ -146,9 +165,53 @@ fn servers_in_statics_end_when_the_test_process_exits() {
 fn servers_in_statics_end_when_the_test_process_is_killed() {
     let (mut child, pids) = spawn_child("wait");
     assert!(pids.iter().all(|&p| alive(p)), "{pids:?}");
-    assert_eq!(scratch_dirs(child.id()).len(), 4);
+    assert_eq!(scratch_dirs(child.id()).len(), 5);
     // SIGKILL: no destructor, no atexit handler runs.
     child.kill().unwrap();
     child.wait().unwrap();
     assert_gone(child.id(), &pids);
+}
+
+/// The Valkey the tests run on is the version `.ci/run` installs.
+#[test]
+fn a_valkey_server_is_valkey_of_the_pinned_version() {
+    let server = RedisServer::start_valkey();
+    assert_eq!(server.kind(), ServerKind::Valkey);
+    let info = server.command("INFO server").unwrap();
+    assert!(
+        info.contains(&format!("valkey_version:{VALKEY_VERSION}\r\n")),
+        "{info}"
+    );
+}
+
+/// A Valkey binary that is missing, or is not Valkey, fails the test that asked for it,
+/// saying what to change; it never falls back to another server.
+#[test]
+fn a_missing_or_wrong_valkey_binary_fails_loudly() {
+    let redis = String::from_utf8(
+        Command::new("sh")
+            .args(["-c", "command -v redis-server"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    for (program, says) in [
+        ("/nonexistent/valkey-server", "is not a file"),
+        (redis.trim(), "is not Valkey"),
+    ] {
+        let output = child_command(
+            "child_starts_valkey",
+            &[(MODE, "valkey"), ("RATELIMIT_VALKEY_SERVER", program)],
+        )
+        .output()
+        .unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{program}: {text}");
+        assert!(
+            text.contains(says) && text.contains("RATELIMIT_VALKEY_SERVER"),
+            "{program}: {text}"
+        );
+    }
 }

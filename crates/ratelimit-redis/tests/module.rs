@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::redis::{self, Value};
-use ratelimit_redis::testing::{check_script_args, module_file, wait_connected, RedisServer};
+use ratelimit_redis::testing::{
+    check_script_args, module_file, wait_connected, RedisServer, ServerKind,
+};
 use ratelimit_redis::RedisStore;
 
 fn alive(server: &RedisServer) {
@@ -153,16 +155,29 @@ async fn sixty_four_kib_keys_are_decided() {
 /// goes on from where the primary was.
 #[tokio::test]
 async fn a_replica_holds_what_the_primary_decided() {
+    replica_holds_what_the_primary_decided(ServerKind::Redis).await;
+}
+
+/// The same on Valkey, whose replication of a module's effects is its own code.
+#[tokio::test]
+async fn a_valkey_replica_holds_what_the_primary_decided() {
+    replica_holds_what_the_primary_decided(ServerKind::Valkey).await;
+}
+
+async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
     let module = module_file();
     let module = module.to_string_lossy();
-    let primary = RedisServer::start_with(&["--loadmodule", &module]);
-    let replica = RedisServer::start_with(&[
-        "--loadmodule",
-        &module,
-        "--replicaof",
-        "127.0.0.1",
-        &primary.port().to_string(),
-    ]);
+    let primary = RedisServer::start_kind_with(kind, &["--loadmodule", &module]);
+    let replica = RedisServer::start_kind_with(
+        kind,
+        &[
+            "--loadmodule",
+            &module,
+            "--replicaof",
+            "127.0.0.1",
+            &primary.port().to_string(),
+        ],
+    );
     // The replica has synced before the primary decides anything.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !replica
