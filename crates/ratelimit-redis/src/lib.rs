@@ -83,7 +83,7 @@
 //! as one call per node, routed by the slot map the store reads with `CLUSTER SLOTS`: the
 //! node's function reaches the keys of its slots itself (flag `allow-cross-slot-keys`)
 //! and turns away, uncharged, any check whose slot it no longer serves, which then goes
-//! as a call of its own (following MOVED/ASK) while the map is read again. Before Redis
+//! as a call of its own (following MOVED) while the map is read again. Before Redis
 //! 7, a Cluster's checks go one call each.
 //!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
@@ -305,9 +305,19 @@
 //! Every call is bounded by a timeout (default 50 ms) and fails with a typed
 //! [`RedisStoreError`] saying what failed: connection, timeout, script, unexpected reply,
 //! wrong type, configuration. Nothing panics. A connection that fails is dropped and a
-//! new one opened at once (the failed call is sent once more if it comes up within the
-//! call's timeout), then with growing pauses as above, so the same store recovers when
-//! Redis comes back. Whether to fail open or closed is the caller's policy.
+//! new one opened at once, then with growing pauses as above, so the same store recovers
+//! when Redis comes back. Whether to fail open or closed is the caller's policy.
+//!
+//! A call lost with its connection (a restart, a failover, `CLIENT KILL`, a dropped
+//! socket) may have run in Redis before the connection broke, and nothing tells whether
+//! it did; so a check or a refund in it is never sent again: its checks fail with
+//! [`RedisStoreError::Connection`] and the caller's failure policy decides, rather than
+//! charge them twice unseen. For every key, Redis then holds the units of the checks
+//! admitted plus at most those of checks reported failed. Calls the server answered
+//! without running (a missing script or function, a moved slot) and calls that may run
+//! twice (a block, a reset) are sent again. The Cluster connection's own retries are
+//! off for the same reason; the store follows `MOVED` itself (a slot being migrated,
+//! `ASK`, fails the check).
 //!
 //! Requires Redis 6.2 or newer (tested with 7.0).
 //!

@@ -235,6 +235,9 @@ impl RedisStoreBuilder {
         }
         let client = ClusterClient::builder(urls)
             .connection_timeout(self.options.connect_timeout)
+            // The connection would resend a call lost with its connection, which may
+            // have run: a check charged twice. The store follows MOVED itself.
+            .retries(0)
             .build()
             .map_err(|e| {
                 RedisStoreError::InvalidConfig(format!(

@@ -53,10 +53,12 @@ impl std::fmt::Debug for Transport {
 
 impl Transport {
     /// Sends `request`. A request whose connection turned out dead (or whose server is no
-    /// longer the primary) is sent once more if a fresh connection comes up in time.
-    ///
-    /// A request lost with its connection may have reached Redis first; if so it is
-    /// counted twice, which errs toward limiting, never toward admitting more.
+    /// longer the primary) is sent once more if a fresh connection comes up in time, but
+    /// only when running it twice does no harm ([`Request::repeatable`]): a check or a
+    /// refund lost with its connection may have run in Redis before the connection
+    /// broke, and nothing tells whether it did, so it fails (the caller's failure policy
+    /// decides) rather than charge or give back twice. A call the server answered
+    /// without running it (a missing script or function, a moved slot) is resent.
     pub(crate) async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         match self {
             Transport::Link(link) => link.send(request).await,
@@ -756,8 +758,11 @@ impl Link {
             Err(e) if self.breaks(&e) => {
                 // Redis restarted, failed over or the network dropped the socket: the
                 // first reconnection starts at once; send once more if it works (the
-                // caller's timeout bounds the wait).
+                // caller's timeout bounds the wait) and the request may run twice.
                 self.broken(generation, &e);
+                if !request.repeatable() {
+                    return Err(in_flight(&e).into());
+                }
                 if !self.is_connected() {
                     let _ = attempts.changed().await;
                 }
@@ -766,8 +771,48 @@ impl Link {
                 };
                 Ok(conn.send(request).await?)
             }
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::Moved) => match conn {
+                Conn::Cluster(mut conn) => Ok(redirect(&mut conn, request, e).await?),
+                Conn::Multiplexed(_) => Err(e.into()),
+            },
             other => Ok(other?),
         }
+    }
+}
+
+/// The error for a request whose connection broke while it was in flight: it may have
+/// run in Redis, so it is not sent again.
+fn in_flight(e: &RedisError) -> RedisError {
+    RedisError::from((
+        ErrorKind::Io,
+        "the connection to Redis broke with the call in flight; it may have run, so it is \
+         not sent again",
+        e.to_string(),
+    ))
+}
+
+/// Sends `request` again to the node a `MOVED` answer named: the node that answered ran
+/// nothing. The cluster connection's own retries are off (they would also resend a call
+/// lost with its connection, which may have run), so a moved slot is followed here.
+async fn redirect(
+    conn: &mut ClusterConnection,
+    request: &Request<'_>,
+    moved: RedisError,
+) -> RedisResult<Value> {
+    let target = moved
+        .redirect_node()
+        .and_then(|(address, _)| address.rsplit_once(':'))
+        .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)));
+    let Some((host, port)) = target else {
+        return Err(moved);
+    };
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+    match request {
+        Request::Call(call) => call.invoke_routed(conn, &routing).await,
+        Request::Cmd(cmd) => conn
+            .route_command(cmd.clone(), routing)
+            .await
+            .and_then(Value::extract_error),
     }
 }
 
@@ -1016,9 +1061,12 @@ impl Pooled {
         match first.await {
             Err(Failure::Redis(e)) if is_connection_error(&e) => {
                 // Redis restarted or the network dropped the socket: replace the dead pooled
-                // connections and send once more.
+                // connections and send once more, if the request may run twice.
                 tracing::debug!(error = %e, "Redis connection failed; reconnecting");
                 self.repairs.once(seen, || self.replace_dead()).await?;
+                if !request.repeatable() {
+                    return Err(in_flight(&e).into());
+                }
                 let mut conn = self.checkout().await?;
                 self.prepared(&conn).await?;
                 Ok(request.send(&mut conn).await?)

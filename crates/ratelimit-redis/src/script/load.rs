@@ -353,6 +353,13 @@ pub(crate) struct Call<'a> {
 }
 
 impl<'a> Call<'a> {
+    /// Whether running this call twice does what running it once does (a block marker
+    /// set again), so that it may be sent again when its connection broke with it in
+    /// flight. A check charges, a refund gives back: neither is.
+    pub(crate) fn repeatable(&self) -> bool {
+        std::ptr::eq(self.script, &*BLOCK)
+    }
+
     /// This module call as a call of the Lua function, for a server that turned out to
     /// lack the module (a restart without it, a failover to a node without it): the
     /// store uses Lua from then on, until a reconnection finds the module again.
@@ -522,6 +529,17 @@ pub(crate) enum Request<'a> {
 }
 
 impl Request<'_> {
+    /// Whether the request may be sent again after its connection broke with it in
+    /// flight, when it may have run already: plain commands (`DEL`, `TIME`, `CONFIG
+    /// GET`, ...) and the block script may; a check or a refund must not, or it would
+    /// charge or give back twice.
+    pub(crate) fn repeatable(&self) -> bool {
+        match self {
+            Request::Call(call) => call.repeatable(),
+            Request::Cmd(_) => true,
+        }
+    }
+
     pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
         match self {
             Request::Call(call) => call.invoke(conn).await,
