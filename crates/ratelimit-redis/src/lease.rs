@@ -405,6 +405,24 @@ impl Leases {
         out
     }
 
+    /// Waits until the reservation `notify` belongs to has ended.
+    async fn reserved(&self, name: &str, rules: &RuleSet, notify: Arc<Notify>) {
+        let woken = notify.notified();
+        // The reservation may have ended between the table's answer and the line above,
+        // and another begun since: wait only while this one is pending, or no one would
+        // ever wake this check (its reservation's wake-up went out before it listened).
+        let pending = self
+            .with_slot(name, rules, |slot| {
+                slot.pending
+                    .as_ref()
+                    .is_some_and(|p| Arc::ptr_eq(p, &notify))
+            })
+            .unwrap_or(false);
+        if pending {
+            woken.await;
+        }
+    }
+
     /// Drops what this store holds for a client key (its state name), unspent units
     /// included: after a block or a reset they must not be spent.
     pub(crate) fn forget(&self, name: &str) {
@@ -479,16 +497,7 @@ pub(crate) async fn check(
         let now = store.now_us();
         match leases.step(&name, rules, cost, now) {
             Step::Answer(decision) => return Some(Ok(decision)),
-            Step::Wait(notify) => {
-                let woken = notify.notified();
-                // The reservation may have ended between the table's answer and here.
-                if leases
-                    .with_slot(&name, rules, |s| s.pending.is_some())
-                    .unwrap_or(false)
-                {
-                    woken.await;
-                }
-            }
+            Step::Wait(notify) => leases.reserved(&name, rules, notify).await,
             Step::Exact(spent) => {
                 refund_or_log(store, &name, rules, spent).await;
                 return None;
@@ -604,6 +613,44 @@ mod tests {
             Step::Reserve(b, _, _) => assert_eq!(b, 400 / SHARE_DIVISOR),
             _ => panic!("a hot key reserves"),
         }
+    }
+
+    /// A check waits for a reservation that ended, and a new one began, between the
+    /// table's answer and its listening: it must not wait for the new one's wake-up.
+    #[tokio::test(start_paused = true)]
+    async fn a_reservation_that_ended_before_its_waiter_listened_does_not_hold_it() {
+        let leases = Leases::new(Duration::from_millis(100));
+        let rules = rules();
+        for t in 1..MIN_SEEN {
+            leases.step("k", &rules, 1, t);
+        }
+        let Step::Reserve(_, _, first) = leases.step("k", &rules, 1, MIN_SEEN) else {
+            panic!("a warm key reserves a block");
+        };
+        let Step::Wait(waited) = leases.step("k", &rules, 1, MIN_SEEN) else {
+            panic!("a second check waits for the reservation");
+        };
+        drop(Pending {
+            leases: &leases,
+            name: "k",
+            rules: &rules,
+            notify: first,
+        });
+        let Step::Reserve(_, _, second) = leases.step("k", &rules, 1, MIN_SEEN + 1) else {
+            panic!("the next check reserves again");
+        };
+        let wait = leases.reserved("k", &rules, waited);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(10), wait)
+                .await
+                .is_ok(),
+            "the waiter hangs on a reservation that ended"
+        );
+        // The live reservation is still waited for.
+        let wait = leases.reserved("k", &rules, second.clone());
+        assert!(tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .is_err());
     }
 
     #[test]

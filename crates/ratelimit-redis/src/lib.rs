@@ -131,6 +131,12 @@
 //! rule: the limit; as remaining, the units this instance still holds; the reset Redis
 //! gave at the reservation less the time since.
 //!
+//! While one check of an instance reserves for a (key, rule set), the instance's other
+//! checks of it wait for that reservation and then spend from it. A leased check returns
+//! within the store's [`timeout`](RedisStoreBuilder::timeout), however many calls it
+//! makes or waits for (a refund, a reservation, a second one, another check's
+//! reservation): past it, it fails with [`RedisStoreError::Timeout`] like an exact check.
+//!
 //! Units a lease did not spend go back when it ends (`refund` in `lua/check.lua`): on the
 //! key's next check, and from a sweep that runs every half lease length for as long as
 //! the store lives ([`RedisStore::sweep_leases`] runs it at once), so a key that goes quiet returns

@@ -577,12 +577,22 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        if let Some(leases) = &self.inner.leases {
-            if let Some(decided) = lease::check(self, leases, key, rules, cost).await {
-                return decided;
+        let Some(leases) = &self.inner.leases else {
+            return self.exact(key, rules, cost).await;
+        };
+        // A leased check may wait for another's reservation, give units back, reserve
+        // and reserve again, each a call of its own: the store's timeout bounds them all
+        // together, as it bounds an exact check's one call.
+        let leased = async {
+            match lease::check(self, leases, key, rules, cost).await {
+                Some(decided) => decided,
+                None => self.exact(key, rules, cost).await,
             }
-        }
-        self.exact(key, rules, cost).await
+        };
+        let timeout = self.inner.shared.timeout;
+        tokio::time::timeout(timeout, leased)
+            .await
+            .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
     }
 
     async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
