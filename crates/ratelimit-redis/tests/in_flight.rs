@@ -3,6 +3,8 @@
 //! for every key Redis holds the units of the checks admitted, plus at most those of the
 //! checks reported failed: nothing is charged that the caller was not told about.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,7 +13,7 @@ use std::time::Duration;
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{ManualClock, RuleSet, Store};
 use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
-use ratelimit_redis::{redis, RedisStore};
+use ratelimit_redis::RedisStore;
 
 const KEYS: usize = 24;
 const TASKS: usize = 16;
@@ -122,15 +124,7 @@ async fn store_on(url: &str) -> RedisStore {
 fn killer(servers: Vec<u16>) -> impl Fn() + Send + 'static {
     move || {
         for &port in &servers {
-            let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
-            let mut con = client.get_connection().expect("connection to kill with");
-            let _: redis::RedisResult<redis::Value> = redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("TYPE")
-                .arg("normal")
-                .arg("SKIPME")
-                .arg("yes")
-                .query(&mut con);
+            common::kill_clients(port);
         }
     }
 }

@@ -3,13 +3,15 @@
 //! Every check returns within the store's timeout (plus scheduling slack): none waits
 //! for a reservation that ended, or for one that never will.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::testing::{wait_connected, RedisServer};
-use ratelimit_redis::{redis, RedisStore};
+use ratelimit_redis::RedisStore;
 
 const TIMEOUT: Duration = Duration::from_millis(50);
 const LEASE: Duration = Duration::from_millis(100);
@@ -32,21 +34,6 @@ async fn store(url: &str) -> RedisStore {
         .expect("store");
     wait_connected(&store).await;
     store
-}
-
-fn kill_clients(port: u16) {
-    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
-        return;
-    };
-    if let Ok(mut con) = client.get_connection() {
-        let _: redis::RedisResult<redis::Value> = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("TYPE")
-            .arg("normal")
-            .arg("SKIPME")
-            .arg("yes")
-            .query(&mut con);
-    }
 }
 
 async fn every_check_returns_in_time(module: bool) {
@@ -91,7 +78,7 @@ async fn every_check_returns_in_time(module: bool) {
         for round in 0..4 {
             for _ in 0..15 {
                 std::thread::sleep(Duration::from_millis(40));
-                kill_clients(port);
+                common::kill_clients(port);
             }
             if round < 3 {
                 server.restart();
