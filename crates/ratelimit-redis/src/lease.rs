@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{Algorithm, Decision, LeakyMode, Outcome, RuleOutcome, RuleSet};
 use redis::Value;
 use tokio::sync::Notify;
@@ -57,6 +58,8 @@ pub(crate) struct Leases {
     /// When a full table was last searched for idle slots: at most once per lease
     /// length, so that a flood of new keys does not scan it on every check.
     purged_us: AtomicU64,
+    /// Refunds that failed, reported at a bounded rate.
+    refund_log: BoundedLog,
 }
 
 /// What one store knows of one (key, rule set).
@@ -245,6 +248,7 @@ impl Leases {
             length_us: u64::try_from(length.as_micros()).unwrap_or(u64::MAX).max(1),
             table: Mutex::new(HashMap::new()),
             purged_us: AtomicU64::new(0),
+            refund_log: BoundedLog::new(),
         }
     }
 
@@ -472,11 +476,30 @@ async fn refund(
 
 /// A refund that failed strands its units until the state expires, as a crashed
 /// instance's would: nothing more to do than to say so.
-async fn refund_or_log(store: &impl Backend, name: &str, rules: &RuleSet, lease: Option<Lease>) {
-    if let Some(lease) = lease {
-        if let Err(e) = refund(store, name, rules, &lease).await {
-            tracing::debug!(error = %e, units = lease.units, "lease refund failed");
-        }
+async fn refund_or_log(
+    store: &impl Backend,
+    leases: &Leases,
+    name: &str,
+    rules: &RuleSet,
+    lease: Option<Lease>,
+) {
+    let Some(lease) = lease else {
+        return;
+    };
+    let Err(e) = refund(store, name, rules, &lease).await else {
+        return;
+    };
+    match leases.refund_log.hit(store.now_us()) {
+        Some(count) => tracing::warn!(
+            error = %e,
+            units = lease.units,
+            failed_refunds = count,
+            "a lease's unspent units could not be given back to Redis: they stay charged \
+             until the key's state expires, so the key admits less than its limit until \
+             then (reported at most every 10 s, with the refunds failed since the last \
+             report)"
+        ),
+        None => tracing::debug!(error = %e, units = lease.units, "lease refund failed"),
     }
 }
 
@@ -499,7 +522,7 @@ pub(crate) async fn check(
             Step::Answer(decision) => return Some(Ok(decision)),
             Step::Wait(notify) => leases.reserved(&name, rules, notify).await,
             Step::Exact(spent) => {
-                refund_or_log(store, &name, rules, spent).await;
+                refund_or_log(store, leases, &name, rules, spent).await;
                 return None;
             }
             Step::Reserve(b, spent, notify) => {
@@ -509,7 +532,7 @@ pub(crate) async fn check(
                     rules,
                     notify,
                 };
-                refund_or_log(store, &name, rules, spent).await;
+                refund_or_log(store, leases, &name, rules, spent).await;
                 return Some(reserve(store, leases, &name, key, rules, cost, b).await);
             }
         }
@@ -575,7 +598,7 @@ pub(crate) fn spawn_sweep<S: Backend>(
 /// Gives back the units of every lease of `store` that has ended.
 pub(crate) async fn sweep(store: &impl Backend, leases: &Leases) {
     for (name, rules, lease) in leases.ended(store.now_us()) {
-        refund_or_log(store, &name, &rules, Some(lease)).await;
+        refund_or_log(store, leases, &name, &rules, Some(lease)).await;
     }
 }
 

@@ -145,7 +145,9 @@
 //! the charge that has not drained yet by the time of the refund: units whose time has
 //! passed are not given back, since other instances may meanwhile have been charged on a
 //! bucket that would have been full but for the reservation, and returning them would
-//! admit more than the exact limiter.
+//! admit more than the exact limiter. A refund that fails (Redis unreachable) leaves its
+//! units charged until the key's state expires, as a crashed instance's would, and is
+//! logged as a WARN (at most every 10 s, with a count).
 //!
 //! **The promise.** Over any interval, a fleet in lease mode admits no more than the exact
 //! limiter admits over that interval extended by the lease length: for GCRA with burst B

@@ -74,6 +74,8 @@ struct Inner {
     batcher: Option<Batcher>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
+    /// Refunds (`give_back`) that failed, reported at a bounded rate.
+    give_back_log: BoundedLog,
     /// Lease mode's table, when the store was built with a lease length.
     leases: Option<Leases>,
 }
@@ -371,6 +373,7 @@ impl RedisStoreBuilder {
                 shared,
                 batcher,
                 heal_log: BoundedLog::new(),
+                give_back_log: BoundedLog::new(),
                 leases: self.lease.map(Leases::new),
             }),
         };
@@ -633,7 +636,18 @@ impl Store for RedisStore {
             .inner
             .shared
             .give_back_call(key, rules, cost, charged_at);
-        let reply = self.run(Request::Call(call)).await?;
+        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
+            if let Some(count) = self.inner.give_back_log.hit(self.now_us()) {
+                tracing::warn!(
+                    error = %e,
+                    failed_refunds = count,
+                    "units a check charged could not be given back to Redis: they stay \
+                     charged, so the key admits less than its limit until they drain \
+                     (reported at most every 10 s, with the refunds failed since the last \
+                     report)"
+                );
+            }
+        })?;
         Ok(matches!(reply, Value::Int(1)))
     }
 

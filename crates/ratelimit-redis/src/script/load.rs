@@ -8,6 +8,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::LazyLock;
 
+use ratelimit_core::util::BoundedLog;
+use ratelimit_core::Clock;
 use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
@@ -44,6 +46,9 @@ pub(crate) struct Paths {
     /// Every primary has the native module of this crate's state format: checks go as
     /// its commands.
     pub(crate) module: AtomicBool,
+    /// Servers whose function library lacked a function this store calls, reported at a
+    /// bounded rate.
+    missing_log: BoundedLog,
 }
 
 impl Paths {
@@ -53,6 +58,27 @@ impl Paths {
             functions: AtomicBool::new(true),
             // Until a server says it has the module.
             module: AtomicBool::new(false),
+            missing_log: BoundedLog::new(),
+        }
+    }
+
+    /// Says, at a bounded rate, that a server's library lacks `function` even after the
+    /// store loaded it: a library of this version's name from elsewhere, or one removed
+    /// again at once, over and over.
+    fn missing(&self, function: &str) {
+        let now = ratelimit_core::SystemClock.now_us();
+        if let Some(count) = self.missing_log.hit(now) {
+            tracing::warn!(
+                library = %own_library(),
+                function,
+                calls = count,
+                "the Redis function library lacks a function this store calls, even after \
+                 loading it (a library of the same name that something else loaded, or one \
+                 removed again at once): calls go as scripts (EVALSHA), which costs Redis \
+                 more. See FUNCTION LIST; delete the foreign library or give this store's \
+                 servers to it alone (reported at most every 10 s, with the calls since the \
+                 last report)"
+            );
         }
     }
 }
@@ -413,10 +439,7 @@ impl<'a> Call<'a> {
                 }
                 match self.cmd.query_async(conn).await {
                     Err(e) if function_missing(&e) => {
-                        tracing::debug!(
-                            "rate-limit function still missing after loading it; \
-                             sending this call as a script"
-                        );
+                        self.paths.missing(self.function_name());
                         let mut evalsha = redis::cmd("EVALSHA");
                         evalsha.arg(self.script.sha.as_str());
                         self.resend(conn, evalsha).await
@@ -439,6 +462,14 @@ impl<'a> Call<'a> {
             }
             other => other,
         }
+    }
+
+    /// The name of the function this call is of (empty for a script without one).
+    fn function_name(&self) -> &'static str {
+        self.script
+            .function
+            .as_ref()
+            .map_or("", |f| f.name.as_str())
     }
 
     /// This call's keys and arguments after `head` (EVAL or EVALSHA and the script).
@@ -493,7 +524,11 @@ impl<'a> Call<'a> {
                         _ => {}
                     }
                 }
-                route(conn, &self.cmd, routing).await
+                route(conn, &self.cmd, routing).await.inspect_err(|e| {
+                    if function_missing(e) {
+                        self.paths.missing(self.function_name());
+                    }
+                })
             }
             Err(e) if self.fcall && unknown_command(&e) => {
                 // Nothing ran; the caller sends each check alone from now on.
