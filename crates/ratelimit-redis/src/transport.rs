@@ -760,7 +760,9 @@ impl Link {
                 // first reconnection starts at once; send once more if it works (the
                 // caller's timeout bounds the wait) and the request may run twice.
                 self.broken(generation, &e);
-                if !request.repeatable() {
+                // A demoted server answered without running the call; a lost
+                // connection tells nothing.
+                if is_connection_error(&e) && !request.repeatable() {
                     return Err(in_flight(&e).into());
                 }
                 if !self.is_connected() {
