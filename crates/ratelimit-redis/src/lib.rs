@@ -47,7 +47,9 @@
 //! local fallback. Meanwhile the store reconnects by itself in the background, pausing
 //! 50 ms, then twice as long after each failed attempt, up to 2 s. Each (re)connection
 //! sets the connection up as the first one: loads the function library, reads `TIME`
-//! (for deadlines) and `maxmemory-policy` (on a Cluster, from every master). A store
+//! (for deadlines) and `maxmemory-policy` (on a Cluster, from every master, and again
+//! whenever the cluster connection lost a node and reconnects: a dropped connection, a
+//! restarted or promoted node, once every master answers). A store
 //! over the application's pool or cluster connection does the same on its first call,
 //! and over a pool again after replacing dead connections. Failed attempts are logged as a WARN at most
 //! every 10 s with their count; the recovery as one INFO line.

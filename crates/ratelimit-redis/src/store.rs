@@ -436,7 +436,8 @@ impl RedisStore {
     }
 
     /// The server's `maxmemory-policy` as read at the last (re)connection (over the
-    /// application's pool or cluster connection: at its first call); `None` when it
+    /// application's pool or cluster connection: at its first call; on a Cluster, also
+    /// after the cluster connection lost a node and reconnects to it); `None` when it
     /// could not be read (CONFIG forbidden) or before the first connection. On a Cluster
     /// it is read from every master: a policy that can evict when a master has one
     /// (each such master is named in a warning), else the one they have. Anything but

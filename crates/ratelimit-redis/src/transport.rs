@@ -21,7 +21,7 @@ use redis::{
 
 use ratelimit_core::util::BoundedLog;
 
-use crate::error::{classify, is_connection_error, RedisStoreError};
+use crate::error::{classify, is_connection_error, is_unreachable, RedisStoreError};
 use crate::script::{self, Call, Request};
 use crate::shared::Shared;
 
@@ -114,10 +114,11 @@ impl Transport {
         )));
         let send = async {
             link.set_up().await?;
-            Ok::<_, Failure>(match link.conn()? {
-                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await?,
-                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await?,
-            })
+            let reply = match link.conn()? {
+                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await,
+                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await,
+            };
+            Ok::<_, Failure>(reply.inspect_err(|e| link.node_lost(e))?)
         };
         match tokio::time::timeout(timeout, send).await {
             Ok(reply) => reply.map_err(|e| failure(e, timeout)),
@@ -391,6 +392,8 @@ pub(crate) struct Link {
     unprepared: std::sync::atomic::AtomicBool,
     /// One setup at a time.
     preparing: tokio::sync::Mutex<()>,
+    /// On a Cluster, a task reads the masters' `maxmemory-policy` again.
+    rereading: std::sync::atomic::AtomicBool,
 }
 
 /// Which Cluster node serves each slot: a number per node, the same for every slot the
@@ -464,6 +467,7 @@ impl Link {
             nodes: NodeMap::default(),
             unprepared: std::sync::atomic::AtomicBool::new(false),
             preparing: tokio::sync::Mutex::new(()),
+            rereading: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -777,7 +781,45 @@ impl Link {
                 Conn::Cluster(mut conn) => Ok(redirect(&mut conn, request, e).await?),
                 Conn::Multiplexed(_) => Err(e.into()),
             },
-            other => Ok(other?),
+            Err(e) => {
+                self.node_lost(&e);
+                Err(e.into())
+            }
+            Ok(reply) => Ok(reply),
+        }
+    }
+
+    /// On a Cluster, after a failure that makes the cluster connection reconnect to a
+    /// node or read the slots again (a dropped connection, a restarted or promoted
+    /// node), reads every master's `maxmemory-policy` again once they all answer: the
+    /// node it reconnects to may be another server now, or the same one reconfigured.
+    fn node_lost(self: &Arc<Self>, e: &RedisError) {
+        if !is_unreachable(e) || !self.is_cluster() || self.rereading.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(reread_policy(Arc::downgrade(self)));
+    }
+}
+
+/// Reads the masters' `maxmemory-policy` until every master answers, pausing as the
+/// reconnection does; it ends with the store.
+async fn reread_policy(link: Weak<Link>) {
+    let mut pause = FIRST_BACKOFF;
+    loop {
+        tokio::time::sleep(jitter(pause)).await;
+        pause = (pause * 2).min(MAX_BACKOFF);
+        let Some(link) = link.upgrade() else {
+            return;
+        };
+        let Ok((mut conn, _)) = link.conn() else {
+            continue;
+        };
+        // A given connection has no connect timeout of the store's.
+        let within = link.connect_timeout.max(link.shared.timeout);
+        let read = read_policy(&mut conn, &link.shared);
+        if matches!(tokio::time::timeout(within, read).await, Ok(Ok(()))) {
+            link.rereading.store(false, Ordering::Release);
+            return;
         }
     }
 }
@@ -871,12 +913,20 @@ async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
             .redis_clock
             .observe(secs * 1_000_000 + micros, Instant::now());
     }
+    read_policy(conn, shared).await
+}
+
+/// Reads `maxmemory-policy` from the server, or from every master of a Cluster (warning
+/// about each one whose policy can evict the store's keys). Fails when a master cannot
+/// be reached; a master that refuses `CONFIG` is taken as it is.
+async fn read_policy(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
     let mut config = redis::cmd("CONFIG");
     config.arg("GET").arg("maxmemory-policy");
     let mut read = Vec::new();
     for (primary, reply) in conn.each_master(config).await? {
         match reply {
             Ok(reply) => read.extend(policy_in(&reply).map(|policy| (primary, policy))),
+            Err(e) if is_connection_error(&e) => return Err(e.into()),
             Err(e) => {
                 // Managed services often rename or forbid CONFIG.
                 tracing::info!(

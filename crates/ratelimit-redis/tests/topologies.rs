@@ -156,3 +156,38 @@ async fn the_eviction_policy_is_read_from_every_cluster_master() {
         set_policy(bad, "noeviction");
     }
 }
+
+/// A Cluster node the cluster connection reconnects to is asked for its policy again:
+/// here a master reconfigured to evict while the store's connections to it were cut.
+#[tokio::test]
+async fn a_cluster_master_reconnected_to_is_asked_for_its_policy_again() {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(500))
+        .build_cluster(cluster.urls())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
+    let node = &cluster.nodes()[1];
+    let reply = node
+        .command("CONFIG SET maxmemory-policy volatile-lru")
+        .unwrap();
+    assert!(reply.starts_with("+OK"), "{reply}");
+    let reply = node.command("CLIENT KILL TYPE normal").unwrap();
+    assert!(reply.starts_with(':'), "{reply}");
+    // Checks of keys all over the slots reach the node, find its connection gone, and
+    // the cluster connection reconnects to it.
+    let started = std::time::Instant::now();
+    let mut i = 0u64;
+    while store.maxmemory_policy().as_deref() != Some("volatile-lru") {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the policy was not read again: {:?}",
+            store.maxmemory_policy()
+        );
+        let _ = store.check(&i.to_be_bytes(), &rules(), 1).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
