@@ -41,44 +41,24 @@ struct ModuleCommand {
 /// and what its builder asked for.
 #[derive(Debug)]
 pub(crate) struct Paths {
+    /// Servers whose function library lacked a function this store calls, reported at a
+    /// bounded rate.
+    missing_log: BoundedLog,
     /// The server has Redis functions (Redis 7): checks go as FCALL, else EVALSHA.
     pub(crate) functions: AtomicBool,
     /// Every primary has the native module of this crate's state format: checks go as
     /// its commands.
     pub(crate) module: AtomicBool,
-    /// Servers whose function library lacked a function this store calls, reported at a
-    /// bounded rate.
-    missing_log: BoundedLog,
 }
 
 impl Paths {
     pub(crate) fn new() -> Self {
         Self {
+            missing_log: BoundedLog::new(),
             // Until a server says it has no FCALL.
             functions: AtomicBool::new(true),
             // Until a server says it has the module.
             module: AtomicBool::new(false),
-            missing_log: BoundedLog::new(),
-        }
-    }
-
-    /// Says, at a bounded rate, that a server's library lacks `function` even after the
-    /// store loaded it: a library of this version's name from elsewhere, or one removed
-    /// again at once, over and over.
-    fn missing(&self, function: &str) {
-        let now = ratelimit_core::SystemClock.now_us();
-        if let Some(count) = self.missing_log.hit(now) {
-            tracing::warn!(
-                library = %own_library(),
-                function,
-                calls = count,
-                "the Redis function library lacks a function this store calls, even after \
-                 loading it (a library of the same name that something else loaded, or one \
-                 removed again at once): calls go as scripts (EVALSHA), which costs Redis \
-                 more. See FUNCTION LIST; delete the foreign library or give this store's \
-                 servers to it alone (reported at most every 10 s, with the calls since the \
-                 last report)"
-            );
         }
     }
 }
@@ -339,6 +319,28 @@ pub(crate) fn library_names(reply: &Value) -> Option<Vec<String>> {
                 .and_then(|(_, v)| text(v))
         })
         .collect()
+}
+
+impl Paths {
+    /// Says, at a bounded rate, that a server's library lacks `function` even after the
+    /// store loaded it: a library of this version's name from elsewhere, or one removed
+    /// again at once, over and over.
+    fn missing(&self, function: &str) {
+        let now = ratelimit_core::SystemClock.now_us();
+        if let Some(count) = self.missing_log.hit(now) {
+            tracing::warn!(
+                library = %own_library(),
+                function,
+                calls = count,
+                "the Redis function library lacks a function this store calls, even after \
+                 loading it (a library of the same name that something else loaded, or one \
+                 removed again at once): calls go as scripts (EVALSHA), which costs Redis \
+                 more. See FUNCTION LIST; delete the foreign library or give this store's \
+                 servers to it alone (reported at most every 10 s, with the calls since the \
+                 last report)"
+            );
+        }
+    }
 }
 
 /// Whether a `FUNCTION DELETE` failed only because the library is gone already.
