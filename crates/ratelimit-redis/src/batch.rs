@@ -158,9 +158,18 @@ async fn dispatch(
 async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     // A caller that stopped waiting is not charged.
     batch.retain(|job| !job.reply.is_closed());
-    if batch.len() > 1 {
-        if let Some(nodes) = transport.nodes().await {
-            return per_node(transport, shared, &nodes, batch).await;
+    if batch.len() > 1 && transport.is_cluster() {
+        match transport.nodes().await {
+            Some(nodes) => return per_node(transport, shared, &nodes, batch).await,
+            // The slot map could not be read (a node unreachable): each check alone,
+            // routed by its key. A batch of keys of many slots would be refused whole.
+            None => {
+                join_all(batch.into_iter().map(|job| async move {
+                    let _ = job.reply.send(single(transport, shared, &job.check).await);
+                }))
+                .await;
+                return;
+            }
         }
     }
     if let [job] = &batch[..] {

@@ -78,6 +78,11 @@ impl Transport {
         }
     }
 
+    /// Whether the store talks to a Redis Cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Transport::Link(link) if link.is_cluster())
+    }
+
     /// On a Cluster, which node serves each slot, as last read (read now when not yet
     /// known or since found stale); `None` on one server, or when it cannot be read.
     pub(crate) async fn nodes(&self) -> Option<Arc<Nodes>> {
