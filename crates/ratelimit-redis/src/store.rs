@@ -327,6 +327,13 @@ impl RedisStoreBuilder {
     /// pool, the first call first sets every master up (scripts, `TIME`,
     /// `maxmemory-policy`).
     ///
+    /// The connection's own retries stay as the application configured them; by
+    /// default they resend a call lost with its connection, which may have run already
+    /// and so charge its checks twice. Build the client with
+    /// [`retries(0)`](redis::cluster::ClusterClientBuilder::retries), as
+    /// [`build_cluster`](Self::build_cluster) does, for the store to fail such a call
+    /// instead (the crate docs, "Failures").
+    ///
     /// # Panics
     ///
     /// As [`build_with_pool`](Self::build_with_pool).
