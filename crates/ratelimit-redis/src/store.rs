@@ -600,6 +600,11 @@ impl Store for RedisStore {
                 None => self.exact(key, rules, cost).await,
             }
         };
+        let mut leased = std::pin::pin!(leased);
+        // Most leased checks are answered from the table at the first poll: no timer.
+        if let std::task::Poll::Ready(decided) = futures::poll!(&mut leased) {
+            return decided;
+        }
         let timeout = self.inner.shared.timeout;
         tokio::time::timeout(timeout, leased)
             .await
