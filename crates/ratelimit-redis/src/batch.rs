@@ -19,7 +19,7 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{classify, RedisStoreError};
-use crate::script::{function_missing, CheckJob, CheckReply, Request};
+use crate::script::{function_missing, unknown_command, CheckJob, CheckReply, Request};
 use crate::shared::Shared;
 use crate::transport::{Nodes, Transport};
 
@@ -158,9 +158,18 @@ async fn dispatch(
 async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     // A caller that stopped waiting is not charged.
     batch.retain(|job| !job.reply.is_closed());
-    if batch.len() > 1 {
-        if let Some(nodes) = transport.nodes().await {
-            return per_node(transport, shared, &nodes, batch).await;
+    if batch.len() > 1 && transport.is_cluster() {
+        match transport.nodes().await {
+            Some(nodes) => return per_node(transport, shared, &nodes, batch).await,
+            // The slot map could not be read (a node unreachable): each check alone,
+            // routed by its key. A batch of keys of many slots would be refused whole.
+            None => {
+                join_all(batch.into_iter().map(|job| async move {
+                    let _ = job.reply.send(single(transport, shared, &job.check).await);
+                }))
+                .await;
+                return;
+            }
         }
     }
     if let [job] = &batch[..] {
@@ -214,12 +223,13 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
     }
     let call = shared.node_batch_call(jobs.iter().map(|job| &job.check));
     let reply = transport.call_on(slot, &call, shared.timeout).await;
+    // Only an answer that says nothing ran sends the checks again: a call lost with its
+    // connection may have charged them.
     let ran_nothing = match &reply {
-        // The node has no functions (before Redis 7).
-        Err(_) if !shared.paths.functions.load(Ordering::Relaxed) => true,
-        // The function was missing even after loading the library (removed again in
-        // between): each check alone falls back to the script form.
-        Err(RedisStoreError::Script(e)) => function_missing(e),
+        // The node has no functions (before Redis 7), or the function was missing even
+        // after loading the library (removed again in between): each check alone falls
+        // back to the script form.
+        Err(RedisStoreError::Script(e)) => function_missing(e) || unknown_command(e),
         _ => false,
     };
     if ran_nothing {

@@ -56,6 +56,21 @@ pub(crate) fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
 }
 
+/// Whether `e` says the server, or the node serving the keys, cannot take the call now:
+/// a lost connection, a Cluster redirect or outage, a primary demoted or loading.
+pub(crate) fn is_unreachable(e: &RedisError) -> bool {
+    is_connection_error(e)
+        || e.is_cluster_error()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::MasterDown
+                    | ServerErrorKind::BusyLoading
+                    | ServerErrorKind::ReadOnly
+            ) | ErrorKind::ClusterConnectionNotFound
+        )
+}
+
 /// Sorts a Redis error into the store's categories.
 pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
     if e.is_timeout() {
@@ -74,17 +89,7 @@ pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
         };
         return RedisStoreError::WrongType(what);
     }
-    if is_connection_error(&e)
-        || e.is_cluster_error()
-        || matches!(
-            e.kind(),
-            ErrorKind::Server(
-                ServerErrorKind::MasterDown
-                    | ServerErrorKind::BusyLoading
-                    | ServerErrorKind::ReadOnly
-            ) | ErrorKind::ClusterConnectionNotFound
-        )
-    {
+    if is_unreachable(&e) {
         return RedisStoreError::Connection(e);
     }
     if e.kind() == ErrorKind::UnexpectedReturnType {

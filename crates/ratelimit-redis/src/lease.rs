@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{Algorithm, Decision, LeakyMode, Outcome, RuleOutcome, RuleSet};
 use redis::Value;
 use tokio::sync::Notify;
@@ -57,6 +58,8 @@ pub(crate) struct Leases {
     /// When a full table was last searched for idle slots: at most once per lease
     /// length, so that a flood of new keys does not scan it on every check.
     purged_us: AtomicU64,
+    /// Refunds that failed, reported at a bounded rate.
+    refund_log: BoundedLog,
 }
 
 /// What one store knows of one (key, rule set).
@@ -245,6 +248,7 @@ impl Leases {
             length_us: u64::try_from(length.as_micros()).unwrap_or(u64::MAX).max(1),
             table: Mutex::new(HashMap::new()),
             purged_us: AtomicU64::new(0),
+            refund_log: BoundedLog::new(),
         }
     }
 
@@ -405,6 +409,24 @@ impl Leases {
         out
     }
 
+    /// Waits until the reservation `notify` belongs to has ended.
+    async fn reserved(&self, name: &str, rules: &RuleSet, notify: Arc<Notify>) {
+        let woken = notify.notified();
+        // The reservation may have ended between the table's answer and the line above,
+        // and another begun since: wait only while this one is pending, or no one would
+        // ever wake this check (its reservation's wake-up went out before it listened).
+        let pending = self
+            .with_slot(name, rules, |slot| {
+                slot.pending
+                    .as_ref()
+                    .is_some_and(|p| Arc::ptr_eq(p, &notify))
+            })
+            .unwrap_or(false);
+        if pending {
+            woken.await;
+        }
+    }
+
     /// Drops what this store holds for a client key (its state name), unspent units
     /// included: after a block or a reset they must not be spent.
     pub(crate) fn forget(&self, name: &str) {
@@ -454,11 +476,30 @@ async fn refund(
 
 /// A refund that failed strands its units until the state expires, as a crashed
 /// instance's would: nothing more to do than to say so.
-async fn refund_or_log(store: &impl Backend, name: &str, rules: &RuleSet, lease: Option<Lease>) {
-    if let Some(lease) = lease {
-        if let Err(e) = refund(store, name, rules, &lease).await {
-            tracing::debug!(error = %e, units = lease.units, "lease refund failed");
-        }
+async fn refund_or_log(
+    store: &impl Backend,
+    leases: &Leases,
+    name: &str,
+    rules: &RuleSet,
+    lease: Option<Lease>,
+) {
+    let Some(lease) = lease else {
+        return;
+    };
+    let Err(e) = refund(store, name, rules, &lease).await else {
+        return;
+    };
+    match leases.refund_log.hit(store.now_us()) {
+        Some(count) => tracing::warn!(
+            error = %e,
+            units = lease.units,
+            failed_refunds = count,
+            "a lease's unspent units could not be given back to Redis: they stay charged \
+             until the key's state expires, so the key admits less than its limit until \
+             then (reported at most every 10 s, with the refunds failed since the last \
+             report)"
+        ),
+        None => tracing::debug!(error = %e, units = lease.units, "lease refund failed"),
     }
 }
 
@@ -479,18 +520,9 @@ pub(crate) async fn check(
         let now = store.now_us();
         match leases.step(&name, rules, cost, now) {
             Step::Answer(decision) => return Some(Ok(decision)),
-            Step::Wait(notify) => {
-                let woken = notify.notified();
-                // The reservation may have ended between the table's answer and here.
-                if leases
-                    .with_slot(&name, rules, |s| s.pending.is_some())
-                    .unwrap_or(false)
-                {
-                    woken.await;
-                }
-            }
+            Step::Wait(notify) => leases.reserved(&name, rules, notify).await,
             Step::Exact(spent) => {
-                refund_or_log(store, &name, rules, spent).await;
+                refund_or_log(store, leases, &name, rules, spent).await;
                 return None;
             }
             Step::Reserve(b, spent, notify) => {
@@ -500,7 +532,7 @@ pub(crate) async fn check(
                     rules,
                     notify,
                 };
-                refund_or_log(store, &name, rules, spent).await;
+                refund_or_log(store, leases, &name, rules, spent).await;
                 return Some(reserve(store, leases, &name, key, rules, cost, b).await);
             }
         }
@@ -566,7 +598,7 @@ pub(crate) fn spawn_sweep<S: Backend>(
 /// Gives back the units of every lease of `store` that has ended.
 pub(crate) async fn sweep(store: &impl Backend, leases: &Leases) {
     for (name, rules, lease) in leases.ended(store.now_us()) {
-        refund_or_log(store, &name, &rules, Some(lease)).await;
+        refund_or_log(store, leases, &name, &rules, Some(lease)).await;
     }
 }
 
@@ -604,6 +636,44 @@ mod tests {
             Step::Reserve(b, _, _) => assert_eq!(b, 400 / SHARE_DIVISOR),
             _ => panic!("a hot key reserves"),
         }
+    }
+
+    /// A check waits for a reservation that ended, and a new one began, between the
+    /// table's answer and its listening: it must not wait for the new one's wake-up.
+    #[tokio::test(start_paused = true)]
+    async fn a_reservation_that_ended_before_its_waiter_listened_does_not_hold_it() {
+        let leases = Leases::new(Duration::from_millis(100));
+        let rules = rules();
+        for t in 1..MIN_SEEN {
+            leases.step("k", &rules, 1, t);
+        }
+        let Step::Reserve(_, _, first) = leases.step("k", &rules, 1, MIN_SEEN) else {
+            panic!("a warm key reserves a block");
+        };
+        let Step::Wait(waited) = leases.step("k", &rules, 1, MIN_SEEN) else {
+            panic!("a second check waits for the reservation");
+        };
+        drop(Pending {
+            leases: &leases,
+            name: "k",
+            rules: &rules,
+            notify: first,
+        });
+        let Step::Reserve(_, _, second) = leases.step("k", &rules, 1, MIN_SEEN + 1) else {
+            panic!("the next check reserves again");
+        };
+        let wait = leases.reserved("k", &rules, waited);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(10), wait)
+                .await
+                .is_ok(),
+            "the waiter hangs on a reservation that ended"
+        );
+        // The live reservation is still waited for.
+        let wait = leases.reserved("k", &rules, second.clone());
+        assert!(tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .is_err());
     }
 
     #[test]

@@ -47,7 +47,9 @@
 //! local fallback. Meanwhile the store reconnects by itself in the background, pausing
 //! 50 ms, then twice as long after each failed attempt, up to 2 s. Each (re)connection
 //! sets the connection up as the first one: loads the function library, reads `TIME`
-//! (for deadlines) and `maxmemory-policy` (on a Cluster, from every master). A store
+//! (for deadlines) and `maxmemory-policy` (on a Cluster, from every master, and again
+//! whenever the cluster connection lost a node and reconnects: a dropped connection, a
+//! restarted or promoted node, once every master answers). A store
 //! over the application's pool or cluster connection does the same on its first call,
 //! and over a pool again after replacing dead connections. Failed attempts are logged as a WARN at most
 //! every 10 s with their count; the recovery as one INFO line.
@@ -83,7 +85,7 @@
 //! as one call per node, routed by the slot map the store reads with `CLUSTER SLOTS`: the
 //! node's function reaches the keys of its slots itself (flag `allow-cross-slot-keys`)
 //! and turns away, uncharged, any check whose slot it no longer serves, which then goes
-//! as a call of its own (following MOVED/ASK) while the map is read again. Before Redis
+//! as a call of its own (following MOVED) while the map is read again. Before Redis
 //! 7, a Cluster's checks go one call each.
 //!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
@@ -131,6 +133,12 @@
 //! rule: the limit; as remaining, the units this instance still holds; the reset Redis
 //! gave at the reservation less the time since.
 //!
+//! While one check of an instance reserves for a (key, rule set), the instance's other
+//! checks of it wait for that reservation and then spend from it. A leased check returns
+//! within the store's [`timeout`](RedisStoreBuilder::timeout), however many calls it
+//! makes or waits for (a refund, a reservation, a second one, another check's
+//! reservation): past it, it fails with [`RedisStoreError::Timeout`] like an exact check.
+//!
 //! Units a lease did not spend go back when it ends (`refund` in `lua/check.lua`): on the
 //! key's next check, and from a sweep that runs every half lease length for as long as
 //! the store lives ([`RedisStore::sweep_leases`] runs it at once), so a key that goes quiet returns
@@ -139,7 +147,9 @@
 //! the charge that has not drained yet by the time of the refund: units whose time has
 //! passed are not given back, since other instances may meanwhile have been charged on a
 //! bucket that would have been full but for the reservation, and returning them would
-//! admit more than the exact limiter.
+//! admit more than the exact limiter. A refund that fails (Redis unreachable) leaves its
+//! units charged until the key's state expires, as a crashed instance's would, and is
+//! logged as a WARN (at most every 10 s, with a count).
 //!
 //! **The promise.** Over any interval, a fleet in lease mode admits no more than the exact
 //! limiter admits over that interval extended by the lease length: for GCRA with burst B
@@ -305,9 +315,19 @@
 //! Every call is bounded by a timeout (default 50 ms) and fails with a typed
 //! [`RedisStoreError`] saying what failed: connection, timeout, script, unexpected reply,
 //! wrong type, configuration. Nothing panics. A connection that fails is dropped and a
-//! new one opened at once (the failed call is sent once more if it comes up within the
-//! call's timeout), then with growing pauses as above, so the same store recovers when
-//! Redis comes back. Whether to fail open or closed is the caller's policy.
+//! new one opened at once, then with growing pauses as above, so the same store recovers
+//! when Redis comes back. Whether to fail open or closed is the caller's policy.
+//!
+//! A call lost with its connection (a restart, a failover, `CLIENT KILL`, a dropped
+//! socket) may have run in Redis before the connection broke, and nothing tells whether
+//! it did; so a check or a refund in it is never sent again: its checks fail with
+//! [`RedisStoreError::Connection`] and the caller's failure policy decides, rather than
+//! charge them twice unseen. For every key, Redis then holds the units of the checks
+//! admitted plus at most those of checks reported failed. Calls the server answered
+//! without running (a missing script or function, a moved slot) and calls that may run
+//! twice (a block, a reset) are sent again. The Cluster connection's own retries are
+//! off for the same reason; the store follows `MOVED` itself (a slot being migrated,
+//! `ASK`, fails the check).
 //!
 //! Requires Redis 6.2 or newer, or Valkey. Tested on Redis 7.0.15 and Valkey 9.1.2, on one
 //! server and on a Cluster, through the Lua functions and through the native module.

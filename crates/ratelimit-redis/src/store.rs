@@ -74,6 +74,8 @@ struct Inner {
     batcher: Option<Batcher>,
     /// Foreign values replaced, reported at a bounded rate.
     heal_log: BoundedLog,
+    /// Refunds (`give_back`) that failed, reported at a bounded rate.
+    give_back_log: BoundedLog,
     /// Lease mode's table, when the store was built with a lease length.
     leases: Option<Leases>,
 }
@@ -235,6 +237,9 @@ impl RedisStoreBuilder {
         }
         let client = ClusterClient::builder(urls)
             .connection_timeout(self.options.connect_timeout)
+            // The connection would resend a call lost with its connection, which may
+            // have run: a check charged twice. The store follows MOVED itself.
+            .retries(0)
             .build()
             .map_err(|e| {
                 RedisStoreError::InvalidConfig(format!(
@@ -322,6 +327,13 @@ impl RedisStoreBuilder {
     /// pool, the first call first sets every master up (scripts, `TIME`,
     /// `maxmemory-policy`).
     ///
+    /// The connection's own retries stay as the application configured them; by
+    /// default they resend a call lost with its connection, which may have run already
+    /// and so charge its checks twice. Build the client with
+    /// [`retries(0)`](redis::cluster::ClusterClientBuilder::retries), as
+    /// [`build_cluster`](Self::build_cluster) does, for the store to fail such a call
+    /// instead (the crate docs, "Failures").
+    ///
     /// # Panics
     ///
     /// As [`build_with_pool`](Self::build_with_pool).
@@ -368,6 +380,7 @@ impl RedisStoreBuilder {
                 shared,
                 batcher,
                 heal_log: BoundedLog::new(),
+                give_back_log: BoundedLog::new(),
                 leases: self.lease.map(Leases::new),
             }),
         };
@@ -430,7 +443,8 @@ impl RedisStore {
     }
 
     /// The server's `maxmemory-policy` as read at the last (re)connection (over the
-    /// application's pool or cluster connection: at its first call); `None` when it
+    /// application's pool or cluster connection: at its first call; on a Cluster, also
+    /// after the cluster connection lost a node and reconnects to it); `None` when it
     /// could not be read (CONFIG forbidden) or before the first connection. On a Cluster
     /// it is read from every master: a policy that can evict when a master has one
     /// (each such master is named in a warning), else the one they have. Anything but
@@ -574,12 +588,27 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        if let Some(leases) = &self.inner.leases {
-            if let Some(decided) = lease::check(self, leases, key, rules, cost).await {
-                return decided;
+        let Some(leases) = &self.inner.leases else {
+            return self.exact(key, rules, cost).await;
+        };
+        // A leased check may wait for another's reservation, give units back, reserve
+        // and reserve again, each a call of its own: the store's timeout bounds them all
+        // together, as it bounds an exact check's one call.
+        let leased = async {
+            match lease::check(self, leases, key, rules, cost).await {
+                Some(decided) => decided,
+                None => self.exact(key, rules, cost).await,
             }
+        };
+        let mut leased = std::pin::pin!(leased);
+        // Most leased checks are answered from the table at the first poll: no timer.
+        if let std::task::Poll::Ready(decided) = futures::poll!(&mut leased) {
+            return decided;
         }
-        self.exact(key, rules, cost).await
+        let timeout = self.inner.shared.timeout;
+        tokio::time::timeout(timeout, leased)
+            .await
+            .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
     }
 
     async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
@@ -620,7 +649,18 @@ impl Store for RedisStore {
             .inner
             .shared
             .give_back_call(key, rules, cost, charged_at);
-        let reply = self.run(Request::Call(call)).await?;
+        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
+            if let Some(count) = self.inner.give_back_log.hit(self.now_us()) {
+                tracing::warn!(
+                    error = %e,
+                    failed_refunds = count,
+                    "units a check charged could not be given back to Redis: they stay \
+                     charged, so the key admits less than its limit until they drain \
+                     (reported at most every 10 s, with the refunds failed since the last \
+                     report)"
+                );
+            }
+        })?;
         Ok(matches!(reply, Value::Int(1)))
     }
 

@@ -21,7 +21,7 @@ use redis::{
 
 use ratelimit_core::util::BoundedLog;
 
-use crate::error::{classify, is_connection_error, RedisStoreError};
+use crate::error::{classify, is_connection_error, is_unreachable, RedisStoreError};
 use crate::script::{self, Call, Request};
 use crate::shared::Shared;
 
@@ -53,10 +53,12 @@ impl std::fmt::Debug for Transport {
 
 impl Transport {
     /// Sends `request`. A request whose connection turned out dead (or whose server is no
-    /// longer the primary) is sent once more if a fresh connection comes up in time.
-    ///
-    /// A request lost with its connection may have reached Redis first; if so it is
-    /// counted twice, which errs toward limiting, never toward admitting more.
+    /// longer the primary) is sent once more if a fresh connection comes up in time, but
+    /// only when running it twice does no harm ([`Request::repeatable`]): a check or a
+    /// refund lost with its connection may have run in Redis before the connection
+    /// broke, and nothing tells whether it did, so it fails (the caller's failure policy
+    /// decides) rather than charge or give back twice. A call the server answered
+    /// without running it (a missing script or function, a moved slot) is resent.
     pub(crate) async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
         match self {
             Transport::Link(link) => link.send(request).await,
@@ -74,6 +76,11 @@ impl Transport {
             Ok(reply) => reply.map_err(|e| failure(e, timeout)),
             Err(_) => Err(RedisStoreError::Timeout(timeout)),
         }
+    }
+
+    /// Whether the store talks to a Redis Cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Transport::Link(link) if link.is_cluster())
     }
 
     /// On a Cluster, which node serves each slot, as last read (read now when not yet
@@ -112,10 +119,11 @@ impl Transport {
         )));
         let send = async {
             link.set_up().await?;
-            Ok::<_, Failure>(match link.conn()? {
-                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await?,
-                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await?,
-            })
+            let reply = match link.conn()? {
+                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await,
+                (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await,
+            };
+            Ok::<_, Failure>(reply.inspect_err(|e| link.node_lost(e))?)
         };
         match tokio::time::timeout(timeout, send).await {
             Ok(reply) => reply.map_err(|e| failure(e, timeout)),
@@ -389,6 +397,8 @@ pub(crate) struct Link {
     unprepared: std::sync::atomic::AtomicBool,
     /// One setup at a time.
     preparing: tokio::sync::Mutex<()>,
+    /// On a Cluster, a task reads the masters' `maxmemory-policy` again.
+    rereading: std::sync::atomic::AtomicBool,
 }
 
 /// Which Cluster node serves each slot: a number per node, the same for every slot the
@@ -462,6 +472,7 @@ impl Link {
             nodes: NodeMap::default(),
             unprepared: std::sync::atomic::AtomicBool::new(false),
             preparing: tokio::sync::Mutex::new(()),
+            rereading: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -756,8 +767,13 @@ impl Link {
             Err(e) if self.breaks(&e) => {
                 // Redis restarted, failed over or the network dropped the socket: the
                 // first reconnection starts at once; send once more if it works (the
-                // caller's timeout bounds the wait).
+                // caller's timeout bounds the wait) and the request may run twice.
                 self.broken(generation, &e);
+                // A demoted server answered without running the call; a lost
+                // connection tells nothing.
+                if is_connection_error(&e) && !request.repeatable() {
+                    return Err(in_flight(&e).into());
+                }
                 if !self.is_connected() {
                     let _ = attempts.changed().await;
                 }
@@ -766,8 +782,86 @@ impl Link {
                 };
                 Ok(conn.send(request).await?)
             }
-            other => Ok(other?),
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::Moved) => match conn {
+                Conn::Cluster(mut conn) => Ok(redirect(&mut conn, request, e).await?),
+                Conn::Multiplexed(_) => Err(e.into()),
+            },
+            Err(e) => {
+                self.node_lost(&e);
+                Err(e.into())
+            }
+            Ok(reply) => Ok(reply),
         }
+    }
+
+    /// On a Cluster, after a failure that makes the cluster connection reconnect to a
+    /// node or read the slots again (a dropped connection, a restarted or promoted
+    /// node), reads every master's `maxmemory-policy` again once they all answer: the
+    /// node it reconnects to may be another server now, or the same one reconfigured.
+    fn node_lost(self: &Arc<Self>, e: &RedisError) {
+        if !is_unreachable(e) || !self.is_cluster() || self.rereading.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(reread_policy(Arc::downgrade(self)));
+    }
+}
+
+/// Reads the masters' `maxmemory-policy` until every master answers, pausing as the
+/// reconnection does; it ends with the store.
+async fn reread_policy(link: Weak<Link>) {
+    let mut pause = FIRST_BACKOFF;
+    loop {
+        tokio::time::sleep(jitter(pause)).await;
+        pause = (pause * 2).min(MAX_BACKOFF);
+        let Some(link) = link.upgrade() else {
+            return;
+        };
+        let Ok((mut conn, _)) = link.conn() else {
+            continue;
+        };
+        // A given connection has no connect timeout of the store's.
+        let within = link.connect_timeout.max(link.shared.timeout);
+        let read = read_policy(&mut conn, &link.shared);
+        if matches!(tokio::time::timeout(within, read).await, Ok(Ok(()))) {
+            link.rereading.store(false, Ordering::Release);
+            return;
+        }
+    }
+}
+
+/// The error for a request whose connection broke while it was in flight: it may have
+/// run in Redis, so it is not sent again.
+fn in_flight(e: &RedisError) -> RedisError {
+    RedisError::from((
+        ErrorKind::Io,
+        "the connection to Redis broke with the call in flight; it may have run, so it is \
+         not sent again",
+        e.to_string(),
+    ))
+}
+
+/// Sends `request` again to the node a `MOVED` answer named: the node that answered ran
+/// nothing. The cluster connection's own retries are off (they would also resend a call
+/// lost with its connection, which may have run), so a moved slot is followed here.
+async fn redirect(
+    conn: &mut ClusterConnection,
+    request: &Request<'_>,
+    moved: RedisError,
+) -> RedisResult<Value> {
+    let target = moved
+        .redirect_node()
+        .and_then(|(address, _)| address.rsplit_once(':'))
+        .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)));
+    let Some((host, port)) = target else {
+        return Err(moved);
+    };
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+    match request {
+        Request::Call(call) => call.invoke_routed(conn, &routing).await,
+        Request::Cmd(cmd) => conn
+            .route_command(cmd.clone(), routing)
+            .await
+            .and_then(Value::extract_error),
     }
 }
 
@@ -824,12 +918,20 @@ async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
             .redis_clock
             .observe(secs * 1_000_000 + micros, Instant::now());
     }
+    read_policy(conn, shared).await
+}
+
+/// Reads `maxmemory-policy` from the server, or from every master of a Cluster (warning
+/// about each one whose policy can evict the store's keys). Fails when a master cannot
+/// be reached; a master that refuses `CONFIG` is taken as it is.
+async fn read_policy(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
     let mut config = redis::cmd("CONFIG");
     config.arg("GET").arg("maxmemory-policy");
     let mut read = Vec::new();
     for (primary, reply) in conn.each_master(config).await? {
         match reply {
             Ok(reply) => read.extend(policy_in(&reply).map(|policy| (primary, policy))),
+            Err(e) if is_connection_error(&e) => return Err(e.into()),
             Err(e) => {
                 // Managed services often rename or forbid CONFIG.
                 tracing::info!(
@@ -1016,9 +1118,12 @@ impl Pooled {
         match first.await {
             Err(Failure::Redis(e)) if is_connection_error(&e) => {
                 // Redis restarted or the network dropped the socket: replace the dead pooled
-                // connections and send once more.
+                // connections and send once more, if the request may run twice.
                 tracing::debug!(error = %e, "Redis connection failed; reconnecting");
                 self.repairs.once(seen, || self.replace_dead()).await?;
+                if !request.repeatable() {
+                    return Err(in_flight(&e).into());
+                }
                 let mut conn = self.checkout().await?;
                 self.prepared(&conn).await?;
                 Ok(request.send(&mut conn).await?)

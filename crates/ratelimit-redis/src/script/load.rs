@@ -8,6 +8,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::LazyLock;
 
+use ratelimit_core::util::BoundedLog;
+use ratelimit_core::Clock;
 use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
@@ -39,6 +41,9 @@ struct ModuleCommand {
 /// and what its builder asked for.
 #[derive(Debug)]
 pub(crate) struct Paths {
+    /// Servers whose function library lacked a function this store calls, reported at a
+    /// bounded rate.
+    missing_log: BoundedLog,
     /// The server has Redis functions (Redis 7): checks go as FCALL, else EVALSHA.
     pub(crate) functions: AtomicBool,
     /// Every primary has the native module of this crate's state format: checks go as
@@ -49,6 +54,7 @@ pub(crate) struct Paths {
 impl Paths {
     pub(crate) fn new() -> Self {
         Self {
+            missing_log: BoundedLog::new(),
             // Until a server says it has no FCALL.
             functions: AtomicBool::new(true),
             // Until a server says it has the module.
@@ -315,6 +321,28 @@ pub(crate) fn library_names(reply: &Value) -> Option<Vec<String>> {
         .collect()
 }
 
+impl Paths {
+    /// Says, at a bounded rate, that a server's library lacks `function` even after the
+    /// store loaded it: a library of this version's name from elsewhere, or one removed
+    /// again at once, over and over.
+    fn missing(&self, function: &str) {
+        let now = ratelimit_core::SystemClock.now_us();
+        if let Some(count) = self.missing_log.hit(now) {
+            tracing::warn!(
+                library = %own_library(),
+                function,
+                calls = count,
+                "the Redis function library lacks a function this store calls, even after \
+                 loading it (a library of the same name that something else loaded, or one \
+                 removed again at once): calls go as scripts (EVALSHA), which costs Redis \
+                 more. See FUNCTION LIST; delete the foreign library or give this store's \
+                 servers to it alone (reported at most every 10 s, with the calls since the \
+                 last report)"
+            );
+        }
+    }
+}
+
 /// Whether a `FUNCTION DELETE` failed only because the library is gone already.
 pub(crate) fn library_missing(e: &RedisError) -> bool {
     e.to_string().contains("Library not found")
@@ -353,6 +381,13 @@ pub(crate) struct Call<'a> {
 }
 
 impl<'a> Call<'a> {
+    /// Whether running this call twice does what running it once does (a block marker
+    /// set again), so that it may be sent again when its connection broke with it in
+    /// flight. A check charges, a refund gives back: neither is.
+    pub(crate) fn repeatable(&self) -> bool {
+        std::ptr::eq(self.script, &*BLOCK)
+    }
+
     /// This module call as a call of the Lua function, for a server that turned out to
     /// lack the module (a restart without it, a failover to a node without it): the
     /// store uses Lua from then on, until a reconnection finds the module again.
@@ -406,10 +441,7 @@ impl<'a> Call<'a> {
                 }
                 match self.cmd.query_async(conn).await {
                     Err(e) if function_missing(&e) => {
-                        tracing::debug!(
-                            "rate-limit function still missing after loading it; \
-                             sending this call as a script"
-                        );
+                        self.paths.missing(self.function_name());
                         let mut evalsha = redis::cmd("EVALSHA");
                         evalsha.arg(self.script.sha.as_str());
                         self.resend(conn, evalsha).await
@@ -432,6 +464,14 @@ impl<'a> Call<'a> {
             }
             other => other,
         }
+    }
+
+    /// The name of the function this call is of (empty for a script without one).
+    fn function_name(&self) -> &'static str {
+        self.script
+            .function
+            .as_ref()
+            .map_or("", |f| f.name.as_str())
     }
 
     /// This call's keys and arguments after `head` (EVAL or EVALSHA and the script).
@@ -486,7 +526,11 @@ impl<'a> Call<'a> {
                         _ => {}
                     }
                 }
-                route(conn, &self.cmd, routing).await
+                route(conn, &self.cmd, routing).await.inspect_err(|e| {
+                    if function_missing(e) {
+                        self.paths.missing(self.function_name());
+                    }
+                })
             }
             Err(e) if self.fcall && unknown_command(&e) => {
                 // Nothing ran; the caller sends each check alone from now on.
@@ -522,6 +566,17 @@ pub(crate) enum Request<'a> {
 }
 
 impl Request<'_> {
+    /// Whether the request may be sent again after its connection broke with it in
+    /// flight, when it may have run already: plain commands (`DEL`, `TIME`, `CONFIG
+    /// GET`, ...) and the block script may; a check or a refund must not, or it would
+    /// charge or give back twice.
+    pub(crate) fn repeatable(&self) -> bool {
+        match self {
+            Request::Call(call) => call.repeatable(),
+            Request::Cmd(_) => true,
+        }
+    }
+
     pub(crate) async fn send<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<Value> {
         match self {
             Request::Call(call) => call.invoke(conn).await,

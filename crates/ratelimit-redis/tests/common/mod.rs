@@ -113,3 +113,20 @@ impl StoredKeyBuf {
         }
     }
 }
+
+/// Closes every client connection of the server on `port` (`CLIENT KILL TYPE normal`),
+/// as a proxy or the server would on a fault; a server that does not answer is skipped.
+pub(crate) fn kill_clients(port: u16) {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
+        return;
+    };
+    if let Ok(mut con) = client.get_connection() {
+        let _: redis::RedisResult<redis::Value> = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .arg("SKIPME")
+            .arg("yes")
+            .query(&mut con);
+    }
+}

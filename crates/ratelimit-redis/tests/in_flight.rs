@@ -1,0 +1,161 @@
+//! Calls lost with their connection: `CLIENT KILL` under load, over and over. A check
+//! whose call may have run in Redis before its connection broke is never sent again, so
+//! for every key Redis holds the units of the checks admitted, plus at most those of the
+//! checks reported failed: nothing is charged that the caller was not told about.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratelimit_core::testing::T0_US;
+use ratelimit_core::{ManualClock, RuleSet, Store};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
+use ratelimit_redis::RedisStore;
+
+const KEYS: usize = 24;
+const TASKS: usize = 16;
+const KILLS: usize = 30;
+const LIMIT: u64 = 1_000_000;
+
+fn rules() -> RuleSet {
+    // The clock stands still: the window never turns, so its count is every unit
+    // charged.
+    format!("{LIMIT}/h fixed-window").parse().unwrap()
+}
+
+fn key(i: usize) -> Vec<u8> {
+    format!("in-flight-{i}").into_bytes()
+}
+
+/// Per key: (units admitted, units of checks that failed).
+type Tally = HashMap<usize, (u64, u64)>;
+
+/// `TASKS` tasks check keys at random while `kill` cuts the store's connections `KILLS`
+/// times; then each key's charge must lie between what was admitted and that plus what
+/// failed.
+async fn kills_charge_nothing_unreported(store: RedisStore, kill: impl Fn() + Send + 'static) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut tally = Tally::new();
+                let mut state = 0x9e37_79b9_u64.wrapping_mul(t as u64 + 1);
+                let mut errors = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    let k = usize::try_from(state >> 33).unwrap() % KEYS;
+                    let cost = 1 + (state >> 20) % 3;
+                    let entry = tally.entry(k).or_default();
+                    match store.check(&key(k), &rules(), cost).await {
+                        Ok(d) => {
+                            assert!(d.is_allowed(), "nothing is near the limit");
+                            entry.0 += cost;
+                        }
+                        Err(e) => {
+                            assert!(e.is_unavailable(), "{e}");
+                            entry.1 += cost;
+                            if errors.len() < 3 {
+                                errors.push(e.to_string());
+                            }
+                        }
+                    }
+                }
+                (tally, errors)
+            })
+        })
+        .collect();
+    let killer = tokio::task::spawn_blocking(move || {
+        for _ in 0..KILLS {
+            std::thread::sleep(Duration::from_millis(15));
+            kill();
+        }
+    });
+    killer.await.expect("killer");
+    // Let the store reconnect and the tasks run on a working connection for a while.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut tally = Tally::new();
+    let mut errors = Vec::new();
+    for task in tasks {
+        let (t, e) = task.await.expect("no panic in a checking task");
+        for (k, (admitted, failed)) in t {
+            let entry = tally.entry(k).or_default();
+            entry.0 += admitted;
+            entry.1 += failed;
+        }
+        errors.extend(e);
+    }
+    wait_connected(&store).await;
+    for (k, (admitted, failed)) in &tally {
+        // A check of cost 0 reads without charging.
+        let d = store.check(&key(*k), &rules(), 0).await.expect("peek");
+        let charged = LIMIT - d.rules()[0].remaining;
+        assert!(
+            *admitted <= charged && charged <= admitted + failed,
+            "key {k}: {charged} units charged, {admitted} admitted, {failed} in failed \
+             checks (errors seen: {errors:?})"
+        );
+    }
+    let failed: u64 = tally.values().map(|t| t.1).sum();
+    assert!(
+        failed > 0,
+        "the kills failed no check: the test tests nothing"
+    );
+}
+
+async fn store_on(url: &str) -> RedisStore {
+    let store = RedisStore::builder()
+        .prefix("inflight")
+        .clock(ManualClock::new(T0_US))
+        .timeout(Duration::from_millis(500))
+        .build(url)
+        .await
+        .expect("store");
+    wait_connected(&store).await;
+    store
+}
+
+fn killer(servers: Vec<u16>) -> impl Fn() + Send + 'static {
+    move || {
+        for &port in &servers {
+            common::kill_clients(port);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_kill_under_load_charges_no_check_twice() {
+    let server = RedisServer::start();
+    let store = store_on(&server.url()).await;
+    assert!(!store.uses_module());
+    kills_charge_nothing_unreported(store, killer(vec![server.port()])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_kill_under_load_charges_no_check_twice_in_the_module() {
+    let server = RedisServer::start_with_module();
+    let store = store_on(&server.url()).await;
+    assert!(store.uses_module());
+    kills_charge_nothing_unreported(store, killer(vec![server.port()])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_kill_under_load_charges_no_check_twice_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .prefix("inflight")
+        .clock(ManualClock::new(T0_US))
+        .timeout(Duration::from_millis(500))
+        .build_cluster(cluster.urls())
+        .await
+        .expect("store");
+    wait_connected(&store).await;
+    let ports = cluster.nodes().iter().map(RedisServer::port).collect();
+    kills_charge_nothing_unreported(store, killer(ports)).await;
+}
