@@ -5,9 +5,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ratelimit_core::packed;
 use redis_module::{
-    CallOptionsBuilder, CallReply, CallResult, Context, RedisError, RedisResult, RedisString,
-    RedisValue,
+    CallOptions, CallOptionsBuilder, CallReply, CallResult, Context, RedisError, RedisResult,
+    RedisString, RedisValue,
 };
+use smallvec::SmallVec;
 
 use crate::check::{check_one, server_now_us, Keys};
 
@@ -150,14 +151,15 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     let keys = &args[3 + n..];
     let now = server_now_us();
     let mut out = Vec::with_capacity(n * 48);
+    let exists = CallOptionsBuilder::new().errors_as_replies().build();
     let mut k = 0;
     for (m, packed_check) in counts.iter().zip(packs) {
         let these = &keys[k..k + m];
         k += m;
         // A command through the command table checks the keys' slot against the ones
         // this node serves (a moved or migrating slot fails it), before anything is read.
-        let names: Vec<&[u8]> = these.iter().map(RedisString::as_slice).collect();
-        if let Err(why) = served(ctx, &names) {
+        let names: SmallVec<[&RedisString; 3]> = these.iter().collect();
+        if let Err(why) = served(ctx, &exists, &names) {
             packed::encode_failure(&mut out, format!("RLMOVED {why}").as_bytes());
             continue;
         }
@@ -169,10 +171,10 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
 
 /// Whether this node serves the slot of `keys`, by `EXISTS` through the command table,
 /// which refuses keys of a slot the node does not serve: with an error reply on Redis
-/// 7.2 and later (`E`), without a reply before.
-fn served(ctx: &Context, keys: &[&[u8]]) -> Result<(), String> {
-    let options = CallOptionsBuilder::new().errors_as_replies().build();
-    let reply: CallResult<'_> = ctx.call_ext("EXISTS", &options, keys);
+/// 7.2 and later (`E`), without a reply before. The keys go as the command's own
+/// strings, which Redis references rather than copies.
+fn served(ctx: &Context, options: &CallOptions, keys: &[&RedisString]) -> Result<(), String> {
+    let reply: CallResult<'_> = ctx.call_ext("EXISTS", options, keys);
     match reply {
         Ok(CallReply::I64(_)) => Ok(()),
         Ok(_) => Err("this node does not serve the keys' slot".to_owned()),
