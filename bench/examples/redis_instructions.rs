@@ -29,6 +29,10 @@
 //! callgrind_annotate --inclusive=yes /tmp/profiles/3-RATELIMIT.CHECK_MANY.out | head -60
 //! ```
 //!
+//! `CLUSTER=1` measures instead, on a Cluster node serving every slot with the module
+//! loaded, the module's batches as `RATELIMIT.CHECK_MANY` and as `RATELIMIT.CHECK_LOCAL`
+//! (the Cluster's per-node batches, each check's slot checked).
+//!
 //! `KEEP` names a directory where each row's callgrind dump is kept (`<row>-<path>.out`),
 //! to see where a row's instructions go.
 
@@ -79,11 +83,14 @@ impl Drop for Server {
 fn main() {
     let rounds = env_or("ROUNDS", 20) as usize;
     let module = module();
-    let server = start(module.as_deref());
-    let mut con = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    if env_or("CLUSTER", 0) == 1 {
+        return cluster_rows(
+            rounds,
+            module.as_deref().expect("CLUSTER=1 needs the module"),
+        );
+    }
+    let server = start(module.as_deref(), false);
+    let mut con = connect(&server);
     let script = check_script();
     for library in [script.library, FLOOR_LIBRARY] {
         let _: String = redis::cmd("FUNCTION")
@@ -187,6 +194,80 @@ fn main() {
     }
 }
 
+fn connect(server: &Server) -> Connection {
+    redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+/// `CLUSTER=1`: a Cluster node serving every slot, the module's batches on the same 64
+/// keys every batch, sent as `RATELIMIT.CHECK_MANY` (no slot checks) and as
+/// `RATELIMIT.CHECK_LOCAL` (each check's slot checked): what the Cluster's per-node
+/// batches add.
+fn cluster_rows(rounds: usize, module: &str) {
+    let server = start(Some(module), true);
+    let mut con = connect(&server);
+    let _: String = redis::cmd("CLUSTER")
+        .arg("ADDSLOTSRANGE")
+        .arg(0)
+        .arg(16383)
+        .query(&mut con)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !redis::cmd("CLUSTER")
+        .arg("INFO")
+        .query::<String>(&mut con)
+        .unwrap()
+        .contains("cluster_state:ok")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the node's cluster state is not ok"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!(
+        "redis-server instructions per decision (callgrind), a Cluster node, {rounds} batches of {BATCH}\n"
+    );
+    println!("| row | instructions / decision |");
+    println!("|---|---:|");
+    let rules: RuleSet = "1/min gcra burst=1000".parse().expect("rules");
+    let args = check_script_args(&rules, 1);
+    for path in ["RATELIMIT.CHECK_MANY", "RATELIMIT.CHECK_LOCAL"] {
+        let cost = count(&server, path, &mut con, rounds, |con, _| {
+            let names: Vec<String> = (0..BATCH)
+                .flat_map(|i| {
+                    [
+                        format!("hot:{path}:{{{i}}}:b"),
+                        format!("hot:{path}:{{{i}}}:s"),
+                    ]
+                })
+                .collect();
+            let mut cmd = redis::cmd(path);
+            let local = path.ends_with("LOCAL");
+            cmd.arg(if local { 0 } else { 2 * BATCH });
+            if !local {
+                cmd.arg(&names);
+            }
+            cmd.arg(vec![b'2'; BATCH]);
+            for _ in 0..BATCH {
+                cmd.arg(&args[0][..]);
+            }
+            if local {
+                cmd.arg(&names);
+            }
+            let reply: Vec<u8> = cmd.query(con).unwrap();
+            let allowed = reply
+                .chunks(48)
+                .filter(|c| c.get(16..24) == Some(&1f64.to_le_bytes()[..]))
+                .count();
+            assert_eq!(allowed, BATCH, "every check admitted");
+        });
+        println!("| `{path}`, `1/min gcra burst=1000`, the same 64 keys every batch | {cost:.0} |");
+    }
+}
+
 /// The module's shared object, when there is one to load.
 fn module() -> Option<String> {
     if let Ok(path) = std::env::var("RATELIMIT_MODULE") {
@@ -286,7 +367,7 @@ fn summary(path: &Path) -> Option<u64> {
         .ok()
 }
 
-fn start(module: Option<&str>) -> Server {
+fn start(module: Option<&str>, cluster: bool) -> Server {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -307,6 +388,12 @@ fn start(module: Option<&str>) -> Server {
             "no",
         ])
         .args(module.map(|m| ["--loadmodule", m]).into_iter().flatten())
+        .args(
+            cluster
+                .then_some(["--cluster-enabled", "yes"])
+                .into_iter()
+                .flatten(),
+        )
         .current_dir(&dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
