@@ -4,13 +4,11 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ratelimit_core::packed;
-use redis_module::{
-    CallOptions, CallOptionsBuilder, CallReply, CallResult, Context, RedisError, RedisResult,
-    RedisString, RedisValue,
-};
+use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
 use crate::check::{check_one, server_now_us, Keys};
+use crate::keyspace::served;
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
 /// take the server down.
@@ -151,7 +149,6 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     let keys = &args[3 + n..];
     let now = server_now_us();
     let mut out = Vec::with_capacity(n * 48);
-    let exists = CallOptionsBuilder::new().errors_as_replies().build();
     let mut k = 0;
     for (m, packed_check) in counts.iter().zip(packs) {
         let these = &keys[k..k + m];
@@ -159,7 +156,7 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
         // A command through the command table checks the keys' slot against the ones
         // this node serves (a moved or migrating slot fails it), before anything is read.
         let names: SmallVec<[&RedisString; 3]> = these.iter().collect();
-        if let Err(why) = served(ctx, &exists, &names) {
+        if let Err(why) = served(ctx, &names) {
             packed::encode_failure(&mut out, format!("RLMOVED {why}").as_bytes());
             continue;
         }
@@ -167,19 +164,6 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
         batch_entry(ctx, &keys, packed_check.as_slice(), now, &mut out);
     }
     Ok(RedisValue::StringBuffer(out))
-}
-
-/// Whether this node serves the slot of `keys`, by `EXISTS` through the command table,
-/// which refuses keys of a slot the node does not serve: with an error reply on Redis
-/// 7.2 and later (`E`), without a reply before. The keys go as the command's own
-/// strings, which Redis references rather than copies.
-fn served(ctx: &Context, options: &CallOptions, keys: &[&RedisString]) -> Result<(), String> {
-    let reply: CallResult<'_> = ctx.call_ext("EXISTS", options, keys);
-    match reply {
-        Ok(CallReply::I64(_)) => Ok(()),
-        Ok(_) => Err("this node does not serve the keys' slot".to_owned()),
-        Err(e) => Err(e.to_utf8_string().unwrap_or_default()),
-    }
 }
 
 /// `RATELIMIT.VERSION`: the module's version and its state format.
