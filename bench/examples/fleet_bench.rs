@@ -54,6 +54,8 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 struct TaskTally {
     keys: HashMap<u32, (u32, u32)>,
     errors: u64,
+    /// The first error's message, to say what the errors were.
+    first_error: Option<String>,
     latencies_us: Vec<u32>,
 }
 
@@ -154,9 +156,11 @@ async fn main() -> Result<(), Error> {
     // Merge the tallies.
     let mut per_key: HashMap<u32, (u64, u64)> = HashMap::new();
     let mut errors = 0;
+    let mut first_error = None;
     let mut latencies = Vec::new();
     for tally in tallies {
         errors += tally.errors;
+        first_error = first_error.or(tally.first_error);
         latencies.extend(tally.latencies_us);
         for (k, (offered, admitted)) in tally.keys {
             let e = per_key.entry(k).or_default();
@@ -221,6 +225,9 @@ async fn main() -> Result<(), Error> {
         over_bound,
         errors,
     );
+    if let Some(error) = first_error {
+        println!("errors: {errors}, the first: {error}");
+    }
     if let Some((k, &(offered, admitted))) = hottest {
         println!(
             "hottest key client-{k}: offered {offered}, admitted {admitted} ({:.3} of the exact \
@@ -289,7 +296,10 @@ async fn drive(
                             entry.0 += 1;
                             entry.1 += u32::from(d.is_allowed());
                         }
-                        Err(_) => tally.errors += 1,
+                        Err(e) => {
+                            tally.errors += 1;
+                            tally.first_error.get_or_insert_with(|| e.to_string());
+                        }
                     }
                 }
                 tally

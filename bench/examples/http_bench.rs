@@ -25,9 +25,16 @@
 //! `RateLimitLayer` + `MemoryStore` under `1/h` and tower_governor under one request per
 //! hour, so that every request after the first is refused (429).
 //!
+//! `MODULE=1` starts the local redis-server with the native module loaded
+//! (`$RATELIMIT_MODULE`, else one `testing::module_file` builds: build it with `cargo
+//! build --release -p ratelimit-redis-module` and set `RATELIMIT_MODULE` to
+//! `target/release/libratelimit_redis_module.so` to measure the release build), and adds
+//! a server whose `RedisStore` is forced onto the Lua functions on that same redis-server:
+//! the module's layer and the Lua one measured side by side in one run.
+//!
 //! Settings (environment): `DURATION` seconds per run (10), `ROUNDS` (3), `CONNECTIONS`
 //! (64), `WRK_THREADS` (1), `SERVER_THREADS` tokio workers (1), `REDIS_POOL` connections
-//! (the store's default), `PIN` (0).
+//! (the store's default), `PIN` (0), `MODULE` (0).
 
 use std::net::SocketAddr;
 use std::process::Command;
@@ -76,11 +83,16 @@ fn main() -> Result<(), Error> {
         .enable_all()
         .build()?;
 
+    let module = std::env::var("MODULE").is_ok_and(|v| v == "1");
     let mut redis_server = None;
     let redis_url = match std::env::var("REDIS_URL") {
         Ok(url) => url,
         Err(_) => {
-            let server = ratelimit_redis::testing::RedisServer::start();
+            let server = if module {
+                ratelimit_redis::testing::RedisServer::start_with_module()
+            } else {
+                ratelimit_redis::testing::RedisServer::start()
+            };
             let url = server.url();
             redis_server = Some(server);
             url
@@ -103,19 +115,25 @@ fn main() -> Result<(), Error> {
         .burst_size(1)
         .finish()
         .ok_or("tower_governor configuration")?;
-    let mut redis_builder = RedisStore::builder();
-    if let Some(size) = std::env::var("REDIS_POOL")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        redis_builder = redis_builder.pool_size(size);
-    }
-    let redis_store = rt.block_on(redis_builder.build(&redis_url))?;
-    rt.block_on(wait_connected(&redis_store));
-    let redis = RateLimitLayer::builder(redis_store, PeerIp::new())
-        .namespace("http-bench")
-        .rules(RULES)?
-        .build()?;
+    let redis_layer = |force_lua: bool| -> Result<_, Error> {
+        let mut builder = RedisStore::builder().force_lua(force_lua);
+        if let Some(size) = std::env::var("REDIS_POOL")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            builder = builder.pool_size(size);
+        }
+        let store = rt.block_on(builder.build(&redis_url))?;
+        rt.block_on(wait_connected(&store));
+        if module && !force_lua && !store.uses_module() {
+            return Err("MODULE=1 but the store does not use the module".into());
+        }
+        Ok(RateLimitLayer::builder(store, PeerIp::new())
+            .namespace("http-bench")
+            .rules(RULES)?
+            .build()?)
+    };
+    let redis = redis_layer(false)?;
     let governor = GovernorConfigBuilder::default()
         .per_nanosecond(10)
         .burst_size(u32::MAX)
@@ -124,10 +142,17 @@ fn main() -> Result<(), Error> {
 
     // The last two refuse every request after the first: the denial path.
     const DENYING: usize = 2;
-    let servers: Vec<(&'static str, Router)> = vec![
+    let mut servers: Vec<(&'static str, Router)> = vec![
         ("plain axum", hello()),
         ("RateLimitLayer + MemoryStore", hello().layer(memory)),
-        ("RateLimitLayer + RedisStore", hello().layer(redis)),
+        (
+            if module {
+                "RateLimitLayer + RedisStore (module)"
+            } else {
+                "RateLimitLayer + RedisStore"
+            },
+            hello().layer(redis),
+        ),
         (
             "tower_governor",
             hello().layer(GovernorLayer::new(Arc::new(governor))),
@@ -145,6 +170,17 @@ fn main() -> Result<(), Error> {
             hello().layer(GovernorLayer::new(Arc::new(governor_deny))),
         ),
     ];
+    if module {
+        // Before the denying servers, which come last.
+        let at = servers.len() - DENYING;
+        servers.insert(
+            at,
+            (
+                "RateLimitLayer + RedisStore (Lua)",
+                hello().layer(redis_layer(true)?),
+            ),
+        );
+    }
 
     if pin {
         println!("server (and local redis-server) pinned to CPU 0, wrk to CPU 1");

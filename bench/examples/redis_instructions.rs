@@ -15,14 +15,26 @@
 //!   loads it: `$RATELIMIT_MODULE` names the module's `.so`, else
 //!   `target/release/libratelimit_redis_module.so` when it is there (build it first).
 //!
-//! Every key is a new one for its round, so every check is admitted and writes its state.
+//! Every key is a new one for its round, so every check is admitted and writes its state;
+//! but in the last rows, which check the same 64 keys in every batch (a limiter's steady
+//! state: each key's state read, decided, rewritten with its new expiry), under a rule
+//! that admits them all.
 //!
 //! ```sh
 //! apt-get install valgrind   # Debian; callgrind_control comes with it
 //! cargo build --release -p ratelimit-redis-module   # for the module's rows
 //! cargo run --release -p ratelimit-bench --example redis_instructions
 //! # ROUNDS (20) batches of 64 per row
+//! KEEP=/tmp/profiles cargo run --release -p ratelimit-bench --example redis_instructions
+//! callgrind_annotate --inclusive=yes /tmp/profiles/3-RATELIMIT.CHECK_MANY.out | head -60
 //! ```
+//!
+//! `CLUSTER=1` measures instead, on a Cluster node serving every slot with the module
+//! loaded, the module's batches as `RATELIMIT.CHECK_MANY` and as `RATELIMIT.CHECK_LOCAL`
+//! (the Cluster's per-node batches, each check's slot checked).
+//!
+//! `KEEP` names a directory where each row's callgrind dump is kept (`<row>-<path>.out`),
+//! to see where a row's instructions go.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -71,11 +83,14 @@ impl Drop for Server {
 fn main() {
     let rounds = env_or("ROUNDS", 20) as usize;
     let module = module();
-    let server = start(module.as_deref());
-    let mut con = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    if env_or("CLUSTER", 0) == 1 {
+        return cluster_rows(
+            rounds,
+            module.as_deref().expect("CLUSTER=1 needs the module"),
+        );
+    }
+    let server = start(module.as_deref(), false);
+    let mut con = connect(&server);
     let script = check_script();
     for library in [script.library, FLOOR_LIBRARY] {
         let _: String = redis::cmd("FUNCTION")
@@ -88,7 +103,7 @@ fn main() {
     println!("redis-server instructions per decision (callgrind), {rounds} batches of {BATCH}\n");
     println!("| row | instructions / decision | × PING |");
     println!("|---|---:|---:|");
-    let ping = count(&server, &mut con, rounds, |con, _| {
+    let ping = count(&server, "PING", &mut con, rounds, |con, _| {
         let mut pipe = redis::pipe();
         for _ in 0..BATCH {
             pipe.cmd("PING");
@@ -96,7 +111,7 @@ fn main() {
         let _: Vec<String> = pipe.query(con).unwrap();
     });
     println!("| `PING`, {BATCH} to a write (the floor) | {ping:.0} | 1.00x |");
-    let floor = count(&server, &mut con, rounds, |con, round| {
+    let floor = count(&server, "floor", &mut con, rounds, |con, round| {
         let mut cmd = redis::cmd("FCALL");
         cmd.arg("ratelimit_floor").arg(2 * BATCH);
         for i in 0..BATCH {
@@ -118,12 +133,19 @@ fn main() {
     } else {
         &[("check_many", Some(script.batch_function))]
     };
-    for ((name, rules), (path, function)) in [
-        ("`100/s gcra burst=100`", "100/s gcra burst=100"),
+    for ((name, rules, same_keys), (path, function)) in [
+        ("`100/s gcra burst=100`", "100/s gcra burst=100", false),
         (
             "4 rules (gcra, sliding p=1, fixed, token)",
             "100/s gcra burst=10; 1000/min sliding-window precision=1; 10000/h fixed-window; \
              100000/day token-bucket capacity=1000",
+            false,
+        ),
+        // A limiter's steady state: keys checked again, their state read and rewritten.
+        (
+            "`1/min gcra burst=1000`, the same 64 keys every batch",
+            "1/min gcra burst=1000",
+            true,
         ),
     ]
     .into_iter()
@@ -134,7 +156,7 @@ fn main() {
         assert_eq!(args.len(), 1, "one packed argument per check");
         // Block marker and state: none of these rules is a sliding log.
         let keys = 2;
-        let cost = count(&server, &mut con, rounds, |con, round| {
+        let cost = count(&server, path, &mut con, rounds, |con, round| {
             let mut cmd = match function {
                 Some(function) => {
                     let mut cmd = redis::cmd("FCALL");
@@ -144,9 +166,14 @@ fn main() {
                 None => redis::cmd(path),
             };
             cmd.arg(keys * BATCH);
+            // Each path its own keys, so that the second does not find the first's.
             for i in 0..BATCH {
-                cmd.arg(format!("check:{{{round}:{i}}}:b"))
-                    .arg(format!("check:{{{round}:{i}}}:s"));
+                let tag = if same_keys {
+                    format!("hot:{path}:{{{i}}}")
+                } else {
+                    format!("check:{path}:{{{round}:{i}}}")
+                };
+                cmd.arg(format!("{tag}:b")).arg(format!("{tag}:s"));
             }
             cmd.arg(vec![b'0' + keys as u8; BATCH]);
             for _ in 0..BATCH {
@@ -154,8 +181,90 @@ fn main() {
             }
             let reply: Vec<u8> = cmd.query(con).unwrap();
             assert!(reply.len() >= BATCH * 48, "every check decided");
+            if same_keys {
+                // One rule: 6 values per check, the third its `allowed`.
+                let allowed = reply
+                    .chunks(48)
+                    .filter(|c| c.get(16..24) == Some(&1f64.to_le_bytes()[..]))
+                    .count();
+                assert_eq!(allowed, BATCH, "every check admitted");
+            }
         });
         println!("| `{path}`, {name} | {cost:.0} | {:.2}x |", cost / ping);
+    }
+}
+
+fn connect(server: &Server) -> Connection {
+    redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+/// `CLUSTER=1`: a Cluster node serving every slot, the module's batches on the same 64
+/// keys every batch, sent as `RATELIMIT.CHECK_MANY` (no slot checks) and as
+/// `RATELIMIT.CHECK_LOCAL` (each check's slot checked): what the Cluster's per-node
+/// batches add.
+fn cluster_rows(rounds: usize, module: &str) {
+    let server = start(Some(module), true);
+    let mut con = connect(&server);
+    let _: String = redis::cmd("CLUSTER")
+        .arg("ADDSLOTSRANGE")
+        .arg(0)
+        .arg(16383)
+        .query(&mut con)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !redis::cmd("CLUSTER")
+        .arg("INFO")
+        .query::<String>(&mut con)
+        .unwrap()
+        .contains("cluster_state:ok")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the node's cluster state is not ok"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!(
+        "redis-server instructions per decision (callgrind), a Cluster node, {rounds} batches of {BATCH}\n"
+    );
+    println!("| row | instructions / decision |");
+    println!("|---|---:|");
+    let rules: RuleSet = "1/min gcra burst=1000".parse().expect("rules");
+    let args = check_script_args(&rules, 1);
+    for path in ["RATELIMIT.CHECK_MANY", "RATELIMIT.CHECK_LOCAL"] {
+        let cost = count(&server, path, &mut con, rounds, |con, _| {
+            let names: Vec<String> = (0..BATCH)
+                .flat_map(|i| {
+                    [
+                        format!("hot:{path}:{{{i}}}:b"),
+                        format!("hot:{path}:{{{i}}}:s"),
+                    ]
+                })
+                .collect();
+            let mut cmd = redis::cmd(path);
+            let local = path.ends_with("LOCAL");
+            cmd.arg(if local { 0 } else { 2 * BATCH });
+            if !local {
+                cmd.arg(&names);
+            }
+            cmd.arg(vec![b'2'; BATCH]);
+            for _ in 0..BATCH {
+                cmd.arg(&args[0][..]);
+            }
+            if local {
+                cmd.arg(&names);
+            }
+            let reply: Vec<u8> = cmd.query(con).unwrap();
+            let allowed = reply
+                .chunks(48)
+                .filter(|c| c.get(16..24) == Some(&1f64.to_le_bytes()[..]))
+                .count();
+            assert_eq!(allowed, BATCH, "every check admitted");
+        });
+        println!("| `{path}`, `1/min gcra burst=1000`, the same 64 keys every batch | {cost:.0} |");
     }
 }
 
@@ -175,6 +284,7 @@ fn module() -> Option<String> {
 /// one run to warm up.
 fn count(
     server: &Server,
+    label: &str,
     con: &mut Connection,
     rounds: usize,
     mut batch: impl FnMut(&mut Connection, usize),
@@ -184,12 +294,25 @@ fn count(
     for round in 0..rounds {
         batch(con, round);
     }
-    let total = callgrind(server, "-d");
+    let (total, dump) = callgrind(server, "-d");
+    if let Ok(keep) = std::env::var("KEEP") {
+        // Rows are told apart by their order and the name of what they ran.
+        let n = KEPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!(
+            "{n}-{}.out",
+            label.replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_")
+        );
+        std::fs::create_dir_all(&keep).unwrap();
+        std::fs::copy(&dump, Path::new(&keep).join(name)).unwrap();
+    }
     total as f64 / (rounds * BATCH) as f64
 }
 
-/// Runs `callgrind_control <flag>` on the server; after `-d`, the instructions of the dump.
-fn callgrind(server: &Server, flag: &str) -> u64 {
+static KEPT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Runs `callgrind_control <flag>` on the server; after `-d`, the instructions of the dump
+/// and its file.
+fn callgrind(server: &Server, flag: &str) -> (u64, PathBuf) {
     let before = dumps(&server.dir);
     let status = Command::new("callgrind_control")
         .arg(flag)
@@ -200,7 +323,7 @@ fn callgrind(server: &Server, flag: &str) -> u64 {
         .expect("callgrind_control (valgrind) on PATH");
     assert!(status.success(), "callgrind_control {flag}");
     if flag != "-d" {
-        return 0;
+        return (0, PathBuf::new());
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -208,8 +331,8 @@ fn callgrind(server: &Server, flag: &str) -> u64 {
             .into_iter()
             .filter(|p| !before.contains(p))
             .collect();
-        if let Some(total) = new.iter().find_map(|p| summary(p)) {
-            return total;
+        if let Some(found) = new.iter().find_map(|p| Some((summary(p)?, p.clone()))) {
+            return found;
         }
         assert!(Instant::now() < deadline, "no callgrind dump");
         std::thread::sleep(Duration::from_millis(50));
@@ -244,7 +367,7 @@ fn summary(path: &Path) -> Option<u64> {
         .ok()
 }
 
-fn start(module: Option<&str>) -> Server {
+fn start(module: Option<&str>, cluster: bool) -> Server {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -265,6 +388,12 @@ fn start(module: Option<&str>) -> Server {
             "no",
         ])
         .args(module.map(|m| ["--loadmodule", m]).into_iter().flatten())
+        .args(
+            cluster
+                .then_some(["--cluster-enabled", "yes"])
+                .into_iter()
+                .flatten(),
+        )
         .current_dir(&dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -6,10 +6,12 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
-use std::time::Duration;
 
 use ratelimit_core::algo::{self, RuleState};
 use ratelimit_core::packed::{self, Header, PackedRules};
+use redis_module::key::KeyFlags;
+
+use crate::keyspace::StateKey;
 use redis_module::{CallOptionsBuilder, CallReply, CallResult, Context, KeyType, RedisString};
 
 /// The rule sets seen lately, by their packed bytes: building one (validation, the
@@ -19,10 +21,33 @@ const RULE_CACHE: usize = 1024;
 
 thread_local! {
     static RULES: RefCell<HashMap<Box<[u8]>, Rc<PackedRules>>> = RefCell::new(HashMap::new());
+    /// The last packed check, read: a batch's checks mostly carry the same bytes (rules,
+    /// cost, deadline), and comparing them costs less than reading the header again and
+    /// hashing the rules for the map.
+    static LAST: RefCell<Option<ReadCheck>> = const { RefCell::new(None) };
 }
 
-/// The rules of a packed check, from the cache or built and cached.
-fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
+/// A packed check's bytes, and its header and rules as read.
+type ReadCheck = (Box<[u8]>, Header, Rc<PackedRules>);
+
+/// The header and the rules of a packed check, read or taken from the caches.
+fn read_check(packed_check: &[u8]) -> Result<(Header, Rc<PackedRules>), String> {
+    let last = LAST.with(|last| {
+        last.borrow()
+            .as_ref()
+            .filter(|(bytes, _, _)| **bytes == *packed_check)
+            .map(|(_, header, rules)| (*header, rules.clone()))
+    });
+    if let Some(read) = last {
+        return Ok(read);
+    }
+    let (header, rule_bytes) = Header::parse(packed_check).map_err(|e| args_error(&e))?;
+    let rules = cached_rules(rule_bytes, &header)?;
+    LAST.with(|last| *last.borrow_mut() = Some((packed_check.into(), header, rules.clone())));
+    Ok((header, rules))
+}
+
+fn cached_rules(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
     if let Some(rules) = RULES.with(|cache| cache.borrow().get(bytes).cloned()) {
         return Ok(rules);
     }
@@ -80,8 +105,7 @@ pub(crate) fn check_one(
     server_now: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
-    let (header, rule_bytes) = Header::parse(packed_check).map_err(|e| args_error(&e))?;
-    let rules = rules_of(rule_bytes, &header)?;
+    let (header, rules) = read_check(packed_check)?;
     if (header.log_limit > 0) != keys.log.is_some() {
         return Err(args_error(&format_args!(
             "a check {} a sliding log takes {} keys",
@@ -109,16 +133,19 @@ pub(crate) fn check_one(
     let now = header.now.unwrap_or(server_now);
     let mut discarded = false;
 
-    // Blocks come first: a blocked key consults no rule.
-    let block = ctx.open_key_writable(keys.block);
+    // Blocks come first: a blocked key consults no rule. Most keys have none: opened
+    // for reading, a missing key costs a lookup and nothing else (a key opened for
+    // writing is allocated, and signalled as modified when closed). A value of another
+    // type reads as no marker and stays, as for `MGET` in Lua.
+    let block = ctx.open_key_with_flags(keys.block, KeyFlags::NOTOUCH);
     if block.key_type() == KeyType::String {
         let until = {
-            let marker = block.as_string_dma().map_err(|e| e.to_string())?;
-            if &marker[..] == b"inf" {
+            let marker = block.read().map_err(|e| e.to_string())?.unwrap_or_default();
+            if marker == b"inf" {
                 packed::encode_blocked(out, None);
                 return Ok(());
             }
-            std::str::from_utf8(&marker)
+            std::str::from_utf8(marker)
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok())
         };
@@ -131,17 +158,16 @@ pub(crate) fn check_one(
             // Not a marker this store wrote: dropped, and said.
             None => discarded = true,
         }
-        delete(ctx, &block, keys.block);
+        drop(block);
+        delete(ctx, &ctx.open_key_writable(keys.block), keys.block);
     }
-    drop(block);
 
     // The state: read in place, or carried entry by entry; anything else reads as fresh
     // and is replaced when the check commits.
-    let state_key = ctx.open_key_writable(keys.state);
+    let mut state_key = StateKey::open(ctx, keys.state);
     let mut stored = None;
-    if state_key.key_type() == KeyType::String {
-        let raw = state_key.as_string_dma().map_err(|e| e.to_string())?;
-        stored = packed::decode_state(&raw, &header, &rules, now);
+    if let Some(raw) = state_key.string() {
+        stored = packed::decode_state(raw, &header, &rules, now);
         discarded |= stored.is_none();
     }
     let (mut states, log_counts, converted) = match stored {
@@ -196,8 +222,8 @@ pub(crate) fn check_one(
         let log_until = log_now + header.log_period_us;
         let mut raw = Vec::with_capacity(8 * header.width);
         packed::encode_state(&mut raw, &header, &rules, &states, log_until);
-        let expiry = Expiry::new(&header, now, transition.expires_at_us);
-        write_state(ctx, keys.state, &state_key, &raw, expiry)?;
+        let expiry = expires_at_ms(&header, now, transition.expires_at_us);
+        state_key.write(keys.state, &raw, expiry)?;
         drop(state_key);
         if let Some(log_key) = keys.log {
             write_log(
@@ -207,7 +233,7 @@ pub(crate) fn check_one(
                 log_now,
                 log_len,
                 &header,
-                Expiry::new(&header, now, log_until),
+                expires_at_ms(&header, now, log_until),
             )?;
         }
     } else if converted && header.cost > 0 {
@@ -217,7 +243,7 @@ pub(crate) fn check_one(
         write_carried(
             ctx,
             keys,
-            &state_key,
+            &mut state_key,
             &header,
             &rules,
             &states,
@@ -236,7 +262,7 @@ pub(crate) fn check_one(
 fn write_carried(
     ctx: &Context,
     keys: &Keys<'_>,
-    state_key: &redis_module::key::RedisKeyWritable,
+    state_key: &mut StateKey<'_>,
     header: &Header,
     rules: &PackedRules,
     states: &[RuleState],
@@ -258,58 +284,22 @@ fn write_carried(
         .fold(now, u64::max);
     let mut raw = Vec::new();
     packed::encode_carried(&mut raw, header, rules, states, log_until);
-    write_state(
-        ctx,
-        keys.state,
-        state_key,
-        &raw,
-        Expiry::new(header, now, until),
-    )?;
+    state_key.write(keys.state, &raw, expires_at_ms(header, now, until))?;
     if let (Some(log_key), Some(until)) = (keys.log, log_until) {
-        let expiry = Expiry::new(header, now, until);
+        let expiry = expires_at_ms(header, now, until);
         replicated(
             ctx,
             "PEXPIREAT",
-            &[
-                log_key.as_slice(),
-                expiry.absolute_ms.to_string().as_bytes(),
-            ],
+            &[log_key.as_slice(), expiry.to_string().as_bytes()],
         )?;
     }
-    Ok(())
-}
-
-/// Writes a key's state with its expiry through the key API, replicated as
-/// `SET .. PXAT`.
-fn write_state(
-    ctx: &Context,
-    name: &RedisString,
-    key: &redis_module::key::RedisKeyWritable,
-    raw: &[u8],
-    expiry: Expiry,
-) -> Result<(), String> {
-    {
-        let mut dma = key.as_string_dma_or_create()?;
-        dma.write(raw).map_err(|e| e.to_string())?;
-    }
-    key.set_expire(Duration::from_millis(expiry.relative_ms))
-        .map_err(|e| e.to_string())?;
-    ctx.replicate(
-        "SET",
-        &[
-            name.as_slice(),
-            raw,
-            b"PXAT",
-            expiry.absolute_ms.to_string().as_bytes(),
-        ][..],
-    );
     Ok(())
 }
 
 /// Deletes an open key, replicated as `DEL`.
 fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &RedisString) {
     let _ = key.delete();
-    ctx.replicate("DEL", &[name.as_slice()][..]);
+    ctx.replicate("DEL", &[name][..]);
 }
 
 /// Runs a write command whose effect is replicated (the `!` flag of `RM_Call`).
@@ -391,7 +381,7 @@ fn write_log(
     log_now: u64,
     log_len: u64,
     header: &Header,
-    expiry: Expiry,
+    expiry_ms: u64,
 ) -> Result<(), String> {
     let name = key.as_slice();
     if drop_log {
@@ -411,58 +401,23 @@ fn write_log(
         let last = (header.log_limit - 1).to_string();
         replicated(ctx, "LTRIM", &[name, b"0", last.as_bytes()])?;
     }
-    replicated(
-        ctx,
-        "PEXPIREAT",
-        &[name, expiry.absolute_ms.to_string().as_bytes()],
-    )
+    replicated(ctx, "PEXPIREAT", &[name, expiry_ms.to_string().as_bytes()])
 }
 
-/// When a written key expires: as `check.lua`'s `expiry_arg` computes it, both relative
-/// (for the key API here) and absolute (for the replicas and the AOF).
-#[derive(Debug, Clone, Copy)]
-struct Expiry {
-    relative_ms: u64,
-    absolute_ms: u64,
-}
-
-impl Expiry {
-    /// A key whose state matters until `at` µs: on the server's clock exactly (`PXAT`
-    /// of the ms after `at`); under an injected clock, which need not run at the
-    /// server's pace, relative to `now` with the TTL floor, and at least 1 ms.
-    fn new(header: &Header, now: u64, at: u64) -> Self {
-        let server_ms = server_now_us() / 1000;
-        if header.now.is_some() {
-            let ms = at
-                .saturating_sub(now)
-                .div_ceil(1000)
-                .max(header.ttl_floor_ms)
-                .max(1);
-            Expiry {
-                relative_ms: ms,
-                absolute_ms: server_ms + ms,
-            }
-        } else {
-            let absolute_ms = at.div_ceil(1000);
-            Expiry {
-                relative_ms: absolute_ms.saturating_sub(server_ms).max(1),
-                absolute_ms,
-            }
-        }
-    }
-}
-
-/// The key API's direct access to a string, creating it when the key is empty and
-/// replacing a value of another type.
-trait DmaOrCreate {
-    fn as_string_dma_or_create(&self) -> Result<redis_module::key::StringDMA<'_>, String>;
-}
-
-impl DmaOrCreate for redis_module::key::RedisKeyWritable {
-    fn as_string_dma_or_create(&self) -> Result<redis_module::key::StringDMA<'_>, String> {
-        if !matches!(self.key_type(), KeyType::String | KeyType::Empty) {
-            let _ = self.delete();
-        }
-        self.as_string_dma().map_err(|e| e.to_string())
+/// When a key whose state matters until `at` µs expires, in ms since the Unix epoch, as
+/// `check.lua`'s `expiry_arg` computes it (the `PXAT` the primary sets and the replicas
+/// and the AOF receive): on the server's clock exactly, the ms after `at`; under an
+/// injected clock, which need not run at the server's pace, the server's time plus
+/// what is left from `now`, with the TTL floor, and at least 1 ms.
+fn expires_at_ms(header: &Header, now: u64, at: u64) -> u64 {
+    if header.now.is_some() {
+        let ms = at
+            .saturating_sub(now)
+            .div_ceil(1000)
+            .max(header.ttl_floor_ms)
+            .max(1);
+        server_now_us() / 1000 + ms
+    } else {
+        at.div_ceil(1000)
     }
 }

@@ -4,12 +4,11 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ratelimit_core::packed;
-use redis_module::{
-    CallOptionsBuilder, CallReply, CallResult, Context, RedisError, RedisResult, RedisString,
-    RedisValue,
-};
+use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
+use smallvec::SmallVec;
 
 use crate::check::{check_one, server_now_us, Keys};
+use crate::keyspace::served;
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
 /// take the server down.
@@ -156,7 +155,7 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
         k += m;
         // A command through the command table checks the keys' slot against the ones
         // this node serves (a moved or migrating slot fails it), before anything is read.
-        let names: Vec<&[u8]> = these.iter().map(RedisString::as_slice).collect();
+        let names: SmallVec<[&RedisString; 3]> = these.iter().collect();
         if let Err(why) = served(ctx, &names) {
             packed::encode_failure(&mut out, format!("RLMOVED {why}").as_bytes());
             continue;
@@ -165,19 +164,6 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
         batch_entry(ctx, &keys, packed_check.as_slice(), now, &mut out);
     }
     Ok(RedisValue::StringBuffer(out))
-}
-
-/// Whether this node serves the slot of `keys`, by `EXISTS` through the command table,
-/// which refuses keys of a slot the node does not serve: with an error reply on Redis
-/// 7.2 and later (`E`), without a reply before.
-fn served(ctx: &Context, keys: &[&[u8]]) -> Result<(), String> {
-    let options = CallOptionsBuilder::new().errors_as_replies().build();
-    let reply: CallResult<'_> = ctx.call_ext("EXISTS", &options, keys);
-    match reply {
-        Ok(CallReply::I64(_)) => Ok(()),
-        Ok(_) => Err("this node does not serve the keys' slot".to_owned()),
-        Err(e) => Err(e.to_utf8_string().unwrap_or_default()),
-    }
 }
 
 /// `RATELIMIT.VERSION`: the module's version and its state format.

@@ -42,6 +42,7 @@
 
 mod check;
 mod commands;
+mod keyspace;
 
 /// The version of the state layout, arguments and replies the module reads and writes:
 /// [`ratelimit_core::packed::STATE_FORMAT`], reported by `RATELIMIT.VERSION`.

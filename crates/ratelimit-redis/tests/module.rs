@@ -11,7 +11,7 @@ use std::time::Duration;
 use ratelimit_core::{RuleSet, Store};
 use ratelimit_redis::redis::{self, Value};
 use ratelimit_redis::testing::{
-    check_script_args, module_file, wait_connected, RedisServer, ServerKind,
+    check_script_args, module_file, wait_connected, RedisCluster, RedisServer, ServerKind,
 };
 use ratelimit_redis::RedisStore;
 
@@ -346,4 +346,65 @@ async fn a_server_that_loses_the_module_is_answered_by_lua() {
     assert_eq!(third.rules()[0].remaining, 0);
     assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     alive(&server);
+}
+
+/// `RATELIMIT.CHECK_LOCAL` on a Cluster node decides the checks whose slot the node
+/// serves and answers the others `RLMOVED` without touching them: a check on another
+/// node's slot, and a check whose keys are in two slots.
+#[test]
+fn check_local_turns_away_keys_of_slots_the_node_does_not_serve() {
+    let cluster = RedisCluster::start_with_module();
+    let node = &cluster.nodes()[0];
+    let mut con = common::conn(&node.url());
+    // A hash tag this node serves and one it does not, as Redis itself answers them.
+    let served = |con: &mut redis::Connection, tag: &str| {
+        redis::cmd("EXISTS")
+            .arg(format!("t:{{{tag}}}:s"))
+            .query::<i64>(con)
+            .is_ok()
+    };
+    let mine = (0..)
+        .map(|i| i.to_string())
+        .find(|t| served(&mut con, t))
+        .unwrap();
+    let theirs = (0..)
+        .map(|i| i.to_string())
+        .find(|t| !served(&mut con, t))
+        .unwrap();
+    let rules: RuleSet = "10/s gcra burst=5".parse().unwrap();
+    let packed = check_script_args(&rules, 1).remove(0);
+    let key = |tag: &str, kind: &str| format!("t:{{{tag}}}:{kind}");
+    let reply: Vec<u8> = redis::cmd("RATELIMIT.CHECK_LOCAL")
+        .arg(0)
+        .arg("222")
+        .arg(&packed[..])
+        .arg(&packed[..])
+        .arg(&packed[..])
+        .arg(key(&mine, "b"))
+        .arg(key(&mine, "s"))
+        .arg(key(&theirs, "b"))
+        .arg(key(&theirs, "s"))
+        .arg(key(&mine, "b"))
+        .arg(key(&theirs, "s"))
+        .query(&mut con)
+        .unwrap();
+    let value = |at: usize| f64::from_le_bytes(reply[at..at + 8].try_into().unwrap());
+    // The first check is decided: a status, a delay, then one rule's four values.
+    assert_eq!(value(0), 0.0, "{reply:?}");
+    assert_eq!(value(16), 1.0, "admitted");
+    // Then two failure entries, {-1, n} and n bytes of message.
+    let mut at = 48;
+    for expected in ["RLMOVED", "CROSSSLOT"] {
+        assert_eq!(value(at), -1.0, "a failure entry at {at}");
+        let n = value(at + 8) as usize;
+        let message = String::from_utf8_lossy(&reply[at + 16..at + 16 + n]).into_owned();
+        assert!(message.starts_with("RLMOVED"), "{message}");
+        assert!(message.contains(expected), "{message}");
+        at += 16 + n;
+    }
+    assert_eq!(at, reply.len());
+    // Only the decided check wrote: its state.
+    let keys: i64 = redis::cmd("DBSIZE").query(&mut con).unwrap();
+    assert_eq!(keys, 1);
+    alive(node);
 }

@@ -1,0 +1,221 @@
+//! A check's state key, read and written through the parts of Redis's key API that the
+//! `redis-module` crate does not wrap: the hot path of every committed check; and a
+//! Cluster node's answer to whether it serves a check's slot.
+//!
+//! The crate's `RedisKeyWritable` writes a string through `StringTruncate` and a second
+//! `StringDMA` (a new key: an object and its buffer allocated, then copied into), sets a
+//! relative expiry only, and its `Context::replicate` copies every argument into a new
+//! Redis string and builds the argument vector by reallocation. Here a new value is one
+//! Redis string handed to the key and to the replicated command alike (`StringSet`), a
+//! value of the same length is rewritten in place, the expiry is the absolute one the
+//! replicas receive (`SetAbsExpire`: primary and replicas expire the key at the same
+//! millisecond), and `RedisModule_Replicate` gets its arguments as they are (`sbsl`).
+//! Together they cut what a write costs the server by a quarter, and a committed check's
+//! whole cost by a fifth (new keys) to 29 % (keys checked again; BENCHMARKS.md).
+//!
+//! This is the module's one place of `unsafe` besides its registration: each block calls
+//! one function of Redis's module API on a key this type keeps open or a string its
+//! caller holds, or reads the value's buffer while the borrow checker keeps the key
+//! unwritten.
+#![allow(unsafe_code)]
+
+use std::os::raw::{c_char, c_longlong};
+use std::ptr;
+
+use redis_module::{raw, Context, KeyType, RedisString};
+
+thread_local! {
+    /// The `PXAT` of every replicated `SET`, referenced rather than created per write.
+    /// Never freed: it lives as long as the module, and a thread-local with a destructor
+    /// would run it after Redis shut down.
+    static PXAT: std::mem::ManuallyDrop<RedisString> = std::mem::ManuallyDrop::new(
+        RedisString::create_from_slice(ptr::null_mut(), b"PXAT"),
+    );
+}
+
+/// A key opened for reading and writing, closed when dropped.
+pub(crate) struct StateKey<'a> {
+    ctx: &'a Context,
+    key: *mut raw::RedisModuleKey,
+}
+
+impl<'a> StateKey<'a> {
+    pub(crate) fn open(ctx: &'a Context, name: &RedisString) -> Self {
+        let key = raw::open_key(
+            ctx.get_raw(),
+            name.inner,
+            raw::KeyMode::READ | raw::KeyMode::WRITE,
+        );
+        StateKey { ctx, key }
+    }
+
+    pub(crate) fn key_type(&self) -> KeyType {
+        // SAFETY: `self.key` is open until `self` is dropped; RM_KeyType takes any open
+        // key (and NULL).
+        unsafe { raw::RedisModule_KeyType.expect("RedisModule_KeyType")(self.key) }.into()
+    }
+
+    /// The key's string value, read in place; `None` for a key of another type (or none).
+    pub(crate) fn string(&self) -> Option<&[u8]> {
+        if self.key_type() != KeyType::String {
+            return None;
+        }
+        let mut len = 0;
+        let ptr = raw::string_dma(self.key, &mut len, raw::KeyMode::READ);
+        if ptr.is_null() {
+            return None;
+        }
+        // SAFETY: RM_StringDMA returned the value's buffer of `len` bytes; it stays valid
+        // while the key is open and unwritten, which the borrow of `self` ensures (every
+        // write takes `&mut self`).
+        Some(unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) })
+    }
+
+    /// Writes `value` as the key's string expiring at `at_ms` (ms since the Unix epoch),
+    /// replacing whatever the key held, and replicates it as `SET name value PXAT at_ms`.
+    pub(crate) fn write(
+        &mut self,
+        name: &RedisString,
+        value: &[u8],
+        at_ms: u64,
+    ) -> Result<(), String> {
+        let at = c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX);
+        // SAFETY: the module API's function pointers are written once, when Redis loads
+        // the module, before any command runs.
+        let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
+        let ctx = self.ctx.get_raw();
+        let pxat = PXAT.with(|pxat| pxat.inner);
+        let status = if let Some(buffer) = self.buffer_of_len(value.len()) {
+            // The common case, a key checked again: its buffer rewritten, nothing
+            // allocated for the key.
+            buffer.copy_from_slice(value);
+            // SAFETY: the format `sbsl` takes a RedisModuleString*, a buffer as a pointer
+            // and its length (copied into a new string), a RedisModuleString* and a long
+            // long, which is what follows it; Redis takes references to the strings.
+            unsafe {
+                replicate(
+                    ctx,
+                    c"SET".as_ptr(),
+                    c"sbsl".as_ptr(),
+                    name.inner,
+                    value.as_ptr().cast::<c_char>(),
+                    value.len(),
+                    pxat,
+                    at,
+                )
+            }
+        } else {
+            // A new key, or one of another type or length: one string for the key and the
+            // replicated command.
+            let string = RedisString::create_from_slice(ptr::null_mut(), value);
+            if raw::string_set(self.key, string.inner) != raw::Status::Ok {
+                return Err("RLSTATE the state could not be written".to_owned());
+            }
+            // SAFETY: the format `sssl` takes three RedisModuleString* and a long long,
+            // which is what follows it.
+            unsafe {
+                replicate(
+                    ctx,
+                    c"SET".as_ptr(),
+                    c"sssl".as_ptr(),
+                    name.inner,
+                    string.inner,
+                    pxat,
+                    at,
+                )
+            }
+        };
+        if status != raw::Status::Ok as i32 {
+            return Err("RLSTATE the state's write could not be replicated".to_owned());
+        }
+        // SAFETY: as for RedisModule_Replicate above.
+        let set_abs_expire =
+            unsafe { raw::RedisModule_SetAbsExpire }.expect("RedisModule_SetAbsExpire");
+        // SAFETY: `self.key` is open for writing and holds the string just written.
+        if unsafe { set_abs_expire(self.key, at) } != raw::Status::Ok as i32 {
+            return Err("RLSTATE the state's expiry could not be set".to_owned());
+        }
+        Ok(())
+    }
+
+    /// The value's buffer for writing, when the key holds a string of `len` bytes.
+    fn buffer_of_len(&mut self, len: usize) -> Option<&mut [u8]> {
+        if self.key_type() != KeyType::String {
+            return None;
+        }
+        let mut have = 0;
+        let ptr = raw::string_dma(self.key, &mut have, raw::KeyMode::WRITE);
+        if ptr.is_null() || have != len {
+            return None;
+        }
+        // SAFETY: RM_StringDMA in write mode returned the value's own buffer (unshared)
+        // of `len` bytes, valid while the key is open and not resized; the borrow of
+        // `self` ensures both.
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) })
+    }
+}
+
+impl Drop for StateKey<'_> {
+    fn drop(&mut self) {
+        raw::close_key(self.key);
+    }
+}
+
+impl std::fmt::Debug for StateKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateKey").finish_non_exhaustive()
+    }
+}
+
+/// Whether this Cluster node serves the slot of a check's `keys`: an error message that
+/// says why not, for the check's `RLMOVED` entry.
+///
+/// The keys must share one slot (the store gives a check's keys one hash tag), which is
+/// checked here; then one of them goes through the command table as `EXISTS`, which Redis
+/// refuses for a slot the node does not serve, or one migrating away whose key has left
+/// (the redirection a client would get): with an error reply on Redis 7.2 and later
+/// (`E`), without a reply before. The module API has no cheaper way to ask; one key by
+/// reference, and the call made here rather than through the `redis-module` crate's
+/// wrapping, costs about a third less than the keys through `Context::call_ext`.
+pub(crate) fn served(ctx: &Context, keys: &[&RedisString]) -> Result<(), String> {
+    let Some((first, rest)) = keys.split_first() else {
+        return Ok(());
+    };
+    let slot = key_slot(first.as_slice());
+    if rest.iter().any(|key| key_slot(key.as_slice()) != slot) {
+        return Err("CROSSSLOT the check's keys are not in one slot".to_owned());
+    }
+    // SAFETY: as for RedisModule_Replicate in `StateKey::write`.
+    let call = unsafe { raw::RedisModule_Call }.expect("RedisModule_Call");
+    // SAFETY: the format `sE` takes one RedisModuleString*, which follows it (`E`: errors
+    // as replies); the reply, when there is one, is freed below and not used after.
+    let reply = unsafe {
+        call(
+            ctx.get_raw(),
+            c"EXISTS".as_ptr(),
+            c"sE".as_ptr(),
+            first.inner,
+        )
+    };
+    if reply.is_null() {
+        return Err("this node does not serve the keys' slot".to_owned());
+    }
+    let answer = match raw::call_reply_type(reply) {
+        raw::ReplyType::Integer => Ok(()),
+        raw::ReplyType::Error => Err(raw::call_reply_string(reply).unwrap_or_default()),
+        _ => Err("this node does not serve the keys' slot".to_owned()),
+    };
+    raw::free_call_reply(reply);
+    answer
+}
+
+/// A key's Cluster slot, as Redis computes it: CRC16 (XMODEM) of its hash tag (the
+/// first `{..}` with something inside), or of the whole key, modulo 16384.
+fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let inside = &key[open + 1..];
+        let close = inside.iter().position(|&b| b == b'}')?;
+        (close > 0).then_some(&inside[..close])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(key)) & 0x3fff
+}
