@@ -30,9 +30,16 @@ fn said(d: &ratelimit_core::Decision) -> (bool, Option<Duration>, Vec<u64>) {
     )
 }
 
+/// The decision calls (FCALLs, and the module's check commands) the nodes served.
 fn fcalls(cons: &mut [redis::Connection]) -> u64 {
     cons.iter_mut()
-        .map(|con| common::commandstats(con).get("fcall").map_or(0, |s| s.0))
+        .map(|con| {
+            let stats = common::commandstats(con);
+            ["fcall", "ratelimit.check", "ratelimit.check_local"]
+                .iter()
+                .map(|name| stats.get(*name).map_or(0, |s| s.0))
+                .sum::<u64>()
+        })
         .sum()
 }
 
@@ -100,21 +107,49 @@ fn cmd<T: redis::FromRedisValue>(con: &mut redis::Connection, args: &[&str]) -> 
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_since_the_map_was_read_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start()).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start(), false).await;
 }
 
 /// The same on Valkey, whose slot migration and redirections are its own code.
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_on_valkey_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_valkey()).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey(), false).await;
 }
 
-async fn slot_moved_since_the_map_was_read(cluster: RedisCluster) {
+/// The same in the native module: its `RATELIMIT.CHECK_LOCAL` answers the moved checks
+/// `RLMOVED` untouched, and their resent `RATELIMIT.CHECK`, routed by the key with the
+/// store's stale map, is redirected by the server to the node the slot moved to.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_under_the_module_still_decides_each_check_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), true).await;
+}
+
+/// The same in the module on Valkey.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_under_the_module_on_valkey_still_decides_each_check_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey_with_module(), true).await;
+}
+
+/// The calls of `command` each node refused (a redirection), from `INFO commandstats`.
+fn rejected(con: &mut redis::Connection, command: &str) -> u64 {
+    let info: String = cmd(con, &["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:")))
+        .and_then(|fields| {
+            fields
+                .split(',')
+                .find_map(|f| f.strip_prefix("rejected_calls="))
+        })
+        .map_or(0, |n| n.parse().expect("rejected_calls"))
+}
+
+async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, module: bool) {
     let urls = cluster.urls();
     let mut cons: Vec<_> = urls.iter().map(|u| common::conn(u)).collect();
     let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
     let clock = ManualClock::new(T0_US);
     let (redis, memory) = common::cluster_stores(&cluster, &clock, "cb").await;
+    assert_eq!(redis.uses_module(), module);
     round(&redis, &memory, &rules, &mut cons).await;
 
     // Move the slot of a client key the first node holds to the second node, behind the
@@ -142,10 +177,23 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster) {
     }
     assert!(!moving.is_empty());
 
-    for _ in 0..3 {
+    for i in 0..3 {
         clock.advance(Duration::from_millis(700));
         let calls = round(&redis, &memory, &rules, &mut cons).await;
         assert!(calls < CHECKS as u64 / 5, "{calls} calls: not batched");
+        if i == 0 && module {
+            // The first round after the move resent the moved checks alone, by key, to
+            // the node the store's stale map named: the server redirected them.
+            let moved = rejected(&mut cons[0], "ratelimit.check");
+            assert!(moved > 0, "no RATELIMIT.CHECK was redirected");
+        }
+    }
+    if module {
+        assert!(redis.uses_module());
+        for con in cons.iter_mut() {
+            let stats = common::commandstats(con);
+            assert_eq!(stats.get("fcall"), None, "a check went through Lua");
+        }
     }
     for name in &moving {
         let on_target: bool = cmd(&mut cons[1], &["EXISTS", name]);
