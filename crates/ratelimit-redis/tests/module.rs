@@ -350,7 +350,8 @@ async fn a_server_that_loses_the_module_is_answered_by_lua() {
 
 /// `RATELIMIT.CHECK_LOCAL` on one Cluster node with a check of a slot the node does not
 /// serve between two it serves: those two are decided, the other is answered `RLMOVED`
-/// and touches nothing, neither on this node nor on the node that serves it.
+/// and touches nothing, neither on this node nor on the node that serves it; so is a
+/// check of a slot the node is migrating away.
 #[test]
 fn check_local_answers_an_unserved_check_moved_between_served_ones() {
     check_local_with_an_unserved_check(&RedisCluster::start_with_module());
@@ -454,4 +455,48 @@ fn check_local_with_an_unserved_check(cluster: &RedisCluster) {
         before,
         "its state untouched"
     );
+
+    // A slot this node serves but is migrating away: its check is not decided here
+    // either (its block key is missing, so the server would send a client elsewhere),
+    // and its state stays as it was; the check beside it is decided.
+    let migrating: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(&names(served[0])[1])
+        .query(&mut cons[0])
+        .unwrap();
+    let to: String = redis::cmd("CLUSTER")
+        .arg("MYID")
+        .query(&mut cons[elsewhere])
+        .unwrap();
+    redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(migrating)
+        .arg("MIGRATING")
+        .arg(&to)
+        .exec(&mut cons[0])
+        .unwrap();
+    let kept: Vec<u8> = redis::cmd("GET")
+        .arg(&names(served[0])[1])
+        .query(&mut cons[0])
+        .unwrap();
+    let reply: Vec<u8> = redis::cmd("RATELIMIT.CHECK_LOCAL")
+        .arg(0)
+        .arg("22")
+        .arg(&packed[..])
+        .arg(&packed[..])
+        .arg(&names(served[0]))
+        .arg(&names(served[1]))
+        .query(&mut cons[0])
+        .unwrap();
+    let (first, rest) = entry(&reply);
+    let (second, rest) = entry(rest);
+    assert!(rest.is_empty(), "two entries");
+    let message = first.expect_err("the migrating check is refused");
+    assert!(message.starts_with("RLMOVED"), "{message}");
+    assert_eq!(second, Ok((1.0, 2.0)), "the served check");
+    let after: Vec<u8> = redis::cmd("GET")
+        .arg(&names(served[0])[1])
+        .query(&mut cons[0])
+        .unwrap();
+    assert_eq!(after, kept, "the migrating check's state untouched");
 }
