@@ -30,9 +30,16 @@ fn said(d: &ratelimit_core::Decision) -> (bool, Option<Duration>, Vec<u64>) {
     )
 }
 
+/// The decision calls (FCALLs, and the module's check commands) the nodes served.
 fn fcalls(cons: &mut [redis::Connection]) -> u64 {
     cons.iter_mut()
-        .map(|con| common::commandstats(con).get("fcall").map_or(0, |s| s.0))
+        .map(|con| {
+            let stats = common::commandstats(con);
+            ["fcall", "ratelimit.check", "ratelimit.check_local"]
+                .iter()
+                .map(|name| stats.get(*name).map_or(0, |s| s.0))
+                .sum::<u64>()
+        })
         .sum()
 }
 
@@ -44,6 +51,20 @@ async fn round(
     rules: &RuleSet,
     cons: &mut [redis::Connection],
 ) -> u64 {
+    let (calls, failed) = round_failing(redis, memory, rules, cons).await;
+    assert_eq!(failed, Vec::<String>::new(), "checks failed");
+    calls
+}
+
+/// As [`round`], where a check may fail (its slot is being migrated): a failed check
+/// must have charged nothing, so `memory` skips it and later rounds still agree. Returns
+/// the calls and the failures.
+async fn round_failing(
+    redis: &RedisStore,
+    memory: &MemoryStore<ManualClock>,
+    rules: &RuleSet,
+    cons: &mut [redis::Connection],
+) -> (u64, Vec<String>) {
     for con in cons.iter_mut() {
         common::reset_stats(con);
     }
@@ -53,18 +74,24 @@ async fn round(
             tokio::spawn(async move { redis.check(&key(i), &rules, 1 + (i % 3) as u64).await })
         })
         .collect();
-    let mut decided = Vec::new();
+    let mut results = Vec::new();
     for task in tasks {
-        decided.push(said(&task.await.unwrap().expect("check")));
+        results.push(task.await.unwrap());
     }
     let calls = fcalls(cons);
-    let mut expected = Vec::new();
-    for i in 0..CHECKS {
-        let d = memory.check(&key(i), rules, 1 + (i % 3) as u64).await;
-        expected.push(said(&d.unwrap()));
+    let (mut decided, mut expected, mut failed) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(d) => {
+                decided.push(said(&d));
+                let d = memory.check(&key(i), rules, 1 + (i % 3) as u64).await;
+                expected.push(said(&d.unwrap()));
+            }
+            Err(e) => failed.push(format!("{}: {e}", String::from_utf8_lossy(&key(i)))),
+        }
     }
     assert_eq!(decided, expected, "{rules}");
-    calls
+    (calls, failed)
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -100,21 +127,85 @@ fn cmd<T: redis::FromRedisValue>(con: &mut redis::Connection, args: &[&str]) -> 
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_since_the_map_was_read_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start()).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start(), false, false).await;
 }
 
 /// The same on Valkey, whose slot migration and redirections are its own code.
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_on_valkey_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_valkey()).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey(), false, false).await;
 }
 
-async fn slot_moved_since_the_map_was_read(cluster: RedisCluster) {
+/// The same in the native module: its `RATELIMIT.CHECK_LOCAL` answers the moved checks
+/// `RLMOVED` untouched, and their resent `RATELIMIT.CHECK`, routed by the key with the
+/// store's stale map, is redirected by the server to the node the slot moved to.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_under_the_module_still_decides_each_check_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), true, false).await;
+}
+
+/// The same in the module on Valkey.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_under_the_module_on_valkey_still_decides_each_check_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey_with_module(), true, false).await;
+}
+
+/// The same in the module, with checks sent while the slot is migrating (`MIGRATING` on
+/// the first node and `IMPORTING` on the second), before and after its keys moved.
+#[tokio::test(flavor = "current_thread")]
+async fn checks_while_a_slot_migrates_under_the_module_are_decided_at_most_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), true, true).await;
+}
+
+/// The same on Valkey.
+#[tokio::test(flavor = "current_thread")]
+async fn checks_while_a_slot_migrates_under_the_module_on_valkey_are_decided_at_most_once() {
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey_with_module(), true, true).await;
+}
+
+/// The calls of `command` each node refused (a redirection), from `INFO commandstats`.
+fn rejected(con: &mut redis::Connection, command: &str) -> u64 {
+    let info: String = cmd(con, &["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:")))
+        .and_then(|fields| {
+            fields
+                .split(',')
+                .find_map(|f| f.strip_prefix("rejected_calls="))
+        })
+        .map_or(0, |n| n.parse().expect("rejected_calls"))
+}
+
+/// A round of checks while a slot is migrating: a check of that slot is refused by both
+/// nodes until the move ends (its keys are not all on one node: the server answers ASK,
+/// then TRYAGAIN: a block key rarely exists), so it may fail; one that fails must have
+/// charged nothing, and every check that is decided agrees with the memory store. (The
+/// Cluster client retries TRYAGAIN for longer than the store's timeout, and with one call
+/// in flight the checks queued behind that call time out too, of any slot: many fail.)
+async fn checks_while_migrating(
+    redis: &RedisStore,
+    memory: &MemoryStore<ManualClock>,
+    rules: &RuleSet,
+    clock: &ManualClock,
+    cons: &mut [redis::Connection],
+) {
+    clock.advance(Duration::from_millis(700));
+    let (_, failed) = round_failing(redis, memory, rules, cons).await;
+    for failure in &failed {
+        assert!(
+            failure.contains("did not answer") || failure.contains("TRYAGAIN"),
+            "{failure}"
+        );
+    }
+}
+
+async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, module: bool, during: bool) {
     let urls = cluster.urls();
     let mut cons: Vec<_> = urls.iter().map(|u| common::conn(u)).collect();
     let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
     let clock = ManualClock::new(T0_US);
     let (redis, memory) = common::cluster_stores(&cluster, &clock, "cb").await;
+    assert_eq!(redis.uses_module(), module);
     round(&redis, &memory, &rules, &mut cons).await;
 
     // Move the slot of a client key the first node holds to the second node, behind the
@@ -133,19 +224,38 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster) {
         &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target],
     );
     let moving: Vec<String> = cmd(&mut cons[0], &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    if during {
+        checks_while_migrating(&redis, &memory, &rules, &clock, &mut cons).await;
+    }
     let port = cluster.nodes()[1].port().to_string();
     let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
     migrate.extend(moving.iter().map(String::as_str));
     let _: () = cmd(&mut cons[0], &migrate);
+    if during {
+        checks_while_migrating(&redis, &memory, &rules, &clock, &mut cons).await;
+    }
     for con in cons.iter_mut() {
         let _: () = cmd(con, &["CLUSTER", "SETSLOT", &slot, "NODE", &target]);
     }
     assert!(!moving.is_empty());
 
-    for _ in 0..3 {
+    for i in 0..3 {
         clock.advance(Duration::from_millis(700));
         let calls = round(&redis, &memory, &rules, &mut cons).await;
         assert!(calls < CHECKS as u64 / 5, "{calls} calls: not batched");
+        if i == 0 && module && !during {
+            // The first round after the move resent the moved checks alone, by key, to
+            // the node the store's stale map named: the server redirected them.
+            let moved = rejected(&mut cons[0], "ratelimit.check");
+            assert!(moved > 0, "no RATELIMIT.CHECK was redirected");
+        }
+    }
+    if module {
+        assert!(redis.uses_module());
+        for con in cons.iter_mut() {
+            let stats = common::commandstats(con);
+            assert_eq!(stats.get("fcall"), None, "a check went through Lua");
+        }
     }
     for name in &moving {
         let on_target: bool = cmd(&mut cons[1], &["EXISTS", name]);

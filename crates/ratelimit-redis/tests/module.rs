@@ -408,3 +408,156 @@ fn check_local_turns_away_keys_of_slots_the_node_does_not_serve() {
     assert_eq!(keys, 1);
     alive(node);
 }
+
+/// `RATELIMIT.CHECK_LOCAL` on one Cluster node with a check of a slot the node does not
+/// serve between two it serves: those two are decided, the other is answered `RLMOVED`
+/// and touches nothing, neither on this node nor on the node that serves it; so is a
+/// check of a slot the node is migrating away.
+#[test]
+fn check_local_answers_an_unserved_check_moved_between_served_ones() {
+    check_local_with_an_unserved_check(&RedisCluster::start_with_module());
+}
+
+/// The same on Valkey, whose slot checks are its own code.
+#[test]
+fn check_local_on_valkey_answers_an_unserved_check_moved_between_served_ones() {
+    check_local_with_an_unserved_check(&RedisCluster::start_valkey_with_module());
+}
+
+/// One entry of a batch reply of one-rule decisions: `Ok((allowed, remaining))` or
+/// `Err(message)`; the rest of the reply.
+fn entry(reply: &[u8]) -> (Result<(f64, f64), String>, &[u8]) {
+    let value = |at: usize| f64::from_le_bytes(reply[at..at + 8].try_into().unwrap());
+    if value(0) == -1.0 {
+        let n = value(8) as usize;
+        let message = String::from_utf8_lossy(&reply[16..16 + n]).into_owned();
+        (Err(message), &reply[16 + n..])
+    } else {
+        (Ok((value(16), value(24))), &reply[16 + 32..])
+    }
+}
+
+fn check_local_with_an_unserved_check(cluster: &RedisCluster) {
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    // Which node serves a tag: the one that does not redirect a read of it.
+    let owner = |cons: &mut [redis::Connection], tag: &str| {
+        cons.iter_mut()
+            .position(|con| {
+                redis::cmd("EXISTS")
+                    .arg(format!("m:{{{tag}}}:s"))
+                    .query::<i64>(con)
+                    .is_ok()
+            })
+            .expect("a node serves every slot")
+    };
+    let tags: Vec<String> = (0..100).map(|i| format!("t{i}")).collect();
+    let served: Vec<&String> = tags.iter().filter(|t| owner(&mut cons, t) == 0).collect();
+    let unserved = tags
+        .iter()
+        .find(|t| owner(&mut cons, t) != 0)
+        .expect("another node serves some tag");
+    let elsewhere = owner(&mut cons, unserved);
+    let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    let packed = check_script_args(&rules, 1).remove(0);
+    let names = |tag: &str| [format!("m:{{{tag}}}:b"), format!("m:{{{tag}}}:s")];
+
+    // The unserved key has a state on its own node, which must stay as it is.
+    let _: Vec<u8> = redis::cmd("RATELIMIT.CHECK")
+        .arg(&names(unserved))
+        .arg(&packed[..])
+        .query(&mut cons[elsewhere])
+        .unwrap();
+    let state_of = |con: &mut redis::Connection| -> (Option<Vec<u8>>, i64) {
+        let name = &names(unserved)[1];
+        (
+            redis::cmd("GET").arg(name).query(con).unwrap(),
+            redis::cmd("PEXPIRETIME").arg(name).query(con).unwrap(),
+        )
+    };
+    let before = state_of(&mut cons[elsewhere]);
+    assert!(before.0.is_some());
+
+    let batch = [served[0], unserved, served[1]];
+    for remaining in [4.0, 3.0] {
+        let mut cmd = redis::cmd("RATELIMIT.CHECK_LOCAL");
+        cmd.arg(0).arg("222");
+        for _ in batch {
+            cmd.arg(&packed[..]);
+        }
+        for tag in batch {
+            cmd.arg(&names(tag));
+        }
+        let reply: Vec<u8> = cmd.query(&mut cons[0]).unwrap();
+        let (first, rest) = entry(&reply);
+        let (second, rest) = entry(rest);
+        let (third, rest) = entry(rest);
+        assert!(rest.is_empty(), "three entries");
+        assert_eq!(first, Ok((1.0, remaining)), "the first served check");
+        assert_eq!(third, Ok((1.0, remaining)), "the second served check");
+        let message = second.expect_err("the unserved check is refused");
+        assert!(message.starts_with("RLMOVED"), "{message}");
+    }
+    let slot: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(&names(unserved)[1])
+        .query(&mut cons[0])
+        .unwrap();
+    let here: i64 = redis::cmd("CLUSTER")
+        .arg("COUNTKEYSINSLOT")
+        .arg(slot)
+        .query(&mut cons[0])
+        .unwrap();
+    assert_eq!(
+        here, 0,
+        "nothing written for the unserved check on this node"
+    );
+    assert_eq!(
+        state_of(&mut cons[elsewhere]),
+        before,
+        "its state untouched"
+    );
+
+    // A slot this node serves but is migrating away: its check is not decided here
+    // either (its block key is missing, so the server would send a client elsewhere),
+    // and its state stays as it was; the check beside it is decided.
+    let migrating: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(&names(served[0])[1])
+        .query(&mut cons[0])
+        .unwrap();
+    let to: String = redis::cmd("CLUSTER")
+        .arg("MYID")
+        .query(&mut cons[elsewhere])
+        .unwrap();
+    redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(migrating)
+        .arg("MIGRATING")
+        .arg(&to)
+        .exec(&mut cons[0])
+        .unwrap();
+    let kept: Vec<u8> = redis::cmd("GET")
+        .arg(&names(served[0])[1])
+        .query(&mut cons[0])
+        .unwrap();
+    let reply: Vec<u8> = redis::cmd("RATELIMIT.CHECK_LOCAL")
+        .arg(0)
+        .arg("22")
+        .arg(&packed[..])
+        .arg(&packed[..])
+        .arg(&names(served[0]))
+        .arg(&names(served[1]))
+        .query(&mut cons[0])
+        .unwrap();
+    let (first, rest) = entry(&reply);
+    let (second, rest) = entry(rest);
+    assert!(rest.is_empty(), "two entries");
+    let message = first.expect_err("the migrating check is refused");
+    assert!(message.starts_with("RLMOVED"), "{message}");
+    assert_eq!(second, Ok((1.0, 2.0)), "the served check");
+    let after: Vec<u8> = redis::cmd("GET")
+        .arg(&names(served[0])[1])
+        .query(&mut cons[0])
+        .unwrap();
+    assert_eq!(after, kept, "the migrating check's state untouched");
+}
