@@ -22,7 +22,7 @@ thread_local! {
 }
 
 /// The rules of a packed check, from the cache or built and cached.
-fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
+pub(crate) fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
     if let Some(rules) = RULES.with(|cache| cache.borrow().get(bytes).cloned()) {
         return Ok(rules);
     }
@@ -39,7 +39,7 @@ fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
     Ok(rules)
 }
 
-fn args_error(e: &dyn std::fmt::Display) -> String {
+pub(crate) fn args_error(e: &dyn std::fmt::Display) -> String {
     format!("RLARGS {e}; the store and the module are from different versions")
 }
 
@@ -306,6 +306,29 @@ fn write_state(
     Ok(())
 }
 
+/// Rewrites a key's state in place through the key API, its expiry kept, replicated as
+/// `SET .. KEEPTTL` (a refund only makes the state expire sooner in truth).
+pub(crate) fn rewrite_state(
+    ctx: &Context,
+    name: &RedisString,
+    key: &redis_module::key::RedisKeyWritable,
+    raw: &[u8],
+) -> Result<(), String> {
+    write_string(key, raw)?;
+    ctx.replicate("SET", &[name.as_slice(), raw, b"KEEPTTL"][..]);
+    Ok(())
+}
+
+/// Writes a string key's value through the key API, its expiry left as it is.
+pub(crate) fn write_string(
+    key: &redis_module::key::RedisKeyWritable,
+    raw: &[u8],
+) -> Result<(), String> {
+    key.as_string_dma()
+        .and_then(|mut dma| dma.write(raw).map(drop))
+        .map_err(|e| e.to_string())
+}
+
 /// Deletes an open key, replicated as `DEL`.
 fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &RedisString) {
     let _ = key.delete();
@@ -313,7 +336,7 @@ fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &Redis
 }
 
 /// Runs a write command whose effect is replicated (the `!` flag of `RM_Call`).
-fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String> {
+pub(crate) fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String> {
     let options = CallOptionsBuilder::new()
         .replicate()
         .errors_as_replies()
@@ -332,12 +355,14 @@ fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String
 
 /// The shared log as read: its newest entries (at most the log limit) and its length,
 /// or a value this store did not write.
-enum Log {
+pub(crate) enum Log {
+    /// The newest entries and the log's length.
     Entries(VecDeque<u64>, u64),
+    /// Not a list this store wrote.
     Foreign,
 }
 
-fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<Log, String> {
+pub(crate) fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<Log, String> {
     match ctx.open_key(key).key_type() {
         KeyType::Empty => return Ok(Log::Entries(VecDeque::new(), 0)),
         KeyType::List => {}

@@ -1196,7 +1196,10 @@ local function refund(KEYS, ARGV)
       if give <= 0 then
         give = 0
       end
-      if (code == GCRA or code == LEAKY_BUCKET) and v[o] == limit and give > 0 then
+      -- As the core's `algo::refund_unspent`: a TAT not ahead of now, a full bucket or
+      -- an empty count is left as it is (and not written).
+      if (code == GCRA or code == LEAKY_BUCKET) and v[o] == limit and give > 0
+        and (v[o + 2] > now or (v[o + 2] == now and v[o + 3] > 0)) then
         local q, rem = divmod(give, limit)
         local us, frac = v[o + 2] - q, v[o + 3] - rem
         if frac < 0 then
@@ -1206,14 +1209,15 @@ local function refund(KEYS, ARGV)
           us, frac = now, 0
         end
         v[o + 2], v[o + 3], changed = us, frac, true
-      elseif code == TOKEN_BUCKET and v[o] == limit and give > 0 then
+      elseif code == TOKEN_BUCKET and v[o] == limit and give > 0
+        and v[o + 2] < v[o + 1] * period then
         local level = v[o + 2] + give
         local full = v[o + 1] * period
         if level > full then
           level = full
         end
         v[o + 2], changed = level, true
-      elseif code == FIXED_WINDOW and v[o] == window then
+      elseif code == FIXED_WINDOW and v[o] == window and v[o + 1] > 0 then
         local count = v[o + 1] - u
         if count < 0 then
           count = 0

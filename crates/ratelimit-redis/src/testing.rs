@@ -257,6 +257,19 @@ impl RedisServer {
         Self::start_with(&["--loadmodule", &module.to_string_lossy()])
     }
 
+    /// Starts a server with the native module loaded and no way to run Lua: `EVAL`,
+    /// `EVALSHA` and `FCALL` (and their read-only forms) renamed out of reach. A store on
+    /// it decides everything through the module, or fails: a test of the module path
+    /// that cannot pass by falling back to the Lua functions.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_only() -> Self {
+        let options = module_only_options();
+        Self::start_with(&options.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
     /// Starts a server with extra command-line options, e.g.
     /// `&["--maxmemory-policy", "allkeys-lru"]`.
     ///
@@ -458,9 +471,52 @@ impl RedisCluster {
             .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module: {e}"))
     }
 
+    /// Starts a cluster whose every node has the native module loaded and no way to run
+    /// Lua (as [`RedisServer::start_with_module_only`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_only() -> Self {
+        let options = module_only_options();
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
+        Self::try_start_with(&options)
+            .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module only: {e}"))
+    }
+
+    /// Starts a cluster whose node `i` has the native module loaded when `with[i]` (a
+    /// mixed cluster, as during a rollout of the module); node `i` serves the `i`-th
+    /// third of the slots.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_on(with: [bool; 3]) -> Self {
+        let module = module_file();
+        let module = module.to_string_lossy();
+        Self::try_start_each(|i| {
+            if with[i] {
+                vec!["--loadmodule", &module]
+            } else {
+                Vec::new()
+            }
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+        })
+        .unwrap_or_else(|e| panic!("cannot start a mixed Redis Cluster: {e}"))
+    }
+
     fn try_start_with(extra: &[&str]) -> io::Result<Self> {
+        Self::try_start_each(|_| extra.iter().map(|s| (*s).to_owned()).collect())
+    }
+
+    /// Starts a cluster whose node `i` gets the extra options `extra(i)`.
+    fn try_start_each(extra: impl Fn(usize) -> Vec<String>) -> io::Result<Self> {
         let mut nodes = Vec::with_capacity(3);
-        for _ in 0..3 {
+        for i in 0..3 {
+            let extra = extra(i);
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
             nodes.push(RedisServer::try_start_with(
                 &[
                     "--cluster-enabled",
@@ -474,7 +530,7 @@ impl RedisCluster {
                     "yes",
                 ]
                 .iter()
-                .chain(extra)
+                .chain(&extra)
                 .copied()
                 .collect::<Vec<_>>(),
                 true,
@@ -750,6 +806,30 @@ impl Drop for RedisSentinel {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The options of a server with the module loaded and the Lua commands renamed out of
+/// reach.
+fn module_only_options() -> Vec<String> {
+    let mut options = vec![
+        "--loadmodule".to_owned(),
+        module_file().to_string_lossy().into_owned(),
+    ];
+    for command in [
+        "EVAL",
+        "EVALSHA",
+        "EVAL_RO",
+        "EVALSHA_RO",
+        "FCALL",
+        "FCALL_RO",
+    ] {
+        options.extend([
+            "--rename-command".to_owned(),
+            command.to_owned(),
+            format!("{command}_UNREACHABLE_IN_THIS_TEST"),
+        ]);
+    }
+    options
 }
 
 /// The native module's shared object (crate `ratelimit-redis-module`) for servers that

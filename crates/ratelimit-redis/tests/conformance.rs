@@ -130,6 +130,16 @@ impl Store for Alternating {
         self.next().reset(key, rules)
     }
 
+    fn refund(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        self.next().refund(key, rules, cost, charged_at)
+    }
+
     fn now_us(&self) -> u64 {
         self.stores[0].now_us()
     }
@@ -347,20 +357,33 @@ ratelimit_core::conformance_tests! {
     }
 }
 
-// The same cases on a server with the native module.
+// The same cases on a server with the native module and no way to run Lua: blocks and
+// refunds included, nothing falls back to the Lua functions.
 ratelimit_core::conformance_tests! {
     mod module_store {
         setup: {
-            let server = RedisServer::start_with_module();
+            let server = RedisServer::start_with_module_only();
         },
         run: |test| runtime().block_on(test),
         store: on_module(server.url(), "modconf"),
     }
 }
 
+// The same cases on a Lua store and a module store taking turns on the same keys: a
+// refund or a block by one is the other's.
+ratelimit_core::conformance_tests! {
+    mod lua_and_module_store {
+        setup: {
+            let server = RedisServer::start_with_module();
+        },
+        run: |test| runtime().block_on(test),
+        store: lua_and_module(server.url()),
+    }
+}
+
 #[test]
 fn module_traces_agree_with_memory_store() {
-    let server = RedisServer::start_with_module();
+    let server = RedisServer::start_with_module_only();
     let rt = runtime();
     traces_agree(&rt, 256, traces(), on_module(server.url(), "modtrace"));
     traces_agree(
@@ -396,7 +419,7 @@ fn lua_and_module_stores_share_keys() {
 
 #[test]
 fn module_cluster_store_passes_the_conformance_suite_and_random_traces() {
-    let cluster = RedisCluster::start_with_module();
+    let cluster = RedisCluster::start_with_module_only();
     let rt = runtime();
     rt.block_on(testing::conformance(clustered_on_module(
         cluster.urls(),

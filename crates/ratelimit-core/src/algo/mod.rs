@@ -350,6 +350,36 @@ pub fn refund(
     changed
 }
 
+/// Gives back `unspent` of the `granted` units a lease reserved at `start` (one charge of
+/// `granted` units, of which the lease's holder spent all but `unspent`), at `now`, to
+/// one rule's `state`: as [`refund`] gives back a charge, but for the token bucket, GCRA
+/// and the leaky bucket the part that goes back is the reservation's undrained part,
+/// never more than `unspent` units' worth. Sliding windows and logs are never leased:
+/// nothing goes back to them. Returns whether the state changed.
+///
+/// The caller must have checked that `state` was written under `rule`'s limit (the unit
+/// of a TAT's fraction and of a bucket's level); a token bucket's `rule` carries the
+/// capacity the state was written under.
+pub fn refund_unspent(
+    rule: &Rule,
+    state: &mut RuleState,
+    unspent: u64,
+    granted: u64,
+    start: u64,
+    now: u64,
+) -> bool {
+    let give =
+        || undrained(rule, granted, start, now).min(unspent.saturating_mul(rule.period_us()));
+    match rule.algorithm() {
+        Algorithm::FixedWindow => fixed_window::refund(rule, state, unspent, start),
+        Algorithm::TokenBucket { capacity } => token_bucket::refund(rule, capacity, state, give()),
+        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
+            gcra::refund(rule, state, give(), now)
+        }
+        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => false,
+    }
+}
+
 /// The part of a charge of `cost` units made at `charged_at` that has not drained by
 /// `now`, in units of 1/limit µs (a TAT's, or a bucket level's, tokens × period): the
 /// charge minus what the rule's rate has let through since. What has drained may have

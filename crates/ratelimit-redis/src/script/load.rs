@@ -30,8 +30,8 @@ pub(crate) struct Script {
 struct ModuleCommand {
     name: &'static str,
     /// Whether the number of keys follows the name, as after `FCALL <function>`; the
-    /// single check's command leaves it out (its keys come first, for a Cluster client
-    /// to route it by them).
+    /// commands of one client key leave it out (their keys come first, for a Cluster
+    /// client to route them by them).
     numkeys: bool,
 }
 
@@ -128,6 +128,14 @@ impl Script {
                 "local" => Some(ModuleCommand {
                     name: "RATELIMIT.CHECK_LOCAL",
                     numkeys: true,
+                }),
+                "refund" => Some(ModuleCommand {
+                    name: "RATELIMIT.REFUND",
+                    numkeys: false,
+                }),
+                "give_back" => Some(ModuleCommand {
+                    name: "RATELIMIT.GIVE_BACK",
+                    numkeys: false,
                 }),
                 _ => None,
             },
@@ -233,8 +241,13 @@ pub(crate) static REFUND: LazyLock<&'static Script> = LazyLock::new(|| &DECISION
 /// The refund of charging by outcome: units a check charged, given back.
 pub(crate) static GIVE_BACK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[4]);
 /// The block script; see `lua/block.lua` for its contract.
-pub(crate) static BLOCK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/block.lua").to_owned()));
+pub(crate) static BLOCK: LazyLock<Script> = LazyLock::new(|| Script {
+    module: Some(ModuleCommand {
+        name: "RATELIMIT.BLOCK",
+        numkeys: false,
+    }),
+    ..Script::new(include_str!("../../lua/block.lua").to_owned())
+});
 
 /// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
 /// library, the function's name and the batch function's name.
