@@ -654,3 +654,72 @@ fn cluster_store_passes_the_conformance_suite_and_random_traces() {
         clustered(cluster.urls(), "versions"),
     );
 }
+
+/// Calls of `command` a node has run, by its `INFO commandstats`.
+fn calls(node: &RedisServer, command: &str) -> u64 {
+    let stats = node
+        .command("INFO commandstats")
+        .expect("INFO commandstats");
+    stats
+        .lines()
+        .find_map(|line| {
+            let rest = line.strip_prefix(&format!("cmdstat_{command}:calls="))?;
+            rest.split(',').next()?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// A Cluster in the middle of a rollout of the module: masters 0 and 2 have it, master 1
+/// does not. One store decides exactly as MemoryStore does, each node on its own path:
+/// the module where it is loaded (no Lua call there), the Lua functions elsewhere.
+#[test]
+fn mixed_cluster_store_decides_each_node_on_its_path() {
+    let cluster = RedisCluster::start_with_module_on([true, false, true]);
+    let rt = runtime();
+    rt.block_on(testing::conformance(clustered(cluster.urls(), "mixconf")));
+    traces_agree(&rt, 32, traces(), clustered(cluster.urls(), "mixtrace"));
+    segmented_traces_agree(
+        &rt,
+        32,
+        one_rule_traces(),
+        clustered(cluster.urls(), "mixone"),
+    );
+    // Many checks at once: per-node batches (`check_local`) on every node.
+    rt.block_on(async {
+        let store = clustered(cluster.urls(), "mixbatch")(ManualClock::new(T0_US)).await;
+        let rules: RuleSet = "2/s gcra burst=2".parse().unwrap();
+        let keys: Vec<Vec<u8>> = (0..96).map(|k| format!("k{k}").into_bytes()).collect();
+        // At one instant: a burst of 2 admitted per key, the third check refused.
+        for admitted in [true, true, false] {
+            let decided =
+                futures::future::join_all(keys.iter().map(|key| store.check(key, &rules, 1))).await;
+            assert!(decided
+                .into_iter()
+                .all(|d| d.expect("check").is_allowed() == admitted));
+        }
+    });
+    let nodes = cluster.nodes();
+    let mut on_module = [0; 4];
+    for (i, node) in nodes.iter().enumerate() {
+        let module = [
+            "ratelimit.check",
+            "ratelimit.check_local",
+            "ratelimit.give_back",
+            "ratelimit.block",
+        ]
+        .map(|c| calls(node, c));
+        let lua = calls(node, "fcall") + calls(node, "evalsha") + calls(node, "eval");
+        if i == 1 {
+            assert_eq!(module, [0; 4], "node {i} has no module");
+            assert!(lua > 0, "node {i} decides with Lua");
+        } else {
+            assert!(module[0] > 0 && module[1] > 0, "node {i}: {module:?}");
+            assert_eq!(lua, 0, "node {i} has the module: no Lua call");
+            for (sum, n) in on_module.iter_mut().zip(module) {
+                *sum += n;
+            }
+        }
+    }
+    // Refunds and blocks of keys on the module's nodes went to it.
+    assert!(on_module.iter().all(|&n| n > 0), "{on_module:?}");
+}
