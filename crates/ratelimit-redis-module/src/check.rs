@@ -80,6 +80,10 @@ pub(crate) fn check_one(
     server_now: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
+    #[cfg(feature = "test-panic")]
+    if keys.state.as_slice().ends_with(b"{rlpanic}:s") {
+        panic!("{}", crate::TEST_PANIC);
+    }
     let (header, rule_bytes) = Header::parse(packed_check).map_err(|e| args_error(&e))?;
     let rules = rules_of(rule_bytes, &header)?;
     if (header.log_limit > 0) != keys.log.is_some() {
@@ -139,6 +143,9 @@ pub(crate) fn check_one(
     // and is replaced when the check commits.
     let state_key = ctx.open_key_writable(keys.state);
     let mut stored = None;
+    // A value of another type: read as absent, replaced (and said) when the check
+    // commits, as in Lua.
+    let foreign_type = !matches!(state_key.key_type(), KeyType::String | KeyType::Empty);
     if state_key.key_type() == KeyType::String {
         let raw = state_key.as_string_dma().map_err(|e| e.to_string())?;
         stored = packed::decode_state(&raw, &header, &rules, now);
@@ -185,6 +192,7 @@ pub(crate) fn check_one(
     }
 
     let transition = algo::decide(rules.rules(), &mut states, now, header.cost);
+    discarded |= foreign_type && transition.committed;
     if transition.committed {
         let log_now = match states.iter().find_map(|s| match s {
             RuleState::Log(log) => log.front().copied(),

@@ -51,6 +51,11 @@ mod check;
 mod commands;
 mod refund;
 
+/// The message of the panic the `test-panic` feature puts in the module (see
+/// Cargo.toml); the test harness finds a build with the feature by it.
+#[cfg(feature = "test-panic")]
+pub const TEST_PANIC: &str = "ratelimit-redis-module test panic (feature test-panic)";
+
 /// The version of the state layout, arguments and replies the module reads and writes:
 /// [`ratelimit_core::packed::STATE_FORMAT`], reported by `RATELIMIT.VERSION`.
 pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;

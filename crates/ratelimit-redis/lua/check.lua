@@ -77,7 +77,8 @@
 -- marker and state, one SET of the state with its expiry when the check commits (or is
 -- denied after a conversion); a sliding log adds LLEN, LINDEX, LPUSH, PEXPIRE (or a DEL
 -- of a log that no longer counts; a denial after a conversion only a PEXPIRE). A value of
--- another type at a key reads as absent and is replaced.
+-- another type at a key reads as absent and is replaced (status 2) when the check
+-- commits; a block marker of another type is left alone and reads as no block.
 
 -- Cost: run with EVALSHA, every function below is created anew on each call, and each
 -- local it captures costs at creation. So the functions take their inputs as parameters,
@@ -696,6 +697,11 @@ end
 
 local VERSION_SKEW = ' values; the store and the script are from different versions'
 
+-- Whether x is not a value of the packed encoding: an integer in [0, 2^53).
+local function bad_value(x)
+  return not (x >= 0 and x < 9007199254740992 and x % 1 == 0)
+end
+
 -- One check on its keys and packed values. In a batch, `redis_now` is the Redis time read
 -- once for all, and when `at` is set, got[at] and got[at + 1] are the block marker and
 -- state as read for all (alone: nil, nil, nil, read here). Evaluates every rule on the
@@ -713,6 +719,14 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules of '
       .. 'at most %d, got %d', HEADER + PER_RULE * n, n, MAX_RULES, len / 8) .. VERSION_SKEW)
+  end
+  -- Values no store sends (it checks its rules and costs first) are refused before
+  -- anything is read or written: integers below 2^53 (NaN fails every comparison).
+  if bad_value(injected_now) or bad_value(cost) or bad_value(ttl_floor) or bad_value(width)
+      or bad_value(log_limit) or bad_value(log_period) or bad_value(layout)
+      or bad_value(deadline) or not (injected == 0 or injected == 1) then
+    return redis.error_reply('RLARGS a value of the header is not an integer below 2^53; '
+      .. 'the store and the script are from different versions')
   end
   if deadline > 0 then
     -- The caller's deadline is on the Redis clock, whatever the check's own clock.
@@ -822,6 +836,21 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   local code, limit, period, a, b, id
   for i = 1, n do
     code, limit, period, a, b, id, pos = unpack_(RULE_FORMAT, packed, pos)
+    -- A rule no store sends, or a cost above what the rule can ever admit (the core's
+    -- `RuleSet::check_cost`): refused, nothing written.
+    local most = limit
+    if code == GCRA or code == TOKEN_BUCKET or code == LEAKY_BUCKET then
+      most = a
+      if code == LEAKY_BUCKET and b > 0 then
+        most = a + 1
+      end
+    end
+    if bad_value(limit) or bad_value(period) or bad_value(a) or bad_value(b) or limit < 1
+        or period < 1 or c > most then
+      return redis.error_reply(fmt('RLARGS rule %d: limit %s, period %s, values %s and %s, '
+        .. 'cost %s; the store and the script are from different versions', i - 1, limit,
+        period, a, b, cost))
+    end
     local s = st
     if fresh and fresh[i] then
       s = nil
@@ -937,7 +966,15 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, log_now + log_period
   end
   local unit, ms = expiry_arg(injected, now, ttl_floor, state_expires)
-  redis.call('SET', key2, encode(new, width, shape), unit, ms)
+  if raw then
+    redis.call('SET', key2, encode(new, width, shape), unit, ms)
+  elseif not redis.call('SET', key2, encode(new, width, shape), unit, ms, 'NX') then
+    -- Nothing was read, yet the key exists: a value of another type (MGET reads it as
+    -- nil), replaced, and said so.
+    redis.call('DEL', key2)
+    redis.call('SET', key2, encode(new, width, shape), unit, ms)
+    out[1] = 2
+  end
 
   if log_limit > 0 then
     if drop_log then

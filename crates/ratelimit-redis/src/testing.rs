@@ -835,9 +835,10 @@ fn module_only_options() -> Vec<String> {
 /// The native module's shared object (crate `ratelimit-redis-module`) for servers that
 /// load it: `$RATELIMIT_MODULE` when set (a module built beforehand, e.g. in release
 /// mode for benchmarks); else the workspace's `target/debug` one when it is newer than
-/// every source it is built from (as `cargo test --workspace` leaves it, the module
-/// being a workspace member); else built once per test process with `cargo build -p
-/// ratelimit-redis-module` into `target/module-tests` (a target directory of its own,
+/// every source it is built from and has the `test-panic` feature (as `cargo test
+/// --workspace --all-features` leaves it, the module being a workspace member); else
+/// built once per test process with `cargo build -p ratelimit-redis-module --features
+/// test-panic` into `target/module-tests` (a target directory of its own,
 /// so the build never waits on the one running the tests), which takes that build's
 /// time after a change to the module or the core.
 ///
@@ -877,14 +878,22 @@ fn build_module() -> Result<PathBuf, String> {
         std::env::consts::DLL_PREFIX,
         std::env::consts::DLL_SUFFIX
     );
+    // As `cargo test --workspace --all-features` leaves it: with the test-only panic.
     let built = workspace.join("target/debug").join(&file);
-    if is_fresh(&built, &workspace) {
+    if is_fresh(&built, &workspace) && has_test_panic(&built) {
         return Ok(built);
     }
     let target = workspace.join("target/module-tests");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let output = Command::new(cargo)
-        .args(["build", "-p", "ratelimit-redis-module", "--target-dir"])
+        .args([
+            "build",
+            "-p",
+            "ratelimit-redis-module",
+            "--features",
+            "test-panic",
+        ])
+        .arg("--target-dir")
         .arg(&target)
         .current_dir(&workspace)
         .stdin(Stdio::null())
@@ -910,6 +919,19 @@ fn build_module() -> Result<PathBuf, String> {
 
 /// Whether `built` exists and is newer than every file the module is built from: its
 /// crate, the core, the workspace's manifest and lock file.
+/// The hash tag of the keys whose check panics inside a module built with its
+/// `test-panic` feature (as [`module_file`] builds it): a check whose state key ends
+/// with `{rlpanic}:s`, e.g. `RATELIMIT.CHECK x{rlpanic}:b x{rlpanic}:s <packed>`. No
+/// store names a key so (its keys' tags are hex digits).
+pub const PANIC_KEY_TAG: &str = "{rlpanic}";
+
+/// Whether the module at `path` was built with its `test-panic` feature: it holds the
+/// feature's panic message.
+fn has_test_panic(path: &Path) -> bool {
+    const MARK: &[u8] = b"ratelimit-redis-module test panic (feature test-panic)";
+    std::fs::read(path).is_ok_and(|bytes| bytes.windows(MARK.len()).any(|w| w == MARK))
+}
+
 fn is_fresh(built: &Path, workspace: &Path) -> bool {
     fn newest(path: &Path) -> Option<std::time::SystemTime> {
         let meta = std::fs::metadata(path).ok()?;
