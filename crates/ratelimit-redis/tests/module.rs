@@ -189,11 +189,23 @@ async fn a_replica_holds_what_the_primary_decided() {
         assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     }
     assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    // A block and a charge given back (the module's RATELIMIT.BLOCK and GIVE_BACK)
+    // replicate too.
+    store
+        .block(b"b", Some(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    let refunded: RuleSet = "5/min token-bucket capacity=5".parse().unwrap();
+    let charged_at = store.now_us();
+    for _ in 0..3 {
+        assert!(store.check(b"r", &refunded, 1).await.unwrap().is_allowed());
+    }
+    assert!(store.refund(b"r", &refunded, 2, charged_at).await.unwrap());
     let mut p = common::conn(&primary.url());
     let mut r = common::conn(&replica.url());
     let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
     assert_eq!(acked, 1, "the replica acknowledged the writes");
-    for key in ["rep:{k6b}:s", "rep:{k6b}:l"] {
+    for key in ["rep:{k6b}:s", "rep:{k6b}:l", "rep:{k62}:b", "rep:{k72}:s"] {
         let dump = |con: &mut redis::Connection| -> (Value, i64) {
             let kind: String = redis::cmd("TYPE").arg(key).query(con).unwrap();
             let value = if kind == "list" {
@@ -231,6 +243,11 @@ async fn a_replica_holds_what_the_primary_decided() {
     wait_connected(&promoted).await;
     assert!(promoted.uses_module());
     assert!(!promoted.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    let blocked = promoted.check(b"b", &rules, 1).await.unwrap();
+    assert_eq!(blocked.outcome(), ratelimit_core::Outcome::Blocked);
+    // 3 charged, 2 given back: 4 of 5 left.
+    let left = promoted.check(b"r", &refunded, 0).await.unwrap();
+    assert_eq!(left.rules()[0].remaining, 4);
 }
 
 /// A state cut short or grown by a few bytes (a partial write by hand, another tool):
