@@ -642,3 +642,75 @@ fn expires_at(rule: &Rule, state: &RuleState, log: Option<&VecDeque<u64>>) -> u6
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => gcra::expires_at(state),
     }
 }
+
+#[cfg(test)]
+mod refund_unspent_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_lease_gives_back_its_unspent_units_undrained_part() {
+        let gcra = Rule::gcra(10, Duration::from_secs(1), 10).unwrap();
+        // 4 units reserved at 0: the TAT 400 ms ahead. At 50 ms, 3 unspent: the charge's
+        // undrained part is 3.5 units, so all 3 go back.
+        let mut tat = RuleState::Tat {
+            us: 400_000,
+            frac: 0,
+        };
+        assert!(refund_unspent(&gcra, &mut tat, 3, 4, 0, 50_000));
+        assert_eq!(
+            tat,
+            RuleState::Tat {
+                us: 100_000,
+                frac: 0
+            }
+        );
+        // At 250 ms only 1.5 units of the charge are still ahead: 1.5 go back, not 3.
+        let mut tat = RuleState::Tat {
+            us: 400_000,
+            frac: 0,
+        };
+        assert!(refund_unspent(&gcra, &mut tat, 3, 4, 0, 250_000));
+        assert_eq!(
+            tat,
+            RuleState::Tat {
+                us: 250_000,
+                frac: 0
+            }
+        );
+        // A TAT not ahead of now: nothing to give back to.
+        let mut idle = RuleState::Tat { us: 10, frac: 0 };
+        assert!(!refund_unspent(&gcra, &mut idle, 3, 4, 0, 250_000));
+
+        let window = Rule::fixed_window(10, Duration::from_secs(1)).unwrap();
+        let mut count = RuleState::Window { index: 0, count: 5 };
+        assert!(refund_unspent(&window, &mut count, 3, 4, 0, 900_000));
+        assert_eq!(count, RuleState::Window { index: 0, count: 2 });
+        // Never into another window than the reservation's.
+        assert!(!refund_unspent(
+            &window, &mut count, 1, 4, 1_000_000, 1_100_000
+        ));
+
+        let bucket = Rule::token_bucket(10, Duration::from_secs(1), 10).unwrap();
+        let mut tokens = RuleState::Tokens {
+            level: 9_500_000,
+            last: 0,
+        };
+        // Up to the capacity, never past it.
+        assert!(refund_unspent(&bucket, &mut tokens, 3, 4, 0, 0));
+        assert_eq!(
+            tokens,
+            RuleState::Tokens {
+                level: 10_000_000,
+                last: 0
+            }
+        );
+
+        let sliding = Rule::sliding_window(10, Duration::from_secs(1), 2).unwrap();
+        let mut counters = RuleState::Counters {
+            index: 0,
+            counts: vec![5, 0, 0].into(),
+        };
+        assert!(!refund_unspent(&sliding, &mut counters, 3, 4, 0, 0));
+    }
+}
