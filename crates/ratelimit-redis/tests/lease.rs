@@ -11,7 +11,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{Algorithm, Clock, Decision, ManualClock, RuleSet, Store};
-use ratelimit_redis::testing::{wait_connected, RedisServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
 use ratelimit_redis::RedisStore;
 
 const LEASE: Duration = Duration::from_millis(20);
@@ -275,6 +275,47 @@ fn unspent_units_are_given_back_on(server: &RedisServer, rules: &RuleSet) {
         clock.advance(LEASE);
         leased.sweep_leases().await;
         assert_eq!(remaining(&exact.check(b"k", rules, 0).await.unwrap()), 36);
+    });
+}
+
+/// The same on a Cluster whose nodes have the module and cannot run Lua: the
+/// reservations, the refund and the exact store's peeks all run in the module.
+#[test]
+fn unspent_units_are_given_back_on_a_module_cluster() {
+    let cluster = RedisCluster::start_with_module_only();
+    let rules: RuleSet = "10/s token-bucket capacity=40".parse().unwrap();
+    runtime().block_on(async {
+        let clock = ManualClock::new(T0_US);
+        let make = |lease: Option<Duration>| {
+            let builder = RedisStore::builder()
+                .prefix("leasecluster")
+                .timeout(Duration::from_secs(5))
+                .clock(clock.clone());
+            let builder = match lease {
+                Some(length) => builder.lease(length),
+                None => builder,
+            };
+            let urls = cluster.urls();
+            async move {
+                let store = builder.build_cluster(&urls).await.expect("cluster store");
+                wait_connected(&store).await;
+                assert!(store.uses_module());
+                store
+            }
+        };
+        let leased = make(Some(LEASE)).await;
+        let exact = make(None).await;
+        for key in [&b"a"[..], b"b", b"c"] {
+            for _ in 0..4 {
+                assert!(leased.check(key, &rules, 1).await.unwrap().is_allowed());
+            }
+            assert_eq!(remaining(&exact.check(key, &rules, 0).await.unwrap()), 33);
+        }
+        clock.advance(LEASE);
+        leased.sweep_leases().await;
+        for key in [&b"a"[..], b"b", b"c"] {
+            assert_eq!(remaining(&exact.check(key, &rules, 0).await.unwrap()), 36);
+        }
     });
 }
 
