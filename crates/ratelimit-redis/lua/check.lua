@@ -697,10 +697,8 @@ end
 
 local VERSION_SKEW = ' values; the store and the script are from different versions'
 
--- Whether x is not a value of the packed encoding: an integer in [0, 2^53).
-local function bad_value(x)
-  return not (x >= 0 and x < 9007199254740992 and x % 1 == 0)
-end
+-- Values of the packed encoding are integers below this (2^53).
+local TOP = 9007199254740992
 
 -- One check on its keys and packed values. In a batch, `redis_now` is the Redis time read
 -- once for all, and when `at` is set, got[at] and got[at + 1] are the block marker and
@@ -721,11 +719,16 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
       .. 'at most %d, got %d', HEADER + PER_RULE * n, n, MAX_RULES, len / 8) .. VERSION_SKEW)
   end
   -- Values no store sends (it checks its rules and costs first) are refused before
-  -- anything is read or written: integers below 2^53 (NaN fails every comparison).
-  if bad_value(injected_now) or bad_value(cost) or bad_value(ttl_floor) or bad_value(width)
-      or bad_value(log_limit) or bad_value(log_period) or bad_value(layout)
-      or bad_value(deadline) or not (injected == 0 or injected == 1) then
-    return redis.error_reply('RLARGS a value of the header is not an integer below 2^53; '
+  -- anything is read or written: values out of [0, 2^53), NaN (which fails every
+  -- comparison), a cost that is not whole. Comparisons only, written out: this runs on
+  -- every check (a `%` or a function per value costs several percent of a decision).
+  local top = TOP
+  if not ((injected == 0 or injected == 1) and injected_now >= 0 and injected_now < top
+      and cost >= 0 and cost < top and cost % 1 == 0 and ttl_floor >= 0 and ttl_floor < top
+      and width >= 0 and width < top and log_limit >= 0 and log_limit < top
+      and log_period >= 0 and log_period < top and layout >= 0 and layout < top
+      and deadline >= 0 and deadline < top) then
+    return redis.error_reply('RLARGS a value of the header is out of range; '
       .. 'the store and the script are from different versions')
   end
   if deadline > 0 then
@@ -845,8 +848,8 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
         most = a + 1
       end
     end
-    if bad_value(limit) or bad_value(period) or bad_value(a) or bad_value(b) or limit < 1
-        or period < 1 or c > most then
+    if not (limit >= 1 and limit < TOP and period >= 1 and period < TOP and a >= 0
+        and a < TOP and b >= 0 and b < TOP and c <= most) then
       return redis.error_reply(fmt('RLARGS rule %d: limit %s, period %s, values %s and %s, '
         .. 'cost %s; the store and the script are from different versions', i - 1, limit,
         period, a, b, cost))
