@@ -161,9 +161,10 @@ pub fn pack_check(
     packed
 }
 
-/// The value at `bytes[8 * i..]` when it is an integer in `[0, 2^53)`.
+/// The value at `bytes[8 * i..]` when it is an integer in `[0, 2^53)`: a value of this
+/// encoding; `None` for anything else (bytes missing, a fraction, NaN, out of range).
 #[inline(always)]
-fn value(bytes: &[u8], i: usize) -> Option<u64> {
+pub fn value(bytes: &[u8], i: usize) -> Option<u64> {
     let chunk: [u8; 8] = bytes.get(8 * i..8 * i + 8)?.try_into().ok()?;
     let x = f64::from_le_bytes(chunk);
     // NaN and the infinities fail the range test.

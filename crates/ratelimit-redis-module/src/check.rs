@@ -42,12 +42,13 @@ fn read_check(packed_check: &[u8]) -> Result<(Header, Rc<PackedRules>), String> 
         return Ok(read);
     }
     let (header, rule_bytes) = Header::parse(packed_check).map_err(|e| args_error(&e))?;
-    let rules = cached_rules(rule_bytes, &header)?;
+    let rules = rules_of(rule_bytes, &header)?;
     LAST.with(|last| *last.borrow_mut() = Some((packed_check.into(), header, rules.clone())));
     Ok((header, rules))
 }
 
-fn cached_rules(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
+/// The rules of a packed check, from the cache or built and cached.
+pub(crate) fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
     if let Some(rules) = RULES.with(|cache| cache.borrow().get(bytes).cloned()) {
         return Ok(rules);
     }
@@ -64,7 +65,7 @@ fn cached_rules(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String
     Ok(rules)
 }
 
-fn args_error(e: &dyn std::fmt::Display) -> String {
+pub(crate) fn args_error(e: &dyn std::fmt::Display) -> String {
     format!("RLARGS {e}; the store and the module are from different versions")
 }
 
@@ -105,6 +106,10 @@ pub(crate) fn check_one(
     server_now: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
+    #[cfg(feature = "test-panic")]
+    if keys.state.as_slice().ends_with(b"{rlpanic}:s") {
+        panic!("{}", crate::TEST_PANIC);
+    }
     let (header, rules) = read_check(packed_check)?;
     if (header.log_limit > 0) != keys.log.is_some() {
         return Err(args_error(&format_args!(
@@ -166,6 +171,9 @@ pub(crate) fn check_one(
     // and is replaced when the check commits.
     let mut state_key = StateKey::open(ctx, keys.state);
     let mut stored = None;
+    // A value of another type: read as absent, replaced (and said) when the check
+    // commits, as in Lua.
+    let foreign_type = !matches!(state_key.key_type(), KeyType::String | KeyType::Empty);
     if let Some(raw) = state_key.string() {
         stored = packed::decode_state(raw, &header, &rules, now);
         discarded |= stored.is_none();
@@ -211,6 +219,7 @@ pub(crate) fn check_one(
     }
 
     let transition = algo::decide(rules.rules(), &mut states, now, header.cost);
+    discarded |= foreign_type && transition.committed;
     if transition.committed {
         let log_now = match states.iter().find_map(|s| match s {
             RuleState::Log(log) => log.front().copied(),
@@ -296,6 +305,29 @@ fn write_carried(
     Ok(())
 }
 
+/// Rewrites a key's state in place through the key API, its expiry kept, replicated as
+/// `SET .. KEEPTTL` (a refund only makes the state expire sooner in truth).
+pub(crate) fn rewrite_state(
+    ctx: &Context,
+    name: &RedisString,
+    key: &redis_module::key::RedisKeyWritable,
+    raw: &[u8],
+) -> Result<(), String> {
+    write_string(key, raw)?;
+    ctx.replicate("SET", &[name.as_slice(), raw, b"KEEPTTL"][..]);
+    Ok(())
+}
+
+/// Writes a string key's value through the key API, its expiry left as it is.
+pub(crate) fn write_string(
+    key: &redis_module::key::RedisKeyWritable,
+    raw: &[u8],
+) -> Result<(), String> {
+    key.as_string_dma()
+        .and_then(|mut dma| dma.write(raw).map(drop))
+        .map_err(|e| e.to_string())
+}
+
 /// Deletes an open key, replicated as `DEL`.
 fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &RedisString) {
     let _ = key.delete();
@@ -303,7 +335,7 @@ fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &Redis
 }
 
 /// Runs a write command whose effect is replicated (the `!` flag of `RM_Call`).
-fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String> {
+pub(crate) fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String> {
     let options = CallOptionsBuilder::new()
         .replicate()
         .errors_as_replies()
@@ -322,12 +354,14 @@ fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String
 
 /// The shared log as read: its newest entries (at most the log limit) and its length,
 /// or a value this store did not write.
-enum Log {
+pub(crate) enum Log {
+    /// The newest entries and the log's length.
     Entries(VecDeque<u64>, u64),
+    /// Not a list this store wrote.
     Foreign,
 }
 
-fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<Log, String> {
+pub(crate) fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<Log, String> {
     match ctx.open_key(key).key_type() {
         KeyType::Empty => return Ok(Log::Entries(VecDeque::new(), 0)),
         KeyType::List => {}

@@ -166,6 +166,40 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     Ok(RedisValue::StringBuffer(out))
 }
 
+/// A command on one key that answers an integer, its panics caught.
+fn integer_command(
+    args: &[RedisString],
+    f: impl FnOnce(&[RedisString]) -> Result<i64, String>,
+) -> RedisResult {
+    let mut reply = 0;
+    guarded(|| {
+        reply = f(&args[1..])?;
+        Ok(())
+    })
+    .map_err(RedisError::String)?;
+    Ok(RedisValue::Integer(reply))
+}
+
+/// `RATELIMIT.REFUND state now units start granted (id code limit period window)..`:
+/// a lease's unspent units given back (`check.lua`'s `refund`).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+pub(crate) fn refund(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    integer_command(&args, |args| crate::refund::lease_refund(ctx, args))
+}
+
+/// `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
+/// (`check.lua`'s `give_back`).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+pub(crate) fn give_back(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    integer_command(&args, |args| crate::refund::give_back(ctx, args))
+}
+
+/// `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+pub(crate) fn block(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    integer_command(&args, |args| crate::block::block(ctx, args))
+}
+
 /// `RATELIMIT.VERSION`: the module's version and its state format.
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 pub(crate) fn version(_: &Context, _: Vec<RedisString>) -> RedisResult {

@@ -27,6 +27,12 @@
 //! - `RATELIMIT.CHECK_LOCAL 0 counts packed.. key..`: the same on one Redis Cluster node
 //!   for keys of any slots it serves (`check_local`); a check whose slot it does not
 //!   serve is answered `RLMOVED` untouched.
+//! - `RATELIMIT.REFUND state now units start granted (id code limit period window)..`:
+//!   a lease's unspent units given back (`refund`), by
+//!   [`ratelimit_core::algo::refund_unspent`].
+//! - `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
+//!   (`give_back`), by [`ratelimit_core::algo::refund`].
+//! - `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
 //! - `RATELIMIT.VERSION`: the module's version and the state format it reads and writes
 //!   ([`STATE_FORMAT`]); a store uses the module only when the format is its own.
 //!
@@ -40,9 +46,16 @@
 //! `TIME` reads. A panic in a check is caught at the boundary and answered as that
 //! check's error (`RLPANIC`), never an abort of the server.
 
+mod block;
 mod check;
 mod commands;
 mod keyspace;
+mod refund;
+
+/// The message of the panic the `test-panic` feature puts in the module (see
+/// Cargo.toml); the test harness finds a build with the feature by it.
+#[cfg(feature = "test-panic")]
+pub const TEST_PANIC: &str = "ratelimit-redis-module test panic (feature test-panic)";
 
 /// The version of the state layout, arguments and replies the module reads and writes:
 /// [`ratelimit_core::packed::STATE_FORMAT`], reported by `RATELIMIT.VERSION`.
@@ -54,7 +67,7 @@ pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 mod registration {
     use redis_module::redis_module;
 
-    use crate::commands::{check, check_local, check_many, version};
+    use crate::commands::{block, check, check_local, check_many, give_back, refund, version};
 
     redis_module! {
         name: "ratelimit",
@@ -66,6 +79,10 @@ mod registration {
             ["ratelimit.check", check, "write deny-oom", 1, -2, 1, ""],
             ["ratelimit.check_many", check_many, "write deny-oom", 0, 0, 0, ""],
             ["ratelimit.check_local", check_local, "write deny-oom", 0, 0, 0, ""],
+            ["ratelimit.refund", refund, "write deny-oom", 1, 1, 1, ""],
+            // The state and, with a sliding log, the log: every argument but the last two.
+            ["ratelimit.give_back", give_back, "write deny-oom", 1, -3, 1, ""],
+            ["ratelimit.block", block, "write deny-oom", 1, 1, 1, ""],
             ["ratelimit.version", version, "readonly fast", 0, 0, 0, ""],
         ],
     }

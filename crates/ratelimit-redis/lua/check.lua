@@ -77,7 +77,8 @@
 -- marker and state, one SET of the state with its expiry when the check commits (or is
 -- denied after a conversion); a sliding log adds LLEN, LINDEX, LPUSH, PEXPIRE (or a DEL
 -- of a log that no longer counts; a denial after a conversion only a PEXPIRE). A value of
--- another type at a key reads as absent and is replaced.
+-- another type at a key reads as absent and is replaced (status 2) when the check
+-- commits; a block marker of another type is left alone and reads as no block.
 
 -- Cost: run with EVALSHA, every function below is created anew on each call, and each
 -- local it captures costs at creation. So the functions take their inputs as parameters,
@@ -696,6 +697,9 @@ end
 
 local VERSION_SKEW = ' values; the store and the script are from different versions'
 
+-- Values of the packed encoding are integers below this (2^53).
+local TOP = 9007199254740992
+
 -- One check on its keys and packed values. In a batch, `redis_now` is the Redis time read
 -- once for all, and when `at` is set, got[at] and got[at + 1] are the block marker and
 -- state as read for all (alone: nil, nil, nil, read here). Evaluates every rule on the
@@ -713,6 +717,19 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules of '
       .. 'at most %d, got %d', HEADER + PER_RULE * n, n, MAX_RULES, len / 8) .. VERSION_SKEW)
+  end
+  -- Values no store sends (it checks its rules and costs first) are refused before
+  -- anything is read or written: values out of [0, 2^53), NaN (which fails every
+  -- comparison), a cost that is not whole. Comparisons only, written out: this runs on
+  -- every check (a `%` or a function per value costs several percent of a decision).
+  local top = TOP
+  if not ((injected == 0 or injected == 1) and injected_now >= 0 and injected_now < top
+      and cost >= 0 and cost < top and cost % 1 == 0 and ttl_floor >= 0 and ttl_floor < top
+      and width >= 0 and width < top and log_limit >= 0 and log_limit < top
+      and log_period >= 0 and log_period < top and layout >= 0 and layout < top
+      and deadline >= 0 and deadline < top) then
+    return redis.error_reply('RLARGS a value of the header is out of range; '
+      .. 'the store and the script are from different versions')
   end
   if deadline > 0 then
     -- The caller's deadline is on the Redis clock, whatever the check's own clock.
@@ -822,6 +839,21 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   local code, limit, period, a, b, id
   for i = 1, n do
     code, limit, period, a, b, id, pos = unpack_(RULE_FORMAT, packed, pos)
+    -- A rule no store sends, or a cost above what the rule can ever admit (the core's
+    -- `RuleSet::check_cost`): refused, nothing written.
+    local most = limit
+    if code == GCRA or code == TOKEN_BUCKET or code == LEAKY_BUCKET then
+      most = a
+      if code == LEAKY_BUCKET and b > 0 then
+        most = a + 1
+      end
+    end
+    if not (limit >= 1 and limit < TOP and period >= 1 and period < TOP and a >= 0
+        and a < TOP and b >= 0 and b < TOP and c <= most) then
+      return redis.error_reply(fmt('RLARGS rule %d: limit %s, period %s, values %s and %s, '
+        .. 'cost %s; the store and the script are from different versions', i - 1, limit,
+        period, a, b, cost))
+    end
     local s = st
     if fresh and fresh[i] then
       s = nil
@@ -937,7 +969,15 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     new[width - 2], new[width - 1], new[width] = LOG_MARKER, 1, log_now + log_period
   end
   local unit, ms = expiry_arg(injected, now, ttl_floor, state_expires)
-  redis.call('SET', key2, encode(new, width, shape), unit, ms)
+  if raw then
+    redis.call('SET', key2, encode(new, width, shape), unit, ms)
+  elseif not redis.call('SET', key2, encode(new, width, shape), unit, ms, 'NX') then
+    -- Nothing was read, yet the key exists: a value of another type (MGET reads it as
+    -- nil), replaced, and said so.
+    redis.call('DEL', key2)
+    redis.call('SET', key2, encode(new, width, shape), unit, ms)
+    out[1] = 2
+  end
 
   if log_limit > 0 then
     if drop_log then
@@ -1196,7 +1236,10 @@ local function refund(KEYS, ARGV)
       if give <= 0 then
         give = 0
       end
-      if (code == GCRA or code == LEAKY_BUCKET) and v[o] == limit and give > 0 then
+      -- As the core's `algo::refund_unspent`: a TAT not ahead of now, a full bucket or
+      -- an empty count is left as it is (and not written).
+      if (code == GCRA or code == LEAKY_BUCKET) and v[o] == limit and give > 0
+        and (v[o + 2] > now or (v[o + 2] == now and v[o + 3] > 0)) then
         local q, rem = divmod(give, limit)
         local us, frac = v[o + 2] - q, v[o + 3] - rem
         if frac < 0 then
@@ -1206,14 +1249,15 @@ local function refund(KEYS, ARGV)
           us, frac = now, 0
         end
         v[o + 2], v[o + 3], changed = us, frac, true
-      elseif code == TOKEN_BUCKET and v[o] == limit and give > 0 then
+      elseif code == TOKEN_BUCKET and v[o] == limit and give > 0
+        and v[o + 2] < v[o + 1] * period then
         local level = v[o + 2] + give
         local full = v[o + 1] * period
         if level > full then
           level = full
         end
         v[o + 2], changed = level, true
-      elseif code == FIXED_WINDOW and v[o] == window then
+      elseif code == FIXED_WINDOW and v[o] == window and v[o + 1] > 0 then
         local count = v[o + 1] - u
         if count < 0 then
           count = 0

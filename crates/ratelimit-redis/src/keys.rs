@@ -79,6 +79,23 @@ impl KeyNames {
     }
 }
 
+/// The Redis Cluster slot of the key `name`: CRC16 (XMODEM) of its hash tag (the text
+/// between the first `{` and the next `}`, when not empty), else of the whole name.
+pub(crate) fn key_slot(name: &[u8]) -> u16 {
+    let tag = name
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &name[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(name);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,5 +176,19 @@ mod tests {
             let err = validate_prefix(bad).unwrap_err().to_string();
             assert!(err.contains("hash tag"), "{err}");
         }
+    }
+
+    #[test]
+    fn slots_follow_redis_cluster_keyslot() {
+        // The examples of the CLUSTER KEYSLOT documentation.
+        assert_eq!(key_slot(b"somekey"), 11058);
+        assert_eq!(key_slot(b"foo{hash_tag}"), 2515);
+        assert_eq!(key_slot(b"{hash_tag}bar"), 2515);
+        // An empty tag is no tag: the whole name counts.
+        assert_ne!(key_slot(b"a{}b"), key_slot(b""));
+        assert_eq!(
+            key_slot(b"{}{x}"),
+            crc16::State::<crc16::XMODEM>::calculate(b"{}{x}") % 16384
+        );
     }
 }

@@ -448,7 +448,7 @@ async fn refund(
     lease: &Lease,
 ) -> Result<(), RedisStoreError> {
     let shared = store.shared();
-    let mut call = REFUND.call(&shared.paths, 1, 5 + 5 * rules.len());
+    let mut call = REFUND.call(&shared.paths, name.as_bytes(), 1, 5 + 5 * rules.len());
     call.cmd.arg(name);
     match &shared.clock {
         Some(clock) => call.cmd.arg(clock.now_us()),

@@ -102,10 +102,13 @@
 //! arguments and replies, so nothing else changes (same decisions, same failure
 //! policies), and stores on both paths can share keys during a rollout. The store asks
 //! every primary for the module (`RATELIMIT.VERSION`) at each (re)connection and uses it
-//! when all have it with the store's state format; one INFO line says which path is in
-//! use. A server that loses the module (a restart or a failover without it) gets the
-//! call as a Lua function, and the store stays on Lua until it reconnects. Blocks and
-//! lease refunds are Lua functions on both paths.
+//! where a primary has it with the store's state format: everywhere when all have it; on
+//! a Cluster where only some do (a rollout), for the keys of the slots those masters
+//! serve, the others staying on Lua. One INFO line says which path is in use (one per
+//! master on such a Cluster). A server that loses the module (a restart or a failover
+//! without it) gets the call as a Lua function, and the store stays on Lua until it
+//! reconnects. Checks, blocks, lease refunds and refunds of charges all go to the
+//! module: a store on it runs no Lua.
 //! [`RedisStoreBuilder::force_lua`] keeps the Lua path; [`RedisStore::uses_module`]
 //! tells which is in use.
 //!

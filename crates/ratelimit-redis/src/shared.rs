@@ -132,8 +132,8 @@ impl Shared {
     pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 2 + usize::from(has_log);
-        let mut call = CHECK.call(&self.paths, keys, keys + 1);
         let mut names = KeyNames::new(&self.prefix, key);
+        let mut call = CHECK.call(&self.paths, names.block().as_bytes(), keys, keys + 1);
         call.cmd.arg(names.block());
         call.cmd.arg(names.state());
         if has_log {
@@ -187,8 +187,8 @@ impl Shared {
     ) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 1 + usize::from(has_log);
-        let mut call = GIVE_BACK.call(&self.paths, keys, keys + 2);
         let mut names = KeyNames::new(&self.prefix, key);
+        let mut call = GIVE_BACK.call(&self.paths, names.state().as_bytes(), keys, keys + 2);
         call.cmd.arg(names.state());
         if has_log {
             call.cmd.arg(names.log());
@@ -203,8 +203,9 @@ impl Shared {
     }
 
     pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {
-        let mut call = BLOCK.call(&self.paths, 1, 4);
-        call.cmd.arg(KeyNames::new(&self.prefix, key).block());
+        let mut names = KeyNames::new(&self.prefix, key);
+        let mut call = BLOCK.call(&self.paths, names.block().as_bytes(), 1, 4);
+        call.cmd.arg(names.block());
         match self.now() {
             Some(now) => call.cmd.arg(now),
             None => call.cmd.arg(""),

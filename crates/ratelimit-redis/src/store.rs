@@ -463,7 +463,9 @@ impl RedisStore {
     /// `ratelimit-redis-module`) rather than as Lua functions: as found at the last
     /// (re)connection (on a Cluster, when every master has the module of the store's
     /// state format), unless the builder's [`force_lua`](RedisStoreBuilder::force_lua)
-    /// said otherwise. False before the first connection.
+    /// said otherwise. False before the first connection, and on a Cluster where only
+    /// some masters have the module: there each call goes to the module on the masters
+    /// that have it and to the Lua functions on the others, by the slot of its key.
     pub fn uses_module(&self) -> bool {
         self.inner
             .shared

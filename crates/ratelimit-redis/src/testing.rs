@@ -375,7 +375,20 @@ impl RedisServer {
         Self::start_kind_with(kind, &[&options[0], &options[1]])
     }
 
-    /// Starts a Redis server with extra command-line options, e.g.
+    /// Starts a server with the native module loaded and no way to run Lua: `EVAL`,
+    /// `EVALSHA` and `FCALL` (and their read-only forms) renamed out of reach. A store on
+    /// it decides everything through the module, or fails: a test of the module path
+    /// that cannot pass by falling back to the Lua functions.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_only() -> Self {
+        let options = module_only_options();
+        Self::start_with(&options.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// Starts a server with extra command-line options, e.g.
     /// `&["--maxmemory-policy", "allkeys-lru"]`.
     ///
     /// # Panics
@@ -664,11 +677,58 @@ impl RedisCluster {
         })
     }
 
+    /// Starts a cluster whose every node has the native module loaded and no way to run
+    /// Lua (as [`RedisServer::start_with_module_only`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_only() -> Self {
+        let options = module_only_options();
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
+        Self::try_start_kind_with(ServerKind::Redis, &options)
+            .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with the module only: {e}"))
+    }
+
+    /// Starts a cluster whose node `i` has the native module loaded when `with[i]` (a
+    /// mixed cluster, as during a rollout of the module); node `i` serves the `i`-th
+    /// third of the slots.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_on(with: [bool; 3]) -> Self {
+        let module = module_file();
+        let module = module.to_string_lossy();
+        Self::try_start_kind_each(ServerKind::Redis, |i| {
+            if with[i] {
+                vec!["--loadmodule", &module]
+            } else {
+                Vec::new()
+            }
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+        })
+        .unwrap_or_else(|e| panic!("cannot start a mixed Redis Cluster: {e}"))
+    }
+
     /// Starts a cluster of `kind`'s nodes, each with the extra command-line `options`;
     /// the error says what failed.
     pub fn try_start_kind_with(kind: ServerKind, options: &[&str]) -> io::Result<Self> {
+        Self::try_start_kind_each(kind, |_| options.iter().map(|s| (*s).to_owned()).collect())
+    }
+
+    /// Starts a cluster of `kind`'s nodes whose node `i` gets the extra options
+    /// `extra(i)`.
+    fn try_start_kind_each(
+        kind: ServerKind,
+        extra: impl Fn(usize) -> Vec<String>,
+    ) -> io::Result<Self> {
         let mut nodes = Vec::with_capacity(3);
-        for _ in 0..3 {
+        for i in 0..3 {
+            let extra = extra(i);
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
             nodes.push(RedisServer::try_start_with(
                 kind,
                 &[
@@ -683,7 +743,7 @@ impl RedisCluster {
                     "yes",
                 ]
                 .iter()
-                .chain(options)
+                .chain(&extra)
                 .copied()
                 .collect::<Vec<_>>(),
                 true,
@@ -962,12 +1022,37 @@ impl Drop for RedisSentinel {
     }
 }
 
+/// The options of a server with the module loaded and the Lua commands renamed out of
+/// reach.
+fn module_only_options() -> Vec<String> {
+    let mut options = vec![
+        "--loadmodule".to_owned(),
+        module_file().to_string_lossy().into_owned(),
+    ];
+    for command in [
+        "EVAL",
+        "EVALSHA",
+        "EVAL_RO",
+        "EVALSHA_RO",
+        "FCALL",
+        "FCALL_RO",
+    ] {
+        options.extend([
+            "--rename-command".to_owned(),
+            command.to_owned(),
+            format!("{command}_UNREACHABLE_IN_THIS_TEST"),
+        ]);
+    }
+    options
+}
+
 /// The native module's shared object (crate `ratelimit-redis-module`) for servers that
 /// load it: `$RATELIMIT_MODULE` when set (a module built beforehand, e.g. in release
 /// mode for benchmarks); else the workspace's `target/debug` one when it is newer than
-/// every source it is built from (as `cargo test --workspace` leaves it, the module
-/// being a workspace member); else built once per test process with `cargo build -p
-/// ratelimit-redis-module` into `target/module-tests` (a target directory of its own,
+/// every source it is built from and has the `test-panic` feature (as `cargo test
+/// --workspace --all-features` leaves it, the module being a workspace member); else
+/// built once per test process with `cargo build -p ratelimit-redis-module --features
+/// test-panic` into `target/module-tests` (a target directory of its own,
 /// so the build never waits on the one running the tests), which takes that build's
 /// time after a change to the module or the core.
 ///
@@ -1007,14 +1092,22 @@ fn build_module() -> Result<PathBuf, String> {
         std::env::consts::DLL_PREFIX,
         std::env::consts::DLL_SUFFIX
     );
+    // As `cargo test --workspace --all-features` leaves it: with the test-only panic.
     let built = workspace.join("target/debug").join(&file);
-    if is_fresh(&built, &workspace) {
+    if is_fresh(&built, &workspace) && has_test_panic(&built) {
         return Ok(built);
     }
     let target = workspace.join("target/module-tests");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let output = Command::new(cargo)
-        .args(["build", "-p", "ratelimit-redis-module", "--target-dir"])
+        .args([
+            "build",
+            "-p",
+            "ratelimit-redis-module",
+            "--features",
+            "test-panic",
+        ])
+        .arg("--target-dir")
         .arg(&target)
         .current_dir(&workspace)
         .stdin(Stdio::null())
@@ -1040,6 +1133,19 @@ fn build_module() -> Result<PathBuf, String> {
 
 /// Whether `built` exists and is newer than every file the module is built from: its
 /// crate, the core, the workspace's manifest and lock file.
+/// The hash tag of the keys whose check panics inside a module built with its
+/// `test-panic` feature (as [`module_file`] builds it): a check whose state key ends
+/// with `{rlpanic}:s`, e.g. `RATELIMIT.CHECK x{rlpanic}:b x{rlpanic}:s <packed>`. No
+/// store names a key so (its keys' tags are hex digits).
+pub const PANIC_KEY_TAG: &str = "{rlpanic}";
+
+/// Whether the module at `path` was built with its `test-panic` feature: it holds the
+/// feature's panic message.
+fn has_test_panic(path: &Path) -> bool {
+    const MARK: &[u8] = b"ratelimit-redis-module test panic (feature test-panic)";
+    std::fs::read(path).is_ok_and(|bytes| bytes.windows(MARK.len()).any(|w| w == MARK))
+}
+
 fn is_fresh(built: &Path, workspace: &Path) -> bool {
     fn newest(path: &Path) -> Option<std::time::SystemTime> {
         let meta = std::fs::metadata(path).ok()?;

@@ -406,6 +406,8 @@ pub(crate) struct Link {
 #[derive(Debug)]
 pub(crate) struct Nodes {
     of_slot: Vec<u16>,
+    /// Each node's address, by its number.
+    addresses: Vec<(String, u16)>,
 }
 
 impl Nodes {
@@ -421,7 +423,7 @@ impl Nodes {
             return None;
         };
         let mut of_slot = vec![u16::MAX; 16384];
-        let mut seen: Vec<(Value, Value)> = Vec::new();
+        let mut seen: Vec<(String, u16)> = Vec::new();
         for range in ranges {
             let Value::Array(fields) = range else {
                 return None;
@@ -431,7 +433,17 @@ impl Nodes {
             else {
                 return None;
             };
-            let address = (primary.first()?.clone(), primary.get(1)?.clone());
+            let address = match (primary.first()?, primary.get(1)?) {
+                (host, Value::Int(port)) => (
+                    match host {
+                        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok()?,
+                        Value::SimpleString(s) => s.clone(),
+                        _ => return None,
+                    },
+                    u16::try_from(*port).ok()?,
+                ),
+                _ => return None,
+            };
             let node = match seen.iter().position(|a| *a == address) {
                 Some(i) => i,
                 None => {
@@ -444,7 +456,21 @@ impl Nodes {
                 *slot = u16::try_from(node).ok()?;
             }
         }
-        Some(Self { of_slot })
+        Some(Self {
+            of_slot,
+            addresses: seen,
+        })
+    }
+
+    /// Records in `paths` which slots' nodes are among `with` (the primaries with the
+    /// module), when some are and some are not.
+    fn map_module(&self, paths: &script::Paths, with: &[(String, u16)]) {
+        let mixed = !with.is_empty() && self.addresses.iter().any(|a| !with.contains(a));
+        paths.set_module_slots(mixed.then_some(|slot: u16| {
+            self.addresses
+                .get(usize::from(self.of(slot)))
+                .is_some_and(|address| with.contains(address))
+        }));
     }
 }
 
@@ -525,6 +551,7 @@ impl Link {
         let read = conn.route_command(cmd, routing);
         let reply = tokio::time::timeout(self.shared.timeout, read).await.ok()?;
         let nodes = Arc::new(Nodes::parse(&reply.ok()?)?);
+        nodes.map_module(&self.shared.paths, &self.shared.paths.module_nodes());
         *self
             .nodes
             .current
@@ -967,48 +994,77 @@ async fn read_policy(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Finds out whether every primary has the native module of this crate's state format,
-/// which the store then uses for its decisions; says in one INFO line which path it is.
+/// Finds out which primaries have the native module of this crate's state format: where
+/// every one has it, the store decides with its commands; where none has, with the Lua
+/// functions; on a Cluster where some have it, each call goes to the module on the nodes
+/// that have it and to Lua on the others (by the node map, read here). One INFO line says
+/// which path is in use (on a mixed Cluster, one per primary).
 async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
-    let mut found = Vec::new();
-    if !shared.force_lua {
-        for (primary, reply) in conn.each_master(redis::cmd("RATELIMIT.VERSION")).await? {
-            found.push((primary, reply.ok().and_then(|r| module_format(&r))));
-        }
+    if shared.force_lua {
+        shared.paths.module.store(false, Ordering::Relaxed);
+        shared.paths.set_module_nodes(Vec::new());
+        shared.paths.set_module_slots(None::<fn(u16) -> bool>);
+        tracing::info!("rate-limit decisions run as Lua functions (force_lua)");
+        return Ok(());
     }
     let ours = ratelimit_core::packed::STATE_FORMAT;
-    let all = !found.is_empty()
-        && found
-            .iter()
-            .all(|(_, f)| f.as_ref().map(|f| f.1) == Some(ours));
+    let found: Vec<(Primary, Option<(String, u64)>)> = conn
+        .each_master(redis::cmd("RATELIMIT.VERSION"))
+        .await?
+        .into_iter()
+        .map(|(primary, reply)| (primary, reply.ok().and_then(|r| module_format(&r))))
+        .collect();
+    let has = |f: &Option<(String, u64)>| f.as_ref().map(|f| f.1) == Some(ours);
+    let with: Vec<(String, u16)> = found
+        .iter()
+        .filter(|(_, f)| has(f))
+        .filter_map(|(primary, _)| match primary {
+            Primary::Master { host, port } => Some((host.clone(), *port)),
+            Primary::Server => None,
+        })
+        .collect();
+    let all = !found.is_empty() && found.iter().all(|(_, f)| has(f));
     shared.paths.module.store(all, Ordering::Relaxed);
-    if all {
-        let version = found
-            .first()
-            .and_then(|(_, f)| f.as_ref())
-            .map(|f| f.0.clone());
-        tracing::info!(
-            module_version = version.as_deref().unwrap_or(""),
-            state_format = ours,
-            "rate-limit decisions run in the Redis module ratelimit"
-        );
-    } else if shared.force_lua {
-        tracing::info!("rate-limit decisions run as Lua functions (force_lua)");
+    shared.paths.set_module_nodes(with.clone());
+    let mixed = !all && !with.is_empty();
+    if mixed {
+        if let Conn::Cluster(cluster) = conn {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+            let reply = cluster.route_command(cmd, routing).await?;
+            match Nodes::parse(&reply) {
+                Some(nodes) => nodes.map_module(&shared.paths, &with),
+                None => shared.paths.set_module_slots(None::<fn(u16) -> bool>),
+            }
+        }
     } else {
-        let without: Vec<String> = found
-            .iter()
-            .filter(|(_, f)| f.as_ref().map(|f| f.1) != Some(ours))
-            .map(|(primary, f)| match f {
-                Some((version, format)) => {
-                    format!("{primary:?}: module {version} of state format {format}, not {ours}")
-                }
-                None => format!("{primary:?}: no module"),
-            })
-            .collect();
+        shared.paths.set_module_slots(None::<fn(u16) -> bool>);
+    }
+    let path = |f: &Option<(String, u64)>| match f {
+        Some((version, format)) if *format == ours => {
+            format!("in the Redis module ratelimit {version}")
+        }
+        Some((version, format)) => format!(
+            "as Lua functions: the module ratelimit {version} has state format {format}, \
+             not {ours}"
+        ),
+        None => "as Lua functions: no ratelimit module".to_owned(),
+    };
+    if mixed {
+        for (primary, f) in &found {
+            tracing::info!(
+                ?primary,
+                "rate-limit decisions on this primary run {}",
+                path(f)
+            );
+        }
+    } else if let Some((_, f)) = found.first() {
         tracing::info!(
-            servers = %without.join("; "),
-            "rate-limit decisions run as Lua functions: not every primary has the ratelimit \
-             module of this store's state format"
+            state_format = ours,
+            primaries = found.len(),
+            "rate-limit decisions run {}",
+            path(f)
         );
     }
     Ok(())

@@ -137,6 +137,16 @@ impl Store for Alternating {
         self.next().reset(key, rules)
     }
 
+    fn refund(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        self.next().refund(key, rules, cost, charged_at)
+    }
+
     fn now_us(&self) -> u64 {
         self.stores[0].now_us()
     }
@@ -365,20 +375,33 @@ ratelimit_core::conformance_tests! {
     }
 }
 
-// The same cases on a server with the native module.
+// The same cases on a server with the native module and no way to run Lua: blocks and
+// refunds included, nothing falls back to the Lua functions.
 ratelimit_core::conformance_tests! {
     mod module_store {
         setup: {
-            let server = RedisServer::start_with_module();
+            let server = RedisServer::start_with_module_only();
         },
         run: |test| runtime().block_on(test),
         store: on_module(server.url(), "modconf"),
     }
 }
 
+// The same cases on a Lua store and a module store taking turns on the same keys: a
+// refund or a block by one is the other's.
+ratelimit_core::conformance_tests! {
+    mod lua_and_module_store {
+        setup: {
+            let server = RedisServer::start_with_module();
+        },
+        run: |test| runtime().block_on(test),
+        store: lua_and_module(server.url()),
+    }
+}
+
 #[test]
 fn module_traces_agree_with_memory_store() {
-    let server = RedisServer::start_with_module();
+    let server = RedisServer::start_with_module_only();
     let rt = runtime();
     traces_agree(&rt, 256, traces(), on_module(server.url(), "modtrace"));
     traces_agree(
@@ -414,7 +437,7 @@ fn lua_and_module_stores_share_keys() {
 
 #[test]
 fn module_cluster_store_passes_the_conformance_suite_and_random_traces() {
-    let cluster = RedisCluster::start_with_module();
+    let cluster = RedisCluster::start_with_module_only();
     let rt = runtime();
     rt.block_on(testing::conformance(clustered_on_module(
         cluster.urls(),
@@ -726,4 +749,73 @@ fn valkey_cluster_store_passes_the_conformance_suite_and_random_traces() {
         traces_agree(&rt, 16, traces(), make("vtrace"));
         segmented_traces_agree(&rt, 16, one_rule_traces(), make("vone"));
     }
+}
+
+/// Calls of `command` a node has run, by its `INFO commandstats`.
+fn calls(node: &RedisServer, command: &str) -> u64 {
+    let stats = node
+        .command("INFO commandstats")
+        .expect("INFO commandstats");
+    stats
+        .lines()
+        .find_map(|line| {
+            let rest = line.strip_prefix(&format!("cmdstat_{command}:calls="))?;
+            rest.split(',').next()?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// A Cluster in the middle of a rollout of the module: masters 0 and 2 have it, master 1
+/// does not. One store decides exactly as MemoryStore does, each node on its own path:
+/// the module where it is loaded (no Lua call there), the Lua functions elsewhere.
+#[test]
+fn mixed_cluster_store_decides_each_node_on_its_path() {
+    let cluster = RedisCluster::start_with_module_on([true, false, true]);
+    let rt = runtime();
+    rt.block_on(testing::conformance(clustered(cluster.urls(), "mixconf")));
+    traces_agree(&rt, 32, traces(), clustered(cluster.urls(), "mixtrace"));
+    segmented_traces_agree(
+        &rt,
+        32,
+        one_rule_traces(),
+        clustered(cluster.urls(), "mixone"),
+    );
+    // Many checks at once: per-node batches (`check_local`) on every node.
+    rt.block_on(async {
+        let store = clustered(cluster.urls(), "mixbatch")(ManualClock::new(T0_US)).await;
+        let rules: RuleSet = "2/s gcra burst=2".parse().unwrap();
+        let keys: Vec<Vec<u8>> = (0..96).map(|k| format!("k{k}").into_bytes()).collect();
+        // At one instant: a burst of 2 admitted per key, the third check refused.
+        for admitted in [true, true, false] {
+            let decided =
+                futures::future::join_all(keys.iter().map(|key| store.check(key, &rules, 1))).await;
+            assert!(decided
+                .into_iter()
+                .all(|d| d.expect("check").is_allowed() == admitted));
+        }
+    });
+    let nodes = cluster.nodes();
+    let mut on_module = [0; 4];
+    for (i, node) in nodes.iter().enumerate() {
+        let module = [
+            "ratelimit.check",
+            "ratelimit.check_local",
+            "ratelimit.give_back",
+            "ratelimit.block",
+        ]
+        .map(|c| calls(node, c));
+        let lua = calls(node, "fcall") + calls(node, "evalsha") + calls(node, "eval");
+        if i == 1 {
+            assert_eq!(module, [0; 4], "node {i} has no module");
+            assert!(lua > 0, "node {i} decides with Lua");
+        } else {
+            assert!(module[0] > 0 && module[1] > 0, "node {i}: {module:?}");
+            assert_eq!(lua, 0, "node {i} has the module: no Lua call");
+            for (sum, n) in on_module.iter_mut().zip(module) {
+                *sum += n;
+            }
+        }
+    }
+    // Refunds and blocks of keys on the module's nodes went to it.
+    assert!(on_module.iter().all(|&n| n > 0), "{on_module:?}");
 }

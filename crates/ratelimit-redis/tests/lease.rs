@@ -11,7 +11,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use ratelimit_core::testing::T0_US;
 use ratelimit_core::{Algorithm, Clock, Decision, ManualClock, RuleSet, Store};
-use ratelimit_redis::testing::{wait_connected, RedisServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
 use ratelimit_redis::RedisStore;
 
 const LEASE: Duration = Duration::from_millis(20);
@@ -25,6 +25,18 @@ fn server() -> &'static RedisServer {
 fn prefix() -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     format!("lease{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A server with the native module that cannot run Lua: lease mode there runs every
+/// reservation, refund and block through the module.
+fn module_server() -> &'static RedisServer {
+    static SERVER: OnceLock<RedisServer> = OnceLock::new();
+    SERVER.get_or_init(RedisServer::start_with_module_only)
+}
+
+/// Both servers: Lua functions, and the module only.
+fn servers() -> [&'static RedisServer; 2] {
+    [server(), module_server()]
 }
 
 async fn store(prefix: &str, clock: &ManualClock, lease: Option<Duration>) -> RedisStore {
@@ -94,12 +106,22 @@ fn holds(rules: &RuleSet, admitted: &[(u64, u64)]) -> Result<(), TestCaseError> 
 /// Runs `trace` (clock step in µs, instance, cost) through `instances` stores in lease
 /// mode; returns the admitted (time, cost), in time order.
 fn run_fleet(rules: &RuleSet, instances: usize, trace: &[(u64, usize, u64)]) -> Vec<(u64, u64)> {
+    run_fleet_on(server(), rules, instances, trace)
+}
+
+/// [`run_fleet`] on `server`.
+fn run_fleet_on(
+    server: &RedisServer,
+    rules: &RuleSet,
+    instances: usize,
+    trace: &[(u64, usize, u64)],
+) -> Vec<(u64, u64)> {
     runtime().block_on(async {
         let clock = ManualClock::new(T0_US);
         let prefix = prefix();
         let mut stores = Vec::new();
         for _ in 0..instances {
-            stores.push(store(&prefix, &clock, Some(LEASE)).await);
+            stores.push(store_on(&server.url(), &prefix, &clock, Some(LEASE)).await);
         }
         let mut admitted = Vec::new();
         for &(step, instance, cost) in trace {
@@ -153,6 +175,15 @@ proptest! {
             .parse()
             .unwrap();
         holds(&rules, &run_fleet(&rules, 3, &trace))?;
+    }
+
+    /// The same fleet on the module: its reservations, refunds and blocks never touch Lua.
+    #[test]
+    fn module_fleet_keeps_the_promise(trace in trace()) {
+        let rules: RuleSet = "100/s gcra burst=80; 160/50ms fixed-window; 100/s token-bucket capacity=80"
+            .parse()
+            .unwrap();
+        holds(&rules, &run_fleet_on(module_server(), &rules, 3, &trace))?;
     }
 
     /// A key seen once is decided exactly: one instance in lease mode answers as the
@@ -221,23 +252,70 @@ fn remaining(decision: &Decision) -> u64 {
     decision.rules()[0].remaining
 }
 
-/// Units a lease did not spend go back when it ends.
+/// Units a lease did not spend go back when it ends (on Lua, and on the module).
 #[test]
 fn unspent_units_are_given_back() {
     let rules: RuleSet = "10/s token-bucket capacity=40".parse().unwrap();
+    for server in servers() {
+        unspent_units_are_given_back_on(server, &rules);
+    }
+}
+
+fn unspent_units_are_given_back_on(server: &RedisServer, rules: &RuleSet) {
     runtime().block_on(async {
         let clock = ManualClock::new(T0_US);
         let prefix = prefix();
-        let leased = store(&prefix, &clock, Some(LEASE)).await;
-        let exact = store(&prefix, &clock, None).await;
+        let leased = store_on(&server.url(), &prefix, &clock, Some(LEASE)).await;
+        let exact = store_on(&server.url(), &prefix, &clock, None).await;
         // Seen 3 times: exact. The 4th: a block of 4 is reserved, 1 spent.
         for _ in 0..4 {
-            assert!(leased.check(b"k", &rules, 1).await.unwrap().is_allowed());
+            assert!(leased.check(b"k", rules, 1).await.unwrap().is_allowed());
         }
-        assert_eq!(remaining(&exact.check(b"k", &rules, 0).await.unwrap()), 33);
+        assert_eq!(remaining(&exact.check(b"k", rules, 0).await.unwrap()), 33);
         clock.advance(LEASE);
         leased.sweep_leases().await;
-        assert_eq!(remaining(&exact.check(b"k", &rules, 0).await.unwrap()), 36);
+        assert_eq!(remaining(&exact.check(b"k", rules, 0).await.unwrap()), 36);
+    });
+}
+
+/// The same on a Cluster whose nodes have the module and cannot run Lua: the
+/// reservations, the refund and the exact store's peeks all run in the module.
+#[test]
+fn unspent_units_are_given_back_on_a_module_cluster() {
+    let cluster = RedisCluster::start_with_module_only();
+    let rules: RuleSet = "10/s token-bucket capacity=40".parse().unwrap();
+    runtime().block_on(async {
+        let clock = ManualClock::new(T0_US);
+        let make = |lease: Option<Duration>| {
+            let builder = RedisStore::builder()
+                .prefix("leasecluster")
+                .timeout(Duration::from_secs(5))
+                .clock(clock.clone());
+            let builder = match lease {
+                Some(length) => builder.lease(length),
+                None => builder,
+            };
+            let urls = cluster.urls();
+            async move {
+                let store = builder.build_cluster(&urls).await.expect("cluster store");
+                wait_connected(&store).await;
+                assert!(store.uses_module());
+                store
+            }
+        };
+        let leased = make(Some(LEASE)).await;
+        let exact = make(None).await;
+        for key in [&b"a"[..], b"b", b"c"] {
+            for _ in 0..4 {
+                assert!(leased.check(key, &rules, 1).await.unwrap().is_allowed());
+            }
+            assert_eq!(remaining(&exact.check(key, &rules, 0).await.unwrap()), 33);
+        }
+        clock.advance(LEASE);
+        leased.sweep_leases().await;
+        for key in [&b"a"[..], b"b", b"c"] {
+            assert_eq!(remaining(&exact.check(key, &rules, 0).await.unwrap()), 36);
+        }
     });
 }
 
@@ -298,12 +376,18 @@ fn a_dropped_instance_strands_at_most_its_block() {
 /// reservation, at most one lease length later.
 #[test]
 fn a_block_is_noticed_within_a_lease() {
+    for server in servers() {
+        a_block_is_noticed_within_a_lease_on(server);
+    }
+}
+
+fn a_block_is_noticed_within_a_lease_on(server: &RedisServer) {
     let rules: RuleSet = "1000/s gcra burst=400".parse().unwrap();
     runtime().block_on(async {
         let clock = ManualClock::new(T0_US);
         let prefix = prefix();
-        let leasing = store(&prefix, &clock, Some(LEASE)).await;
-        let admin = store(&prefix, &clock, None).await;
+        let leasing = store_on(&server.url(), &prefix, &clock, Some(LEASE)).await;
+        let admin = store_on(&server.url(), &prefix, &clock, None).await;
         for _ in 0..10 {
             assert!(leasing.check(b"k", &rules, 1).await.unwrap().is_allowed());
         }

@@ -204,11 +204,23 @@ async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
         assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     }
     assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    // A block and a charge given back (the module's RATELIMIT.BLOCK and GIVE_BACK)
+    // replicate too.
+    store
+        .block(b"b", Some(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    let refunded: RuleSet = "5/min token-bucket capacity=5".parse().unwrap();
+    let charged_at = store.now_us();
+    for _ in 0..3 {
+        assert!(store.check(b"r", &refunded, 1).await.unwrap().is_allowed());
+    }
+    assert!(store.refund(b"r", &refunded, 2, charged_at).await.unwrap());
     let mut p = common::conn(&primary.url());
     let mut r = common::conn(&replica.url());
     let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
     assert_eq!(acked, 1, "the replica acknowledged the writes");
-    for key in ["rep:{k6b}:s", "rep:{k6b}:l"] {
+    for key in ["rep:{k6b}:s", "rep:{k6b}:l", "rep:{k62}:b", "rep:{k72}:s"] {
         let dump = |con: &mut redis::Connection| -> (Value, i64) {
             let kind: String = redis::cmd("TYPE").arg(key).query(con).unwrap();
             let value = if kind == "list" {
@@ -246,6 +258,11 @@ async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
     wait_connected(&promoted).await;
     assert!(promoted.uses_module());
     assert!(!promoted.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    let blocked = promoted.check(b"b", &rules, 1).await.unwrap();
+    assert_eq!(blocked.outcome(), ratelimit_core::Outcome::Blocked);
+    // 3 charged, 2 given back: 4 of 5 left.
+    let left = promoted.check(b"r", &refunded, 0).await.unwrap();
+    assert_eq!(left.rules()[0].remaining, 4);
 }
 
 /// A state cut short or grown by a few bytes (a partial write by hand, another tool):
@@ -560,4 +577,165 @@ fn check_local_with_an_unserved_check(cluster: &RedisCluster) {
         .query(&mut cons[0])
         .unwrap();
     assert_eq!(after, kept, "the migrating check's state untouched");
+}
+
+/// One step of [`lua_and_module_write_the_same_bytes`].
+#[derive(Debug, Clone)]
+enum Op {
+    /// A check of `key` under rule set `rules` through the leasing store or the exact one.
+    Check {
+        key: u8,
+        rules: usize,
+        cost: u64,
+        leased: bool,
+    },
+    /// A charge of one unit given back, made `ago_us` before now.
+    GiveBack {
+        key: u8,
+        rules: usize,
+        ago_us: u64,
+    },
+    Block {
+        key: u8,
+        ms: Option<u64>,
+    },
+    /// The leasing store's sweep: ended leases refunded.
+    Sweep,
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = (u64, Op)> {
+    use proptest::prelude::*;
+    let op = prop_oneof![
+        // Mostly one hot key through the leasing store, for leases to be granted.
+        8 => (0u8..2, 0usize..2, 0u64..=3, prop::bool::weighted(0.8))
+            .prop_map(|(key, rules, cost, leased)| Op::Check { key, rules, cost, leased }),
+        2 => (0u8..3, 0usize..2, 0u64..200_000)
+            .prop_map(|(key, rules, ago_us)| Op::GiveBack { key, rules, ago_us }),
+        1 => (0u8..3, proptest::option::of(1u64..300)).prop_map(|(key, ms)| Op::Block { key, ms }),
+        2 => Just(Op::Sweep),
+    ];
+    (prop_oneof![6 => 0u64..3_000, 1 => 0u64..300_000], op)
+}
+
+/// Every key under `prefix` and its value (a string's bytes, a list's items), the
+/// prefix cut off.
+fn values_under(con: &mut redis::Connection, prefix: &str) -> Vec<(String, Value)> {
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query(con)
+        .unwrap();
+    keys.sort();
+    keys.into_iter()
+        .map(|key| {
+            let kind: String = redis::cmd("TYPE").arg(&key).query(con).unwrap();
+            let value: Value = if kind == "list" {
+                redis::cmd("LRANGE").arg(&key).arg(0).arg(-1).query(con)
+            } else {
+                redis::cmd("GET").arg(&key).query(con)
+            }
+            .unwrap();
+            (key[prefix.len()..].to_owned(), value)
+        })
+        .collect()
+}
+
+/// A rollout's other half: the same trace of checks (leased and exact), charges given
+/// back, blocks and lease sweeps through stores on the Lua functions and through stores
+/// on the module, each on keys of their own, gets the same decisions and leaves the
+/// same bytes at every key: the module's refunds, lease refunds and blocks are the Lua
+/// functions' twins.
+#[test]
+fn lua_and_module_write_the_same_bytes() {
+    use proptest::prelude::*;
+    use ratelimit_core::{testing::T0_US, Clock, ManualClock};
+
+    let server = RedisServer::start_with_module();
+    let rule_sets: [RuleSet; 2] = [
+        // Each rule lets an instance reserve a block (an eighth of its capacity, >= 2).
+        "200/s gcra burst=40; 80/100ms fixed-window; 200/s token-bucket capacity=40; \
+         200/s leaky-bucket capacity=32"
+            .parse()
+            .unwrap(),
+        "20/s sliding-window precision=4; 10/s sliding-log; 30/s gcra burst=5"
+            .parse()
+            .unwrap(),
+    ];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let con = std::cell::RefCell::new(common::conn(&server.url()));
+    let cases = std::cell::Cell::new(0);
+    proptest!(ProptestConfig::with_cases(48), |(trace in prop::collection::vec(op(), 1..60))| {
+        let case = cases.get() + 1;
+        cases.set(case);
+        let (decided, prefixes) = rt.block_on(async {
+            let clock = ManualClock::new(T0_US);
+            let mut paths = Vec::new();
+            for (force_lua, name) in [(true, "lua"), (false, "mod")] {
+                let prefix = format!("{name}{case}");
+                let make = |lease: Option<Duration>| {
+                    let builder = RedisStore::builder()
+                        .prefix(&prefix)
+                        .clock(clock.clone())
+                        .timeout(Duration::from_secs(5))
+                        .force_lua(force_lua);
+                    let builder = match lease {
+                        Some(l) => builder.lease(l),
+                        None => builder,
+                    };
+                    let url = server.url();
+                    async move {
+                        let store = builder.build(&url).await.unwrap();
+                        wait_connected(&store).await;
+                        assert_eq!(store.uses_module(), !force_lua);
+                        store
+                    }
+                };
+                // A lease length the background sweep (every half of it, in real time) never
+                // reaches during a case: sweeps come where the trace puts them. Leases end
+                // at the fixed window's end (100 ms on the manual clock).
+                let leased = make(Some(Duration::from_secs(120))).await;
+                let exact = make(None).await;
+                paths.push((prefix, leased, exact));
+            }
+            let mut decided: [Vec<String>; 2] = Default::default();
+            for (step, op) in &trace {
+                clock.advance(Duration::from_micros(*step));
+                for (i, (_, leased, exact)) in paths.iter().enumerate() {
+                    let out = match op {
+                        Op::Check { key, rules, cost, leased: through_lease } => {
+                            let store = if *through_lease { leased } else { exact };
+                            format!("{:?}", store.check(&[*key], &rule_sets[*rules], *cost).await)
+                        }
+                        Op::GiveBack { key, rules, ago_us } => {
+                            let at = clock.now_us().saturating_sub(*ago_us);
+                            format!("{:?}", exact.refund(&[*key], &rule_sets[*rules], 1, at).await)
+                        }
+                        Op::Block { key, ms } => format!(
+                            "{:?}",
+                            exact.block(&[*key], ms.map(Duration::from_millis)).await
+                        ),
+                        Op::Sweep => {
+                            leased.sweep_leases().await;
+                            String::new()
+                        }
+                    };
+                    decided[i].push(out);
+                }
+            }
+            (decided, paths.into_iter().map(|(p, _, _)| p).collect::<Vec<_>>())
+        });
+        prop_assert_eq!(&decided[0], &decided[1]);
+        let lua = values_under(&mut con.borrow_mut(), &prefixes[0]);
+        let module = values_under(&mut con.borrow_mut(), &prefixes[1]);
+        prop_assert_eq!(lua, module);
+    });
+    // The traces reached every command of both paths.
+    let stats = common::commandstats(&mut con.borrow_mut());
+    for command in ["ratelimit.refund", "ratelimit.give_back", "ratelimit.block"] {
+        let calls = stats.get(command).map_or(0, |s| s.0);
+        assert!(calls > 20, "{command}: {calls} calls");
+    }
+    alive(&server);
 }

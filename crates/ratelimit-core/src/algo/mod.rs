@@ -350,6 +350,36 @@ pub fn refund(
     changed
 }
 
+/// Gives back `unspent` of the `granted` units a lease reserved at `start` (one charge of
+/// `granted` units, of which the lease's holder spent all but `unspent`), at `now`, to
+/// one rule's `state`: as [`refund`] gives back a charge, but for the token bucket, GCRA
+/// and the leaky bucket the part that goes back is the reservation's undrained part,
+/// never more than `unspent` units' worth. Sliding windows and logs are never leased:
+/// nothing goes back to them. Returns whether the state changed.
+///
+/// The caller must have checked that `state` was written under `rule`'s limit (the unit
+/// of a TAT's fraction and of a bucket's level); a token bucket's `rule` carries the
+/// capacity the state was written under.
+pub fn refund_unspent(
+    rule: &Rule,
+    state: &mut RuleState,
+    unspent: u64,
+    granted: u64,
+    start: u64,
+    now: u64,
+) -> bool {
+    let give =
+        || undrained(rule, granted, start, now).min(unspent.saturating_mul(rule.period_us()));
+    match rule.algorithm() {
+        Algorithm::FixedWindow => fixed_window::refund(rule, state, unspent, start),
+        Algorithm::TokenBucket { capacity } => token_bucket::refund(rule, capacity, state, give()),
+        Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
+            gcra::refund(rule, state, give(), now)
+        }
+        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => false,
+    }
+}
+
 /// The part of a charge of `cost` units made at `charged_at` that has not drained by
 /// `now`, in units of 1/limit µs (a TAT's, or a bucket level's, tokens × period): the
 /// charge minus what the rule's rate has let through since. What has drained may have
@@ -636,5 +666,77 @@ fn expires_at_as(
         Algorithm::SlidingLog => sliding_log::expires_at(rule, log),
         Algorithm::TokenBucket { capacity } => token_bucket::expires_at(rule, capacity, state),
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => gcra::expires_at(state),
+    }
+}
+
+#[cfg(test)]
+mod refund_unspent_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_lease_gives_back_its_unspent_units_undrained_part() {
+        let gcra = Rule::gcra(10, Duration::from_secs(1), 10).unwrap();
+        // 4 units reserved at 0: the TAT 400 ms ahead. At 50 ms, 3 unspent: the charge's
+        // undrained part is 3.5 units, so all 3 go back.
+        let mut tat = RuleState::Tat {
+            us: 400_000,
+            frac: 0,
+        };
+        assert!(refund_unspent(&gcra, &mut tat, 3, 4, 0, 50_000));
+        assert_eq!(
+            tat,
+            RuleState::Tat {
+                us: 100_000,
+                frac: 0
+            }
+        );
+        // At 250 ms only 1.5 units of the charge are still ahead: 1.5 go back, not 3.
+        let mut tat = RuleState::Tat {
+            us: 400_000,
+            frac: 0,
+        };
+        assert!(refund_unspent(&gcra, &mut tat, 3, 4, 0, 250_000));
+        assert_eq!(
+            tat,
+            RuleState::Tat {
+                us: 250_000,
+                frac: 0
+            }
+        );
+        // A TAT not ahead of now: nothing to give back to.
+        let mut idle = RuleState::Tat { us: 10, frac: 0 };
+        assert!(!refund_unspent(&gcra, &mut idle, 3, 4, 0, 250_000));
+
+        let window = Rule::fixed_window(10, Duration::from_secs(1)).unwrap();
+        let mut count = RuleState::Window { index: 0, count: 5 };
+        assert!(refund_unspent(&window, &mut count, 3, 4, 0, 900_000));
+        assert_eq!(count, RuleState::Window { index: 0, count: 2 });
+        // Never into another window than the reservation's.
+        assert!(!refund_unspent(
+            &window, &mut count, 1, 4, 1_000_000, 1_100_000
+        ));
+
+        let bucket = Rule::token_bucket(10, Duration::from_secs(1), 10).unwrap();
+        let mut tokens = RuleState::Tokens {
+            level: 9_500_000,
+            last: 0,
+        };
+        // Up to the capacity, never past it.
+        assert!(refund_unspent(&bucket, &mut tokens, 3, 4, 0, 0));
+        assert_eq!(
+            tokens,
+            RuleState::Tokens {
+                level: 10_000_000,
+                last: 0
+            }
+        );
+
+        let sliding = Rule::sliding_window(10, Duration::from_secs(1), 2).unwrap();
+        let mut counters = RuleState::Counters {
+            index: 0,
+            counts: vec![5, 0, 0].into(),
+        };
+        assert!(!refund_unspent(&sliding, &mut counters, 3, 4, 0, 0));
     }
 }

@@ -8,7 +8,7 @@ use ratelimit_core::RuleSet;
 
 use super::args::{CheckArgs, Time};
 use super::load::{Call, Paths, Script, BATCH, CHECK, LOCAL};
-use crate::keys::KeyNames;
+use crate::keys::{key_slot, KeyNames};
 
 /// One check as a batch carries it: its key names, its packed values, its number of rules.
 #[derive(Debug)]
@@ -55,7 +55,12 @@ impl CheckJob {
 
     /// The Redis Cluster slot of the check's keys (all share one hash tag).
     pub(crate) fn slot(&self) -> u16 {
-        key_slot(&self.names.as_bytes()[..self.ends[0]])
+        key_slot(self.block_name())
+    }
+
+    /// The name of the check's first key, its block marker.
+    fn block_name(&self) -> &[u8] {
+        &self.names.as_bytes()[..self.ends[0]]
     }
 
     /// The block marker's and the state's names, which every check of the same client
@@ -75,7 +80,7 @@ impl CheckJob {
 
     /// The call that decides this check alone: the call of an unbatched check.
     pub(crate) fn single_call<'a>(&self, paths: &'a Paths) -> Call<'a> {
-        let mut call = CHECK.call(paths, self.keys, self.keys + 1);
+        let mut call = CHECK.call(paths, self.block_name(), self.keys, self.keys + 1);
         for name in self.key_names() {
             call.cmd.arg(name);
         }
@@ -110,7 +115,14 @@ fn many_call<'a, 'j>(
         .clone()
         .fold((0, 0), |(n, keys), job| (n + 1, keys + job.keys));
     let declared = std::ptr::eq(script, *BATCH);
-    let mut call = script.call(paths, if declared { keys } else { 0 }, keys + 1 + count);
+    // A node batch's checks are all of the node serving the first one's slot.
+    let first = jobs.clone().next().map_or(&b""[..], CheckJob::block_name);
+    let mut call = script.call(
+        paths,
+        first,
+        if declared { keys } else { 0 },
+        keys + 1 + count,
+    );
     if declared {
         for job in jobs.clone() {
             for name in job.key_names() {
@@ -141,40 +153,4 @@ fn many_call<'a, 'j>(
         }
     }
     call
-}
-
-/// The Redis Cluster slot of the key `name`: CRC16 (XMODEM) of its hash tag (the text
-/// between the first `{` and the next `}`, when not empty), else of the whole name.
-fn key_slot(name: &[u8]) -> u16 {
-    let tag = name
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &name[open + 1..];
-            rest.iter()
-                .position(|&b| b == b'}')
-                .filter(|&close| close > 0)
-                .map(|close| &rest[..close])
-        })
-        .unwrap_or(name);
-    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slots_follow_redis_cluster_keyslot() {
-        // The examples of the CLUSTER KEYSLOT documentation.
-        assert_eq!(key_slot(b"somekey"), 11058);
-        assert_eq!(key_slot(b"foo{hash_tag}"), 2515);
-        assert_eq!(key_slot(b"{hash_tag}bar"), 2515);
-        // An empty tag is no tag: the whole name counts.
-        assert_ne!(key_slot(b"a{}b"), key_slot(b""));
-        assert_eq!(
-            key_slot(b"{}{x}"),
-            crc16::State::<crc16::XMODEM>::calculate(b"{}{x}") % 16384
-        );
-    }
 }

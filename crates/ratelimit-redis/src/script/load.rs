@@ -6,7 +6,7 @@
 //! [`RedisStore::unload_other_versions`](crate::RedisStore::unload_other_versions).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use ratelimit_core::util::BoundedLog;
 use ratelimit_core::Clock;
@@ -14,6 +14,7 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
 use super::args::CheckArgs;
+use crate::keys::key_slot;
 
 /// A Lua script and its SHA1, run with EVALSHA; the decision script also as a Redis
 /// function library, run with FCALL.
@@ -32,8 +33,8 @@ pub(crate) struct Script {
 struct ModuleCommand {
     name: &'static str,
     /// Whether the number of keys follows the name, as after `FCALL <function>`; the
-    /// single check's command leaves it out (its keys come first, for a Cluster client
-    /// to route it by them).
+    /// commands of one client key leave it out (their keys come first, for a Cluster
+    /// client to route them by them).
     numkeys: bool,
 }
 
@@ -49,7 +50,16 @@ pub(crate) struct Paths {
     /// Every primary has the native module of this crate's state format: checks go as
     /// its commands.
     pub(crate) module: AtomicBool,
+    /// On a Cluster where only some primaries have the module: the slots whose node has
+    /// it, one bit each, as of the last node map; a call on a key of such a slot goes as
+    /// the module's command, any other as Lua. `None` otherwise.
+    module_slots: RwLock<Option<Arc<[u64]>>>,
+    /// The primaries found with the module, by `(host, port)` as the Cluster names them.
+    module_nodes: RwLock<Vec<(String, u16)>>,
 }
+
+/// Slots in a Redis Cluster.
+const SLOTS: usize = 16384;
 
 impl Paths {
     pub(crate) fn new() -> Self {
@@ -59,7 +69,58 @@ impl Paths {
             functions: AtomicBool::new(true),
             // Until a server says it has the module.
             module: AtomicBool::new(false),
+            module_slots: RwLock::new(None),
+            module_nodes: RwLock::new(Vec::new()),
         }
+    }
+
+    /// The primaries found with the module.
+    pub(crate) fn module_nodes(&self) -> Vec<(String, u16)> {
+        self.module_nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(crate) fn set_module_nodes(&self, with: Vec<(String, u16)>) {
+        *self
+            .module_nodes
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = with;
+    }
+
+    /// Whether a call on the key `name` goes to the module: every primary has it, or the
+    /// node serving the key's slot does (as far as the last node map says).
+    pub(crate) fn module_for(&self, name: &[u8]) -> bool {
+        if self.module.load(Ordering::Relaxed) {
+            return true;
+        }
+        let slots = self
+            .module_slots
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        slots.as_ref().is_some_and(|bits| {
+            let slot = usize::from(key_slot(name));
+            bits[slot / 64] >> (slot % 64) & 1 == 1
+        })
+    }
+
+    /// Records which slots' nodes have the module (`with(slot)`); `None` when all or
+    /// none have it.
+    pub(crate) fn set_module_slots(&self, with: Option<impl Fn(u16) -> bool>) {
+        let bits = with.map(|with| {
+            let mut bits = vec![0u64; SLOTS / 64];
+            for slot in 0..SLOTS as u16 {
+                if with(slot) {
+                    bits[usize::from(slot) / 64] |= 1 << (slot % 64);
+                }
+            }
+            Arc::from(bits)
+        });
+        *self
+            .module_slots
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = bits;
     }
 }
 
@@ -135,6 +196,14 @@ impl Script {
                     name: "RATELIMIT.CHECK_LOCAL",
                     numkeys: true,
                 }),
+                "refund" => Some(ModuleCommand {
+                    name: "RATELIMIT.REFUND",
+                    numkeys: false,
+                }),
+                "give_back" => Some(ModuleCommand {
+                    name: "RATELIMIT.GIVE_BACK",
+                    numkeys: false,
+                }),
                 _ => None,
             },
             ..Self::new(body(function))
@@ -161,13 +230,17 @@ impl Script {
     /// functions and this script is a library, else `EVALSHA <sha>`; then the number of
     /// keys (but for the module's single check), to be followed by the keys and
     /// arguments.
+    ///
+    /// `first_key` is the call's first key (on a Cluster, all its keys are of the node
+    /// serving that key's slot).
     pub(crate) fn call<'a>(
         &'static self,
         paths: &'a Paths,
+        first_key: &[u8],
         keys: usize,
         capacity: usize,
     ) -> Call<'a> {
-        let module = self.module.filter(|_| paths.module.load(Ordering::Relaxed));
+        let module = self.module.filter(|_| paths.module_for(first_key));
         self.call_as(paths, keys, capacity, module)
     }
 
@@ -239,8 +312,13 @@ pub(crate) static REFUND: LazyLock<&'static Script> = LazyLock::new(|| &DECISION
 /// The refund of charging by outcome: units a check charged, given back.
 pub(crate) static GIVE_BACK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[4]);
 /// The block script; see `lua/block.lua` for its contract.
-pub(crate) static BLOCK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/block.lua").to_owned()));
+pub(crate) static BLOCK: LazyLock<Script> = LazyLock::new(|| Script {
+    module: Some(ModuleCommand {
+        name: "RATELIMIT.BLOCK",
+        numkeys: false,
+    }),
+    ..Script::new(include_str!("../../lua/block.lua").to_owned())
+});
 
 /// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
 /// library, the function's name and the batch function's name.
@@ -397,6 +475,7 @@ impl<'a> Call<'a> {
              functions until a reconnection finds it"
         );
         self.paths.module.store(false, Ordering::Relaxed);
+        self.paths.set_module_slots(None::<fn(u16) -> bool>);
         let head = match self.module {
             Some(ModuleCommand { numkeys: true, .. }) => 2,
             _ => 1,
