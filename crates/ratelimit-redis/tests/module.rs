@@ -121,7 +121,8 @@ fn malformed_arguments_are_errors_not_crashes() {
 async fn sixty_four_kib_keys_are_decided() {
     let server = RedisServer::start_with_module();
     let mut con = common::conn(&server.url());
-    let rules: RuleSet = "2/min fixed-window".parse().unwrap();
+    // No window edge to cross on the server's clock: a burst of 2, one more per 30 min.
+    let rules: RuleSet = "2/h gcra".parse().unwrap();
     let packed = check_script_args(&rules, 1).remove(0);
     let long = format!("m:{{{}}}", "x".repeat(64 * 1024));
     for expect in [1.0, 1.0, 0.0] {
@@ -474,7 +475,8 @@ fn check_local_with_an_unserved_check(cluster: &RedisCluster) {
         .find(|t| owner(&mut cons, t) != 0)
         .expect("another node serves some tag");
     let elsewhere = owner(&mut cons, unserved);
-    let rules: RuleSet = "5/min fixed-window".parse().unwrap();
+    // On the server's clock: no window edge to cross (one more unit per 12 min).
+    let rules: RuleSet = "5/h gcra".parse().unwrap();
     let packed = check_script_args(&rules, 1).remove(0);
     let names = |tag: &str| [format!("m:{{{tag}}}:b"), format!("m:{{{tag}}}:s")];
 
