@@ -329,8 +329,9 @@
 //! admitted plus at most those of checks reported failed. Calls the server answered
 //! without running (a missing script or function, a moved slot) and calls that may run
 //! twice (a block, a reset) are sent again. The Cluster connection's own retries are
-//! off for the same reason; the store follows `MOVED` itself (a slot being migrated,
-//! `ASK`, fails the check).
+//! off for the same reason; the store follows `MOVED` itself, and sends a call refused
+//! because its slot is moving (`ASK`, `TRYAGAIN`: it ran nowhere) again after short
+//! pauses (2 ms doubling to 32 ms) until the move ends, within its timeout.
 //!
 //! Requires Redis 6.2 or newer, or Valkey. Tested on Redis 7.0.15 and Valkey 9.1.2, on one
 //! server and on a Cluster, through the Lua functions and through the native module.

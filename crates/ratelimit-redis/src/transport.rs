@@ -813,6 +813,10 @@ impl Link {
                 Conn::Cluster(mut conn) => Ok(redirect(&mut conn, request, e).await?),
                 Conn::Multiplexed(_) => Err(e.into()),
             },
+            Err(e) if migrating(&e) => match conn {
+                Conn::Cluster(mut conn) => Ok(while_migrating(&mut conn, request, e).await?),
+                Conn::Multiplexed(_) => Err(e.into()),
+            },
             Err(e) => {
                 self.node_lost(&e);
                 Err(e.into())
@@ -890,6 +894,47 @@ async fn redirect(
             .await
             .and_then(Value::extract_error),
     }
+}
+
+/// Whether a Cluster answered that the call's slot is being moved between nodes (`ASK`,
+/// or `TRYAGAIN` for keys split between the two nodes for the moment): the call ran
+/// nowhere.
+fn migrating(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::Ask | ServerErrorKind::TryAgain)
+    )
+}
+
+/// The first pause before a call refused while its slot migrates is sent again.
+const MIGRATION_PAUSE: Duration = Duration::from_millis(2);
+/// The longest pause between two sends of a call refused while its slot migrates.
+const MIGRATION_MAX_PAUSE: Duration = Duration::from_millis(32);
+
+/// Sends a call refused while its slot migrates again, after pauses doubling from
+/// [`MIGRATION_PAUSE`] to [`MIGRATION_MAX_PAUSE`], until the move ends: a check's keys
+/// (its block marker, its state) are seldom all on one side of a moving slot, so
+/// following `ASK` would meet `TRYAGAIN`, and a slot of small keys moves in
+/// milliseconds. The refused sends ran nothing; the caller's timeout bounds the wait.
+async fn while_migrating(
+    conn: &mut ClusterConnection,
+    request: &Request<'_>,
+    refused: RedisError,
+) -> RedisResult<Value> {
+    let mut pause = MIGRATION_PAUSE;
+    let mut last = refused;
+    while migrating(&last) {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(MIGRATION_MAX_PAUSE);
+        match request.send(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::Moved) => {
+                return redirect(conn, request, e).await;
+            }
+            Err(e) => last = e,
+            Ok(reply) => return Ok(reply),
+        }
+    }
+    Err(last)
 }
 
 async fn reconnect(link: Weak<Link>, mut pause_first: bool) {

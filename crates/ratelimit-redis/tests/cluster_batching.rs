@@ -180,8 +180,8 @@ fn rejected(con: &mut redis::Connection, command: &str) -> u64 {
 /// nodes until the move ends (its keys are not all on one node: the server answers ASK,
 /// then TRYAGAIN: a block key rarely exists), so it may fail; one that fails must have
 /// charged nothing, and every check that is decided agrees with the memory store. (The
-/// store's Cluster connection does not retry: a check redirected with ASK or refused
-/// with TRYAGAIN fails at once, and a slow one fails by the store's timeout.)
+/// store sends a check refused with ASK or TRYAGAIN again until the move ends, which
+/// these rounds do not see: such a check fails by the store's timeout.)
 async fn checks_while_migrating(
     redis: &RedisStore,
     memory: &MemoryStore<ManualClock>,
@@ -264,4 +264,69 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, module: bool, 
         let on_target: bool = cmd(&mut cons[1], &["EXISTS", name]);
         assert!(on_target, "{name} stays on the node it moved to");
     }
+}
+
+/// A check whose slot is moving between two nodes (its keys already moved, the move not
+/// yet ended) is refused by both (`ASK`, then `TRYAGAIN`: its block marker is on neither
+/// side) and ran nowhere: the store sends it again until the move ends, within its
+/// timeout, and it is decided once, as the memory store decides it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_check_that_meets_a_moving_slot_is_decided_once_the_move_ends() {
+    let cluster = RedisCluster::start();
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    let rules: RuleSet = "3/s gcra burst=3".parse().unwrap();
+    let clock = ManualClock::new(T0_US);
+    let (redis, memory) = common::cluster_stores(&cluster, &clock, "mv").await;
+    for _ in 0..2 {
+        let (r, m) = (
+            redis.check(b"k", &rules, 1).await,
+            memory.check(b"k", &rules, 1).await,
+        );
+        assert_eq!(r.unwrap(), m.unwrap());
+    }
+    // The node holding the key's state, and another.
+    let from = (0..3)
+        .find(|&i| !cmd::<Vec<String>>(&mut cons[i], &["KEYS", "mv*"]).is_empty())
+        .expect("a node holds the state");
+    let to = (from + 1) % 3;
+    let names: Vec<String> = cmd(&mut cons[from], &["KEYS", "mv*"]);
+    let slot: i64 = cmd(&mut cons[from], &["CLUSTER", "KEYSLOT", &names[0]]);
+    let slot = slot.to_string();
+    let source: String = cmd(&mut cons[from], &["CLUSTER", "MYID"]);
+    let target: String = cmd(&mut cons[to], &["CLUSTER", "MYID"]);
+    let _: () = cmd(
+        &mut cons[to],
+        &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &source],
+    );
+    let _: () = cmd(
+        &mut cons[from],
+        &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target],
+    );
+    let port = cluster.nodes()[to].port().to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(names.iter().map(String::as_str));
+    let _: () = cmd(&mut cons[from], &migrate);
+
+    let check = tokio::spawn({
+        let redis = redis.clone();
+        let rules = rules.clone();
+        async move { redis.check(b"k", &rules, 1).await }
+    });
+    // Let the check meet the move (it is refused, and waits) before the move ends.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!check.is_finished(), "the check waits for the move to end");
+    for con in cons.iter_mut() {
+        let _: () = cmd(con, &["CLUSTER", "SETSLOT", &slot, "NODE", &target]);
+    }
+    let decided = check.await.unwrap().expect("decided once the move ended");
+    assert_eq!(decided, memory.check(b"k", &rules, 1).await.unwrap());
+    // Decided once: the third unit of the burst is used, the fourth refused.
+    assert!(decided.is_allowed());
+    let (r, m) = (
+        redis.check(b"k", &rules, 1).await,
+        memory.check(b"k", &rules, 1).await,
+    );
+    let m = m.unwrap();
+    assert_eq!(r.unwrap(), m);
+    assert!(!m.is_allowed());
 }
