@@ -15,7 +15,6 @@ use http::response::Parts;
 use http::HeaderValue;
 
 use crate::limits::{TierRef, Version};
-use crate::tier::StoreKey;
 
 /// Marks a response refused by a [`RateLimitLayer`](crate::RateLimitLayer) (a 429, a
 /// block, a store outage failing closed, any refusal): the layers around it give back
@@ -26,12 +25,18 @@ use crate::tier::StoreKey;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Refused;
 
+/// A charge's copy of its store key, copied at its length: inline up to 64 bytes (an
+/// implicit namespace's prefix with an IP key fits), so that the charge stays one
+/// allocation for such keys, and smaller than the check's store key, which every request
+/// builds and which is inline up to 96.
+pub(crate) type ChargeKey = smallvec::SmallVec<[u8; 64]>;
+
 /// What the response future needs to give a request's units back.
 pub(crate) struct Charge {
     pub(crate) settle: Arc<dyn Settle>,
     pub(crate) version: Arc<Version>,
     pub(crate) tier: TierRef,
-    pub(crate) key: StoreKey,
+    pub(crate) key: ChargeKey,
     pub(crate) cost: u64,
     /// The store's clock, read before the check.
     pub(crate) charged_at: u64,

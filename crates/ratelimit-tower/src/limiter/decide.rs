@@ -13,7 +13,7 @@ use ratelimit_core::{Decision, Outcome, Store};
 use super::state::Limiter;
 use super::verdict::{Admitted, Begin, Charged, Deferred, Pass, Verdict};
 use crate::admission::{Admission, AdmittedBy, Binding};
-use crate::charge::{Charge, Settle};
+use crate::charge::{Charge, ChargeKey, Settle};
 use crate::cost::RequestCost;
 use crate::customer::{Lookup, Own};
 use crate::headers::Fields;
@@ -111,9 +111,14 @@ where
                 let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 let verdict = this.finish(verdict);
-                Begin::Now(Self::keep_charge(this, verdict, charged, || {
-                    (arc_swap::Guard::into_inner(version), check, charged_at)
-                }))
+                Begin::Now(Self::keep_charge(
+                    this,
+                    verdict,
+                    charged,
+                    &check,
+                    charged_at,
+                    || arc_swap::Guard::into_inner(version),
+                ))
             }
             None => Begin::Later(Self::check_later(
                 this,
@@ -141,28 +146,29 @@ where
     }
 
     /// Keeps what an admitted request was charged in its pass, when the layer settles
-    /// charges on the response (charging by outcome, refusals further in).
+    /// charges on the response (charging by outcome, refusals further in). The check is
+    /// borrowed: its store key is copied at its length into the charge rather than moved
+    /// at its full inline size.
     fn keep_charge(
         this: &Arc<Self>,
         mut verdict: Verdict,
         charged: Charged,
-        charge: impl FnOnce() -> (Arc<Version>, Check, u64),
+        check: &Check,
+        charged_at: u64,
+        version: impl FnOnce() -> Arc<Version>,
     ) -> Verdict {
         if let Verdict::Pass(pass) = &mut verdict {
-            if charged != Charged::No && this.settles() {
-                let (version, check, charged_at) = charge();
-                if check.cost > 0 {
-                    pass.admission.keep(Box::new(Charge {
-                        settle: Arc::clone(this) as Arc<dyn Settle>,
-                        version,
-                        tier: check.tier,
-                        key: check.key,
-                        cost: check.cost,
-                        charged_at,
-                        by_fallback: charged == Charged::Fallback,
-                        judged: this.charge_when.is_some(),
-                    }));
-                }
+            if charged != Charged::No && this.settles() && check.cost > 0 {
+                pass.admission.keep(Box::new(Charge {
+                    settle: Arc::clone(this) as Arc<dyn Settle>,
+                    version: version(),
+                    tier: check.tier.clone(),
+                    key: ChargeKey::from_slice(&check.key),
+                    cost: check.cost,
+                    charged_at,
+                    by_fallback: charged == Charged::Fallback,
+                    judged: this.charge_when.is_some(),
+                }));
             }
         }
         verdict
@@ -255,7 +261,7 @@ where
             let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
             let verdict = limiter.finish(verdict);
-            Self::keep_charge(&limiter, verdict, charged, || (version, check, charged_at))
+            Self::keep_charge(&limiter, verdict, charged, &check, charged_at, || version)
         };
         Box::pin(tracing::Instrument::instrument(future, span))
     }
