@@ -809,12 +809,8 @@ impl Link {
                 };
                 Ok(conn.send(request).await?)
             }
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::Moved) => match conn {
-                Conn::Cluster(mut conn) => Ok(redirect(&mut conn, request, e).await?),
-                Conn::Multiplexed(_) => Err(e.into()),
-            },
-            Err(e) if migrating(&e) => match conn {
-                Conn::Cluster(mut conn) => Ok(while_migrating(&mut conn, request, e).await?),
+            Err(e) if moved(&e) || migrating(&e) => match conn {
+                Conn::Cluster(mut conn) => Ok(follow_slot(&mut conn, request, e).await?),
                 Conn::Multiplexed(_) => Err(e.into()),
             },
             Err(e) => {
@@ -896,6 +892,12 @@ async fn redirect(
     }
 }
 
+/// Whether a Cluster answered that the call's slot is served by another node (`MOVED`):
+/// the call ran nowhere.
+fn moved(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::Moved)
+}
+
 /// Whether a Cluster answered that the call's slot is being moved between nodes (`ASK`,
 /// or `TRYAGAIN` for keys split between the two nodes for the moment): the call ran
 /// nowhere.
@@ -911,30 +913,31 @@ const MIGRATION_PAUSE: Duration = Duration::from_millis(2);
 /// The longest pause between two sends of a call refused while its slot migrates.
 const MIGRATION_MAX_PAUSE: Duration = Duration::from_millis(32);
 
-/// Sends a call refused while its slot migrates again, after pauses doubling from
-/// [`MIGRATION_PAUSE`] to [`MIGRATION_MAX_PAUSE`], until the move ends: a check's keys
-/// (its block marker, its state) are seldom all on one side of a moving slot, so
-/// following `ASK` would meet `TRYAGAIN`, and a slot of small keys moves in
-/// milliseconds. The refused sends ran nothing; the caller's timeout bounds the wait.
-async fn while_migrating(
+/// Follows a Cluster's answer that a call's slot is elsewhere, the refused sends having
+/// run nothing: a `MOVED` is sent to the node it names ([`redirect`]); a call refused
+/// while its slot migrates is sent again after pauses doubling from [`MIGRATION_PAUSE`]
+/// to [`MIGRATION_MAX_PAUSE`] until the move ends: a check's keys (its block marker, its
+/// state) are seldom all on one side of a moving slot, so following `ASK` would meet
+/// `TRYAGAIN`, and a slot of small keys moves in milliseconds. The caller's timeout
+/// bounds the wait.
+async fn follow_slot(
     conn: &mut ClusterConnection,
     request: &Request<'_>,
-    refused: RedisError,
+    mut refused: RedisError,
 ) -> RedisResult<Value> {
     let mut pause = MIGRATION_PAUSE;
-    let mut last = refused;
-    while migrating(&last) {
+    while migrating(&refused) {
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(MIGRATION_MAX_PAUSE);
         match request.send(conn).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::Moved) => {
-                return redirect(conn, request, e).await;
-            }
-            Err(e) => last = e,
+            Err(e) => refused = e,
             Ok(reply) => return Ok(reply),
         }
     }
-    Err(last)
+    if moved(&refused) {
+        return redirect(conn, request, refused).await;
+    }
+    Err(refused)
 }
 
 async fn reconnect(link: Weak<Link>, mut pause_first: bool) {
