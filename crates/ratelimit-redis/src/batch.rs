@@ -19,7 +19,9 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{classify, RedisStoreError};
-use crate::script::{function_missing, unknown_command, CheckJob, CheckReply, Request};
+use crate::script::{
+    batch_call, function_missing, node_batch_call, unknown_command, CheckJob, CheckReply, Request,
+};
 use crate::shared::Shared;
 use crate::transport::{Nodes, Transport};
 
@@ -40,10 +42,13 @@ struct Job {
     reply: oneshot::Sender<Result<Vec<u8>, RedisStoreError>>,
 }
 
-/// The queue of a store's checks and the task that sends them.
+/// The queue of a store's checks and the task that sends them, the layer between the
+/// exact path (which hands it checks and other requests) and the transport (which it
+/// hands calls).
 #[derive(Debug)]
 pub(crate) struct Batcher {
-    queue: mpsc::UnboundedSender<Job>,
+    /// `None` when every check is a call of its own (a batch size of 1).
+    queue: Option<mpsc::UnboundedSender<Job>>,
     /// One permit per call that may be in flight.
     slots: Arc<Semaphore>,
     transport: Arc<Transport>,
@@ -53,21 +58,25 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
-    /// Starts the sending task; it ends when the batcher is dropped.
+    /// Starts the sending task (none for a batch size of 1); it ends when the batcher is
+    /// dropped.
     pub(crate) fn start(
         transport: Arc<Transport>,
         shared: Arc<Shared>,
         settings: Settings,
     ) -> Self {
-        let (queue, jobs) = mpsc::unbounded_channel();
         let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
-        tokio::spawn(dispatch(
-            transport.clone(),
-            shared.clone(),
-            jobs,
-            slots.clone(),
-            settings,
-        ));
+        let queue = (settings.max > 1).then(|| {
+            let (queue, jobs) = mpsc::unbounded_channel();
+            tokio::spawn(dispatch(
+                transport.clone(),
+                shared.clone(),
+                jobs,
+                slots.clone(),
+                settings,
+            ));
+            queue
+        });
         Self {
             queue,
             slots,
@@ -77,13 +86,18 @@ impl Batcher {
         }
     }
 
+    /// Sends a request that is not a check, within the store's timeout.
+    pub(crate) async fn call(&self, request: &Request<'_>) -> Result<Value, RedisStoreError> {
+        self.transport.call(request, self.shared.timeout).await
+    }
+
     /// Queues `check` and waits for its reply (the bytes `check` would have answered
-    /// alone), at most until `timeout`.
-    pub(crate) async fn decide(
-        &self,
-        check: CheckJob,
-        timeout: Duration,
-    ) -> Result<Vec<u8>, RedisStoreError> {
+    /// alone), at most until the store's timeout.
+    pub(crate) async fn decide(&self, check: CheckJob) -> Result<Vec<u8>, RedisStoreError> {
+        let Some(queue) = &self.queue else {
+            return single(&self.transport, &self.shared, &check).await;
+        };
+        let timeout = self.shared.timeout;
         // A free slot means no call is in flight and no batch waits for one: the check
         // goes at once from here, as a call of its own, without a hop through the
         // sending task. (Semaphore permits go to waiters first, so this never overtakes
@@ -97,7 +111,7 @@ impl Batcher {
             return reply;
         }
         let (reply, answer) = oneshot::channel();
-        if self.queue.send(Job { check, reply }).is_err() {
+        if queue.send(Job { check, reply }).is_err() {
             return Err(RedisStoreError::UnexpectedReply(
                 "the store's sending task has stopped".into(),
             ));
@@ -182,7 +196,7 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     if batch.is_empty() {
         return;
     }
-    let call = shared.batch_call(batch.iter().map(|job| &job.check));
+    let call = batch_call(&shared.paths, batch.iter().map(|job| &job.check));
     let reply = transport.call(&Request::Call(call), shared.timeout).await;
     answer(batch, reply, shared.timeout);
 }
@@ -221,7 +235,7 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
         }
         return;
     }
-    let call = shared.node_batch_call(jobs.iter().map(|job| &job.check));
+    let call = node_batch_call(&shared.paths, jobs.iter().map(|job| &job.check));
     let reply = transport.call_on(slot, &call, shared.timeout).await;
     // Only an answer that says nothing ran sends the checks again: a call lost with its
     // connection may have charged them.
@@ -298,7 +312,10 @@ async fn single(
     check: &CheckJob,
 ) -> Result<Vec<u8>, RedisStoreError> {
     let reply = transport
-        .call(&Request::Call(shared.single_call(check)), shared.timeout)
+        .call(
+            &Request::Call(check.single_call(&shared.paths)),
+            shared.timeout,
+        )
         .await?;
     match reply {
         Value::BulkString(bytes) => Ok(bytes),

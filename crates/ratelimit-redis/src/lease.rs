@@ -2,43 +2,25 @@
 //! call and spends it locally; see the crate docs ("Lease mode") for the promise it keeps.
 //!
 //! A reservation is an ordinary check of cost `b`: Redis charges the block atomically,
-//! blocks included. What the lease did not spend when it ends goes back through
-//! the `refund` function of `lua/check.lua`, lazily on the key's next check or from the
-//! store's sweep.
+//! blocks included. What the lease did not spend when it ends goes back (the module's
+//! `RATELIMIT.REFUND`, the `refund` function of `lua/check.lua`), lazily on the key's
+//! next check or from the store's sweep.
+//!
+//! [`Leased`] is the top of the check path: it wraps the exact path ([`Exact`]) and
+//! knows nothing below it.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{Algorithm, Decision, LeakyMode, Outcome, RuleOutcome, RuleSet};
-use redis::Value;
 use tokio::sync::Notify;
 
 use crate::error::RedisStoreError;
+use crate::exact::{Exact, Unspent};
 use crate::keys::KeyNames;
-use crate::script::{Request, REFUND};
-use crate::shared::Shared;
-
-/// What lease mode needs of the store it serves.
-pub(crate) trait Backend: Send + Sync + 'static {
-    fn now_us(&self) -> u64;
-    fn shared(&self) -> &Shared;
-    fn leases(&self) -> Option<&Leases>;
-    /// One check decided by Redis, as in exact mode.
-    fn exact(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-        cost: u64,
-    ) -> impl Future<Output = Result<Decision, RedisStoreError>> + Send;
-    fn run(
-        &self,
-        request: Request<'_>,
-    ) -> impl Future<Output = Result<Value, RedisStoreError>> + Send;
-}
 
 /// No instance reserves more than this fraction (1/8) of any rule's capacity at once, so
 /// that a fleet of instances cannot strand a limit between them.
@@ -50,7 +32,7 @@ pub(crate) const MIN_SEEN: u64 = 4;
 pub(crate) const MAX_TRACKED: usize = 65_536;
 
 /// The leases of one store.
-pub(crate) struct Leases {
+struct Leases {
     length_us: u64,
     /// By the name of the client key's state in Redis (bounded whatever the key), then by
     /// rule set.
@@ -106,16 +88,6 @@ fn leasable(rules: &RuleSet) -> bool {
                 | Algorithm::LeakyBucket(LeakyMode::Meter { .. })
         )
     })
-}
-
-/// check.lua's code for an algorithm, as its `refund` reads it.
-fn code(algorithm: Algorithm) -> u64 {
-    match algorithm {
-        Algorithm::FixedWindow => 1,
-        Algorithm::TokenBucket { .. } => 4,
-        Algorithm::LeakyBucket(_) => 5,
-        _ => 6,
-    }
 }
 
 impl Slot {
@@ -243,7 +215,7 @@ enum Step {
 }
 
 impl Leases {
-    pub(crate) fn new(length: Duration) -> Self {
+    fn new(length: Duration) -> Self {
         Self {
             length_us: u64::try_from(length.as_micros()).unwrap_or(u64::MAX).max(1),
             table: Mutex::new(HashMap::new()),
@@ -252,7 +224,7 @@ impl Leases {
         }
     }
 
-    pub(crate) fn length(&self) -> Duration {
+    fn length(&self) -> Duration {
         Duration::from_micros(self.length_us)
     }
 
@@ -427,57 +399,129 @@ impl Leases {
         }
     }
 
-    /// Drops what this store holds for a client key (its state name), unspent units
-    /// included: after a block or a reset they must not be spent.
-    pub(crate) fn forget(&self, name: &str) {
+    /// Drops what this store holds for a client key (its state name).
+    fn forget(&self, name: &str) {
         let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
         table.remove(name);
     }
 }
 
-/// The name of a client key's state: the lease table's key.
-pub(crate) fn state_name(shared: &Shared, key: &[u8]) -> Box<str> {
-    KeyNames::new(&shared.prefix, key).state().into()
+/// The check path of a store: the exact path, with lease mode's table in front of it
+/// when the store was built with a lease length.
+#[derive(Debug)]
+pub(crate) struct Leased {
+    exact: Exact,
+    leases: Option<Leases>,
 }
 
-/// Gives `lease`'s unspent units back to the state at `name`.
-async fn refund(
-    store: &impl Backend,
-    name: &str,
-    rules: &RuleSet,
-    lease: &Lease,
-) -> Result<(), RedisStoreError> {
-    let shared = store.shared();
-    let mut call = REFUND.call(&shared.paths, name.as_bytes(), 1, 5 + 5 * rules.len());
-    call.cmd.arg(name);
-    match &shared.clock {
-        Some(clock) => call.cmd.arg(clock.now_us()),
-        None => call.cmd.arg(""),
-    };
-    call.cmd
-        .arg(lease.units)
-        .arg(lease.start_us)
-        .arg(lease.granted);
-    for ((rule, &id), &window) in rules
-        .rules()
-        .iter()
-        .zip(rules.rule_ids())
-        .zip(&lease.windows)
-    {
-        call.cmd
-            .arg(id)
-            .arg(code(rule.algorithm()))
-            .arg(rule.limit())
-            .arg(rule.period_us())
-            .arg(window);
+impl std::fmt::Debug for Leases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leases")
+            .field("length", &self.length())
+            .finish_non_exhaustive()
     }
-    store.run(Request::Call(call)).await.map(drop)
+}
+
+impl Leased {
+    pub(crate) fn new(exact: Exact, length: Option<Duration>) -> Self {
+        Self {
+            exact,
+            leases: length.map(Leases::new),
+        }
+    }
+
+    /// The exact path below, for what lease mode does not change.
+    pub(crate) fn exact(&self) -> &Exact {
+        &self.exact
+    }
+
+    /// The lease length; `None` in exact mode.
+    pub(crate) fn length(&self) -> Option<Duration> {
+        self.leases.as_ref().map(Leases::length)
+    }
+
+    /// One check: from the lease table when it can answer, else through the exact path.
+    pub(crate) async fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Decision, RedisStoreError> {
+        let Some(leases) = &self.leases else {
+            return self.exact.check(key, rules, cost).await;
+        };
+        // A leased check may wait for another's reservation, give units back, reserve
+        // and reserve again, each a call of its own: the store's timeout bounds them all
+        // together, as it bounds an exact check's one call.
+        let leased = async {
+            match check(&self.exact, leases, key, rules, cost).await {
+                Some(decided) => decided,
+                None => self.exact.check(key, rules, cost).await,
+            }
+        };
+        let mut leased = std::pin::pin!(leased);
+        // Most leased checks are answered from the table at the first poll: no timer.
+        if let std::task::Poll::Ready(decided) = futures::poll!(&mut leased) {
+            return decided;
+        }
+        let timeout = self.exact.shared().timeout;
+        tokio::time::timeout(timeout, leased)
+            .await
+            .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
+    }
+
+    /// Drops what this store holds for `key`, unspent units included: after a block or
+    /// a reset they must not be spent.
+    pub(crate) fn forget(&self, key: &[u8]) {
+        if let Some(leases) = &self.leases {
+            leases.forget(&state_name(&self.exact, key));
+        }
+    }
+
+    /// Gives back the units of every lease that has ended.
+    pub(crate) async fn sweep(&self) {
+        let Some(leases) = &self.leases else {
+            return;
+        };
+        for (name, rules, lease) in leases.ended(self.exact.shared().now_us()) {
+            refund_or_log(&self.exact, leases, &name, &rules, Some(lease)).await;
+        }
+    }
+
+    /// Gives back the units of leases that ended, every half lease length, for as long
+    /// as `held` lives: a key that goes quiet returns its units within about one lease
+    /// length. Nothing in exact mode, or outside a Tokio runtime.
+    pub(crate) fn spawn_sweep<T: Send + Sync + 'static>(
+        held: Weak<T>,
+        leased: fn(&T) -> &Leased,
+        every: Duration,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(held) = held.upgrade() else {
+                    return;
+                };
+                leased(&held).sweep().await;
+            }
+        });
+    }
+}
+
+/// The name of a client key's state: the lease table's key.
+fn state_name(exact: &Exact, key: &[u8]) -> Box<str> {
+    KeyNames::new(&exact.shared().prefix, key).state().into()
 }
 
 /// A refund that failed strands its units until the state expires, as a crashed
 /// instance's would: nothing more to do than to say so.
 async fn refund_or_log(
-    store: &impl Backend,
+    exact: &Exact,
     leases: &Leases,
     name: &str,
     rules: &RuleSet,
@@ -486,10 +530,16 @@ async fn refund_or_log(
     let Some(lease) = lease else {
         return;
     };
-    let Err(e) = refund(store, name, rules, &lease).await else {
+    let unspent = Unspent {
+        units: lease.units,
+        start_us: lease.start_us,
+        granted: lease.granted,
+        windows: &lease.windows,
+    };
+    let Err(e) = exact.refund_unspent(name, rules, &unspent).await else {
         return;
     };
-    match leases.refund_log.hit(store.now_us()) {
+    match leases.refund_log.hit(exact.shared().now_us()) {
         Some(count) => tracing::warn!(
             error = %e,
             units = lease.units,
@@ -505,8 +555,8 @@ async fn refund_or_log(
 
 /// A check in lease mode; `None` when it goes to Redis exactly (peeks, rule sets a lease
 /// cannot serve).
-pub(crate) async fn check(
-    store: &impl Backend,
+async fn check(
+    exact: &Exact,
     leases: &Leases,
     key: &[u8],
     rules: &RuleSet,
@@ -515,14 +565,14 @@ pub(crate) async fn check(
     if cost == 0 || !leasable(rules) {
         return None;
     }
-    let name = state_name(store.shared(), key);
+    let name = state_name(exact, key);
     loop {
-        let now = store.now_us();
+        let now = exact.shared().now_us();
         match leases.step(&name, rules, cost, now) {
             Step::Answer(decision) => return Some(Ok(decision)),
             Step::Wait(notify) => leases.reserved(&name, rules, notify).await,
             Step::Exact(spent) => {
-                refund_or_log(store, leases, &name, rules, spent).await;
+                refund_or_log(exact, leases, &name, rules, spent).await;
                 return None;
             }
             Step::Reserve(b, spent, notify) => {
@@ -532,8 +582,8 @@ pub(crate) async fn check(
                     rules,
                     notify,
                 };
-                refund_or_log(store, leases, &name, rules, spent).await;
-                return Some(reserve(store, leases, &name, key, rules, cost, b).await);
+                refund_or_log(exact, leases, &name, rules, spent).await;
+                return Some(reserve(exact, leases, &name, key, rules, cost, b).await);
             }
         }
     }
@@ -542,7 +592,7 @@ pub(crate) async fn check(
 /// Reserves `b` units; when Redis refuses, one more call for what is left (at least the
 /// check's own cost), and a refusal of that one is answered locally until it may change.
 async fn reserve(
-    store: &impl Backend,
+    exact: &Exact,
     leases: &Leases,
     name: &str,
     key: &[u8],
@@ -550,8 +600,8 @@ async fn reserve(
     cost: u64,
     b: u64,
 ) -> Result<Decision, RedisStoreError> {
-    let now = store.now_us();
-    let decision = store.exact(key, rules, b).await?;
+    let now = exact.shared().now_us();
+    let decision = exact.check(key, rules, b).await?;
     let left = decision
         .rules()
         .iter()
@@ -566,40 +616,9 @@ async fn reserve(
     // What Redis said is left now; take it if it covers the check, else ask for the
     // check's own cost, exactly.
     let again = cost.max(left.min(b));
-    let now = store.now_us();
-    let decision = store.exact(key, rules, again).await?;
+    let now = exact.shared().now_us();
+    let decision = exact.check(key, rules, again).await?;
     Ok(leases.settle(name, rules, now, again, cost, decision, true))
-}
-
-/// Gives back the units of leases that ended, every half lease length, for as long as the
-/// store lives: a key that goes quiet returns its units within about one lease length.
-pub(crate) fn spawn_sweep<S: Backend>(
-    upgrade: impl Fn() -> Option<S> + Send + 'static,
-    every: Duration,
-) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            let Some(store) = upgrade() else {
-                return;
-            };
-            if let Some(leases) = store.leases() {
-                sweep(&store, leases).await;
-            }
-        }
-    });
-}
-
-/// Gives back the units of every lease of `store` that has ended.
-pub(crate) async fn sweep(store: &impl Backend, leases: &Leases) {
-    for (name, rules, lease) in leases.ended(store.now_us()) {
-        refund_or_log(store, leases, &name, &rules, Some(lease)).await;
-    }
 }
 
 #[cfg(test)]

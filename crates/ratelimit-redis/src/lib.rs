@@ -351,8 +351,15 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+// A check goes one way down, each layer knowing only the one below it: `store` (the
+// public API) → `lease` (lease mode's table, in front of) → `exact` (each operation as
+// the module's or the Lua function's call, built by `script`) → `batch` (many checks per
+// call) → `transport` (connections, Cluster routing, setup on connect). `shared` (the
+// configuration and what the transport learned), `keys`, `script` and `error` are
+// leaves every layer may use.
 mod batch;
 mod error;
+mod exact;
 mod keys;
 mod lease;
 mod options;

@@ -1,19 +1,14 @@
-//! What every part of one store shares: its configuration (prefix, clock, TTL floor,
-//! timeout), what it learned from its servers (whether they have functions, their
-//! clock, their eviction policy), and how each store operation becomes the request it
-//! sends.
+//! What every layer of one store reads: its configuration (prefix, clock, TTL floor,
+//! timeout) and what the transport learned from its servers (which form the calls take,
+//! their clock, their eviction policy). It knows no other part of the store.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ratelimit_core::{Clock, RuleSet};
-use redis::Cmd;
+use ratelimit_core::Clock;
 
-use crate::keys::KeyNames;
-use crate::script::{
-    self, block_us, Call, CheckArgs, CheckJob, Paths, Time, BLOCK, CHECK, GIVE_BACK, MAX_EXACT,
-};
+use crate::script::{Paths, MAX_EXACT};
 
 /// The configuration of a store.
 pub(crate) struct Shared {
@@ -103,7 +98,7 @@ impl RedisClock {
     }
 
     /// The instant `timeout` from now on the Redis clock, once a reading arrived.
-    fn deadline(&self, timeout: Duration) -> Option<u64> {
+    pub(crate) fn deadline(&self, timeout: Duration) -> Option<u64> {
         let offset = self.offset_us.load(Ordering::Relaxed);
         if offset == i64::MIN {
             return None;
@@ -114,122 +109,5 @@ impl RedisClock {
             .saturating_add(offset)
             .saturating_add(timeout);
         u64::try_from(at).ok().filter(|&at| at <= MAX_EXACT)
-    }
-}
-
-impl Shared {
-    fn now(&self) -> Option<u64> {
-        self.clock.as_ref().map(|clock| clock.now_us())
-    }
-
-    fn time(&self) -> Time {
-        Time {
-            now: self.now(),
-            deadline: self.redis_clock.deadline(self.timeout),
-        }
-    }
-
-    pub(crate) fn check_call(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Call<'_> {
-        let has_log = rules.log_limit() > 0;
-        let keys = 2 + usize::from(has_log);
-        let mut names = KeyNames::new(&self.prefix, key);
-        let mut call = CHECK.call(&self.paths, names.block().as_bytes(), keys, keys + 1);
-        call.cmd.arg(names.block());
-        call.cmd.arg(names.state());
-        if has_log {
-            call.cmd.arg(names.log());
-        }
-        CheckArgs::write(&mut call.cmd, self.time(), cost, self.ttl_floor_ms, rules);
-        call
-    }
-
-    /// One check as a batch carries it.
-    pub(crate) fn check_job(&self, key: &[u8], rules: &RuleSet, cost: u64) -> CheckJob {
-        CheckJob::new(
-            &self.prefix,
-            key,
-            rules,
-            self.time(),
-            cost,
-            self.ttl_floor_ms,
-        )
-    }
-
-    /// The call that decides `job` alone: the same as [`check_call`](Self::check_call).
-    pub(crate) fn single_call(&self, job: &CheckJob) -> Call<'_> {
-        job.single_call(&self.paths)
-    }
-
-    /// The call that decides `jobs` in order, in one run of `check_many`.
-    pub(crate) fn batch_call<'a, 'j>(
-        &'a self,
-        jobs: impl Iterator<Item = &'j CheckJob> + Clone,
-    ) -> Call<'a> {
-        script::batch_call(&self.paths, jobs)
-    }
-
-    /// The call that decides `jobs` in order, in one run of `check_local` on the Cluster
-    /// node it is sent to.
-    pub(crate) fn node_batch_call<'a, 'j>(
-        &'a self,
-        jobs: impl Iterator<Item = &'j CheckJob> + Clone,
-    ) -> Call<'a> {
-        script::node_batch_call(&self.paths, jobs)
-    }
-
-    /// Gives back `cost` units a check of `key` under `rules` charged at `charged_at`.
-    pub(crate) fn give_back_call(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-        cost: u64,
-        charged_at: u64,
-    ) -> Call<'_> {
-        let has_log = rules.log_limit() > 0;
-        let keys = 1 + usize::from(has_log);
-        let mut names = KeyNames::new(&self.prefix, key);
-        let mut call = GIVE_BACK.call(&self.paths, names.state().as_bytes(), keys, keys + 2);
-        call.cmd.arg(names.state());
-        if has_log {
-            call.cmd.arg(names.log());
-        }
-        let time = Time {
-            now: self.now(),
-            deadline: None,
-        };
-        CheckArgs::write(&mut call.cmd, time, cost, self.ttl_floor_ms, rules);
-        call.cmd.arg(charged_at);
-        call
-    }
-
-    pub(crate) fn block_call(&self, key: &[u8], duration: Option<Duration>) -> Call<'_> {
-        let mut names = KeyNames::new(&self.prefix, key);
-        let mut call = BLOCK.call(&self.paths, names.block().as_bytes(), 1, 4);
-        call.cmd.arg(names.block());
-        match self.now() {
-            Some(now) => call.cmd.arg(now),
-            None => call.cmd.arg(""),
-        };
-        match duration {
-            Some(d) => call.cmd.arg(block_us(d)),
-            None => call.cmd.arg(""),
-        };
-        call.cmd.arg(self.ttl_floor_ms);
-        call
-    }
-
-    pub(crate) fn unblock_cmd(&self, key: &[u8]) -> Cmd {
-        let mut cmd = redis::cmd("DEL");
-        cmd.arg(KeyNames::new(&self.prefix, key).block());
-        cmd
-    }
-
-    /// Forgets every rule's state of `key`: the state and the log (a block stays).
-    pub(crate) fn reset_cmd(&self, key: &[u8]) -> Cmd {
-        let mut names = KeyNames::new(&self.prefix, key);
-        let mut cmd = redis::cmd("DEL");
-        cmd.arg(names.state());
-        cmd.arg(names.log());
-        cmd
     }
 }

@@ -3,18 +3,17 @@ use std::time::Duration;
 
 use bb8::Pool;
 use bb8_redis::RedisConnectionManager;
-use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{Clock, Decision, RuleSet, Store};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::Value;
 
 use crate::batch::{self, Batcher};
 use crate::error::RedisStoreError;
-use crate::lease::{self, Leases};
+use crate::exact::Exact;
+use crate::lease::Leased;
 use crate::options::Options;
-use crate::script::{self, CheckReply, Decided, Request};
+use crate::script;
 use crate::shared::Shared;
 use crate::transport::{failure, Link, Pooled, Source, Transport};
 
@@ -67,24 +66,30 @@ pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
+/// The store's layers, each knowing only the one below: the check path (lease mode in
+/// front of the exact path, which hands its requests to the batcher, which hands calls
+/// to the transport), and the transport itself for what is not a check (connection
+/// state, administration).
 struct Inner {
+    checks: Leased,
     transport: Arc<Transport>,
-    shared: Arc<Shared>,
-    /// The queue that batches checks; `None` when every check is its own call.
-    batcher: Option<Batcher>,
-    /// Foreign values replaced, reported at a bounded rate.
-    heal_log: BoundedLog,
-    /// Refunds (`give_back`) that failed, reported at a bounded rate.
-    give_back_log: BoundedLog,
-    /// Lease mode's table, when the store was built with a lease length.
-    leases: Option<Leases>,
+}
+
+impl Inner {
+    fn exact(&self) -> &Exact {
+        self.checks.exact()
+    }
+
+    fn shared(&self) -> &Shared {
+        self.checks.exact().shared()
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("transport", &self.inner.transport)
-            .field("config", &self.inner.shared)
+            .field("config", self.inner.shared())
             .field("maxmemory_policy", &self.maxmemory_policy())
             .finish()
     }
@@ -366,32 +371,21 @@ impl RedisStoreBuilder {
 
     fn store(&self, transport: Transport, shared: Arc<Shared>) -> RedisStore {
         let transport = Arc::new(transport);
-        let batcher = (self.max_batch > 1).then(|| {
-            let settings = batch::Settings {
-                max: self.max_batch,
-                wait: self.batch_wait,
-                in_flight: usize::try_from(self.pool_size).unwrap_or(1),
-            };
-            Batcher::start(transport.clone(), shared.clone(), settings)
-        });
-        let store = RedisStore {
-            inner: Arc::new(Inner {
-                transport,
-                shared,
-                batcher,
-                heal_log: BoundedLog::new(),
-                give_back_log: BoundedLog::new(),
-                leases: self.lease.map(Leases::new),
-            }),
+        let settings = batch::Settings {
+            max: self.max_batch,
+            wait: self.batch_wait,
+            in_flight: usize::try_from(self.pool_size).unwrap_or(1),
         };
+        let batcher = Batcher::start(transport.clone(), shared.clone(), settings);
+        let exact = Exact::new(shared, batcher);
+        let inner = Arc::new(Inner {
+            checks: Leased::new(exact, self.lease),
+            transport,
+        });
         if let Some(length) = self.lease {
-            let weak = Arc::downgrade(&store.inner);
-            lease::spawn_sweep(
-                move || weak.upgrade().map(|inner| RedisStore { inner }),
-                length / 2,
-            );
+            Leased::spawn_sweep(Arc::downgrade(&inner), |inner| &inner.checks, length / 2);
         }
-        store
+        RedisStore { inner }
     }
 }
 
@@ -417,15 +411,13 @@ impl RedisStore {
 
     /// The lease length of a store in lease mode; `None` in exact mode (the default).
     pub fn lease_length(&self) -> Option<Duration> {
-        self.inner.leases.as_ref().map(Leases::length)
+        self.inner.checks.length()
     }
 
     /// Gives back now the units of every lease that has ended (the store's sweep does so
     /// every half lease length on its own); nothing in exact mode.
     pub async fn sweep_leases(&self) {
-        if let Some(leases) = &self.inner.leases {
-            lease::sweep(self, leases).await;
-        }
+        self.inner.checks.sweep().await;
     }
 
     /// The connection pool of a store built over one
@@ -439,7 +431,7 @@ impl RedisStore {
 
     /// The key prefix.
     pub fn prefix(&self) -> &str {
-        &self.inner.shared.prefix
+        &self.inner.shared().prefix
     }
 
     /// The server's `maxmemory-policy` as read at the last (re)connection (over the
@@ -452,7 +444,7 @@ impl RedisStore {
     /// connects.
     pub fn maxmemory_policy(&self) -> Option<String> {
         self.inner
-            .shared
+            .shared()
             .maxmemory_policy
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -468,7 +460,7 @@ impl RedisStore {
     /// that have it and to the Lua functions on the others, by the slot of its key.
     pub fn uses_module(&self) -> bool {
         self.inner
-            .shared
+            .shared()
             .paths
             .module
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -509,7 +501,7 @@ impl RedisStore {
     /// second run finishes the job.
     pub async fn unload_other_versions(&self) -> Result<Vec<String>, RedisStoreError> {
         let transport = &self.inner.transport;
-        let timeout = self.inner.shared.timeout;
+        let timeout = self.inner.shared().timeout;
         let mut removed = std::collections::BTreeSet::new();
         for (primary, listed) in transport
             .on_primaries(script::function_list_cmd(), timeout)
@@ -547,37 +539,6 @@ impl RedisStore {
         }
         Ok(removed.into_iter().collect())
     }
-
-    /// Sends `request` within the store's timeout.
-    async fn run(&self, request: Request<'_>) -> Result<Value, RedisStoreError> {
-        self.inner
-            .transport
-            .call(&request, self.inner.shared.timeout)
-            .await
-    }
-
-    /// One check's reply, through the batch queue or as a call of its own.
-    async fn decide(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-        cost: u64,
-    ) -> Result<Decided, RedisStoreError> {
-        let shared = &self.inner.shared;
-        match &self.inner.batcher {
-            Some(batcher) => {
-                let job = shared.check_job(key, rules, cost);
-                let bytes = batcher.decide(job, shared.timeout).await?;
-                CheckReply::decision_from(rules, &bytes)
-            }
-            None => {
-                let reply = self
-                    .run(Request::Call(shared.check_call(key, rules, cost)))
-                    .await?;
-                CheckReply::decision(rules, &reply)
-            }
-        }
-    }
 }
 
 impl Store for RedisStore {
@@ -590,47 +551,24 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        let Some(leases) = &self.inner.leases else {
-            return self.exact(key, rules, cost).await;
-        };
-        // A leased check may wait for another's reservation, give units back, reserve
-        // and reserve again, each a call of its own: the store's timeout bounds them all
-        // together, as it bounds an exact check's one call.
-        let leased = async {
-            match lease::check(self, leases, key, rules, cost).await {
-                Some(decided) => decided,
-                None => self.exact(key, rules, cost).await,
-            }
-        };
-        let mut leased = std::pin::pin!(leased);
-        // Most leased checks are answered from the table at the first poll: no timer.
-        if let std::task::Poll::Ready(decided) = futures::poll!(&mut leased) {
-            return decided;
-        }
-        let timeout = self.inner.shared.timeout;
-        tokio::time::timeout(timeout, leased)
-            .await
-            .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
+        self.inner.checks.check(key, rules, cost).await
     }
 
     async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), RedisStoreError> {
-        let call = self.inner.shared.block_call(key, duration);
-        self.run(Request::Call(call)).await?;
-        self.forget_leases(key);
+        self.inner.exact().block(key, duration).await?;
+        self.inner.checks.forget(key);
         Ok(())
     }
 
     async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {
-        let cmd = self.inner.shared.unblock_cmd(key);
-        self.run(Request::Cmd(cmd)).await.map(drop)
+        self.inner.exact().unblock(key).await
     }
 
     /// Deletes the key's state and sliding log: every rule's state, whatever `rules`.
     async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), RedisStoreError> {
         let _ = rules;
-        let cmd = self.inner.shared.reset_cmd(key);
-        self.run(Request::Cmd(cmd)).await?;
-        self.forget_leases(key);
+        self.inner.exact().reset(key).await?;
+        self.inner.checks.forget(key);
         Ok(())
     }
 
@@ -647,23 +585,10 @@ impl Store for RedisStore {
         if cost == 0 {
             return Ok(false);
         }
-        let call = self
-            .inner
-            .shared
-            .give_back_call(key, rules, cost, charged_at);
-        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
-            if let Some(count) = self.inner.give_back_log.hit(self.now_us()) {
-                tracing::warn!(
-                    error = %e,
-                    failed_refunds = count,
-                    "units a check charged could not be given back to Redis: they stay \
-                     charged, so the key admits less than its limit until they drain \
-                     (reported at most every 10 s, with the refunds failed since the last \
-                     report)"
-                );
-            }
-        })?;
-        Ok(matches!(reply, Value::Int(1)))
+        self.inner
+            .exact()
+            .give_back(key, rules, cost, charged_at)
+            .await
     }
 
     /// The injected clock's time when one is set; otherwise this host's reading of the
@@ -671,87 +596,11 @@ impl Store for RedisStore {
     /// own; on a Cluster, of the fastest master's), or this host's clock until a reading
     /// arrives.
     fn now_us(&self) -> u64 {
-        let shared = &self.inner.shared;
-        match shared.clock {
-            Some(_) => shared.now_us(),
-            None => shared.redis_clock.now().unwrap_or_else(|| shared.now_us()),
-        }
+        self.inner.exact().now_us()
     }
 
     /// Always: every process connected to the same Redis shares the state.
     fn is_shared(&self) -> bool {
         true
-    }
-}
-
-impl RedisStore {
-    fn forget_leases(&self, key: &[u8]) {
-        if let Some(leases) = &self.inner.leases {
-            leases.forget(&lease::state_name(&self.inner.shared, key));
-        }
-    }
-
-    /// One check decided by Redis, as in exact mode.
-    async fn exact(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-        cost: u64,
-    ) -> Result<Decision, RedisStoreError> {
-        let (decision, healed) = match self.decide(key, rules, cost).await? {
-            Ok(decided) => decided,
-            Err(redis_now) => {
-                // Redis got to the check after its deadline (the reply outran our timer,
-                // or the deadline was early): it charged nothing. Learn the clock again.
-                self.inner
-                    .shared
-                    .redis_clock
-                    .observe(redis_now, std::time::Instant::now());
-                return Err(RedisStoreError::Timeout(self.inner.shared.timeout));
-            }
-        };
-        if healed {
-            if let Some(count) = self.inner.heal_log.hit(self.now_us()) {
-                tracing::warn!(
-                    prefix = %self.prefix(),
-                    replaced = count,
-                    "a rate-limit key held a value this store did not write; it was read as \
-                     empty and replaced. Something else writes under the store's prefix: give \
-                     the store a prefix of its own (reported at most every 10 s, with the \
-                     values replaced since the last report)"
-                );
-            }
-        }
-        Ok(decision)
-    }
-}
-
-impl lease::Backend for RedisStore {
-    fn now_us(&self) -> u64 {
-        self.inner.shared.now_us()
-    }
-
-    fn shared(&self) -> &Shared {
-        &self.inner.shared
-    }
-
-    fn leases(&self) -> Option<&Leases> {
-        self.inner.leases.as_ref()
-    }
-
-    fn exact(
-        &self,
-        key: &[u8],
-        rules: &RuleSet,
-        cost: u64,
-    ) -> impl std::future::Future<Output = Result<Decision, RedisStoreError>> + Send {
-        RedisStore::exact(self, key, rules, cost)
-    }
-
-    fn run(
-        &self,
-        request: Request<'_>,
-    ) -> impl std::future::Future<Output = Result<Value, RedisStoreError>> + Send {
-        RedisStore::run(self, request)
     }
 }

@@ -1,0 +1,249 @@
+//! The exact path: every store operation as the request that carries it to Redis, the
+//! native module's command or the Lua function as the servers allow ([`script`](crate::script) builds
+//! either form from what the transport learned), handed to the [`Batcher`] below; and
+//! each reply read back into a decision. Lease mode sits above it and knows nothing of
+//! requests; the batcher below knows nothing of decisions.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ratelimit_core::util::BoundedLog;
+use ratelimit_core::{Algorithm, Decision, RuleSet};
+use redis::Value;
+
+use crate::batch::Batcher;
+use crate::error::RedisStoreError;
+use crate::keys::KeyNames;
+use crate::script::{
+    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, GIVE_BACK, REFUND,
+};
+use crate::shared::Shared;
+
+/// Units a lease reserved and did not spend, as the module's and the Lua `refund` take
+/// them back.
+pub(crate) struct Unspent<'a> {
+    pub(crate) units: u64,
+    /// When the reservation charged them, on the store's clock.
+    pub(crate) start_us: u64,
+    /// The units the reservation charged.
+    pub(crate) granted: u64,
+    /// Per rule: the fixed window the reservation charged (0 for other algorithms).
+    pub(crate) windows: &'a [u64],
+}
+
+/// The store's operations decided in Redis, one request each (checks batched).
+pub(crate) struct Exact {
+    shared: Arc<Shared>,
+    batcher: Batcher,
+    /// Foreign values replaced, reported at a bounded rate.
+    heal_log: BoundedLog,
+    /// Refunds (`give_back`) that failed, reported at a bounded rate.
+    give_back_log: BoundedLog,
+}
+
+impl std::fmt::Debug for Exact {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.shared.fmt(f)
+    }
+}
+
+impl Exact {
+    pub(crate) fn new(shared: Arc<Shared>, batcher: Batcher) -> Self {
+        Self {
+            shared,
+            batcher,
+            heal_log: BoundedLog::new(),
+            give_back_log: BoundedLog::new(),
+        }
+    }
+
+    /// The store's configuration and what its transport learned.
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// The injected clock's time when one is set; otherwise this host's reading of the
+    /// Redis server's `TIME`, or this host's clock until a reading arrives.
+    pub(crate) fn now_us(&self) -> u64 {
+        let shared = &self.shared;
+        match shared.clock {
+            Some(_) => shared.now_us(),
+            None => shared.redis_clock.now().unwrap_or_else(|| shared.now_us()),
+        }
+    }
+
+    /// Sends `request` within the store's timeout.
+    async fn run(&self, request: Request<'_>) -> Result<Value, RedisStoreError> {
+        self.batcher.call(&request).await
+    }
+
+    /// One check decided by Redis.
+    pub(crate) async fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<Decision, RedisStoreError> {
+        let shared = &self.shared;
+        let job = CheckJob::new(
+            &shared.prefix,
+            key,
+            rules,
+            self.time(),
+            cost,
+            shared.ttl_floor_ms,
+        );
+        let bytes = self.batcher.decide(job).await?;
+        let (decision, healed) = match CheckReply::decision_from(rules, &bytes)? {
+            Ok(decided) => decided,
+            Err(redis_now) => {
+                // Redis got to the check after its deadline (the reply outran our timer,
+                // or the deadline was early): it charged nothing. Learn the clock again.
+                shared.redis_clock.observe(redis_now, Instant::now());
+                return Err(RedisStoreError::Timeout(shared.timeout));
+            }
+        };
+        if healed {
+            if let Some(count) = self.heal_log.hit(self.now_us()) {
+                tracing::warn!(
+                    prefix = %shared.prefix,
+                    replaced = count,
+                    "a rate-limit key held a value this store did not write; it was read as \
+                     empty and replaced. Something else writes under the store's prefix: give \
+                     the store a prefix of its own (reported at most every 10 s, with the \
+                     values replaced since the last report)"
+                );
+            }
+        }
+        Ok(decision)
+    }
+
+    /// Gives back `cost` units a check of `key` under `rules` charged at `charged_at`;
+    /// whether anything changed.
+    pub(crate) async fn give_back(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+        charged_at: u64,
+    ) -> Result<bool, RedisStoreError> {
+        let has_log = rules.log_limit() > 0;
+        let keys = 1 + usize::from(has_log);
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        let mut call = GIVE_BACK.call(&self.shared.paths, names.state().as_bytes(), keys, keys + 2);
+        call.cmd.arg(names.state());
+        if has_log {
+            call.cmd.arg(names.log());
+        }
+        let time = Time {
+            now: self.injected_now(),
+            deadline: None,
+        };
+        CheckArgs::write(&mut call.cmd, time, cost, self.shared.ttl_floor_ms, rules);
+        call.cmd.arg(charged_at);
+        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
+            if let Some(count) = self.give_back_log.hit(self.now_us()) {
+                tracing::warn!(
+                    error = %e,
+                    failed_refunds = count,
+                    "units a check charged could not be given back to Redis: they stay \
+                     charged, so the key admits less than its limit until they drain \
+                     (reported at most every 10 s, with the refunds failed since the last \
+                     report)"
+                );
+            }
+        })?;
+        Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// Gives a lease's unspent units back to the state named `state`.
+    pub(crate) async fn refund_unspent(
+        &self,
+        state: &str,
+        rules: &RuleSet,
+        unspent: &Unspent<'_>,
+    ) -> Result<(), RedisStoreError> {
+        let mut call = REFUND.call(&self.shared.paths, state.as_bytes(), 1, 5 + 5 * rules.len());
+        call.cmd.arg(state);
+        match self.injected_now() {
+            Some(now) => call.cmd.arg(now),
+            None => call.cmd.arg(""),
+        };
+        call.cmd
+            .arg(unspent.units)
+            .arg(unspent.start_us)
+            .arg(unspent.granted);
+        for ((rule, &id), &window) in rules
+            .rules()
+            .iter()
+            .zip(rules.rule_ids())
+            .zip(unspent.windows)
+        {
+            call.cmd
+                .arg(id)
+                .arg(algorithm_code(rule.algorithm()))
+                .arg(rule.limit())
+                .arg(rule.period_us())
+                .arg(window);
+        }
+        self.run(Request::Call(call)).await.map(drop)
+    }
+
+    /// Blocks `key` for `duration` (for good without one).
+    pub(crate) async fn block(
+        &self,
+        key: &[u8],
+        duration: Option<Duration>,
+    ) -> Result<(), RedisStoreError> {
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        let mut call = BLOCK.call(&self.shared.paths, names.block().as_bytes(), 1, 4);
+        call.cmd.arg(names.block());
+        match self.injected_now() {
+            Some(now) => call.cmd.arg(now),
+            None => call.cmd.arg(""),
+        };
+        match duration {
+            Some(d) => call.cmd.arg(block_us(d)),
+            None => call.cmd.arg(""),
+        };
+        call.cmd.arg(self.shared.ttl_floor_ms);
+        self.run(Request::Call(call)).await.map(drop)
+    }
+
+    pub(crate) async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(KeyNames::new(&self.shared.prefix, key).block());
+        self.run(Request::Cmd(cmd)).await.map(drop)
+    }
+
+    /// Forgets every rule's state of `key`: the state and the log (a block stays).
+    pub(crate) async fn reset(&self, key: &[u8]) -> Result<(), RedisStoreError> {
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(names.state()).arg(names.log());
+        self.run(Request::Cmd(cmd)).await.map(drop)
+    }
+
+    /// The injected clock's time; `None` under Redis `TIME`.
+    fn injected_now(&self) -> Option<u64> {
+        self.shared.clock.as_ref().map(|clock| clock.now_us())
+    }
+
+    /// A check's time: the injected clock's, and when the caller stops waiting.
+    fn time(&self) -> Time {
+        Time {
+            now: self.injected_now(),
+            deadline: self.shared.redis_clock.deadline(self.shared.timeout),
+        }
+    }
+}
+
+/// check.lua's code for an algorithm, as its `refund` reads it.
+fn algorithm_code(algorithm: Algorithm) -> u64 {
+    match algorithm {
+        Algorithm::FixedWindow => 1,
+        Algorithm::TokenBucket { .. } => 4,
+        Algorithm::LeakyBucket(_) => 5,
+        _ => 6,
+    }
+}

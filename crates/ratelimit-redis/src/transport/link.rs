@@ -1,0 +1,502 @@
+//! The connections a store opens and re-opens itself.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::SentinelClient;
+use redis::{AsyncConnectionConfig, ErrorKind, RedisError, ServerErrorKind, Value};
+
+use ratelimit_core::util::BoundedLog;
+
+use crate::error::{classify, is_connection_error, is_unreachable, RedisStoreError};
+use crate::script::Request;
+use crate::shared::Shared;
+
+use super::cluster::{follow_slot, migrating, moved, NodeMap, Nodes};
+use super::conn::{in_flight, Conn, Failure};
+use super::setup::{prepare, read_policy};
+
+/// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
+pub(super) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+
+/// The longest pause between reconnection attempts.
+pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Where a [`Link`] gets its connections.
+pub(crate) enum Source {
+    /// One server: `lanes` multiplexed connections to it.
+    Server { client: redis::Client, lanes: usize },
+    /// A Redis Cluster; the `redis` crate's cluster connection follows slots, failovers
+    /// and node restarts by itself once it exists.
+    Cluster(ClusterClient),
+    /// The primary the Sentinels name for a service.
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    /// A cluster connection the application made: nothing to reconnect.
+    Given,
+}
+
+impl Source {
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Source::Server { .. } => "server",
+            Source::Cluster(_) | Source::Given => "cluster",
+            Source::Sentinel(_) => "sentinel",
+        }
+    }
+}
+
+/// What a [`Link`] knows about its recent failures.
+#[derive(Default)]
+pub(super) struct Health {
+    /// A task is reconnecting.
+    reconnecting: bool,
+    /// Failed attempts since the last working connection.
+    failures: u64,
+    down_since: Option<Instant>,
+    last_error: Option<RedisError>,
+}
+
+/// Connections the store opened itself. While they work, requests go through them; once
+/// one fails, they are dropped and a background task reconnects with growing pauses
+/// (50 ms doubling to 2 s), setting every new connection up as at build: the scripts
+/// loaded, Redis `TIME` read, `maxmemory-policy` read. Meanwhile requests fail at once
+/// with [`RedisStoreError::Connection`](crate::RedisStoreError::Connection): no request
+/// waits for a server that is not there.
+pub(crate) struct Link {
+    source: Source,
+    shared: Arc<Shared>,
+    connect_timeout: Duration,
+    current: RwLock<Option<Arc<[Conn]>>>,
+    /// Round robin over the lanes.
+    next: AtomicUsize,
+    /// Bumped by every install and every break, so that a stale failure breaks nothing.
+    generation: AtomicU64,
+    health: Mutex<Health>,
+    /// Counts finished connection attempts, for callers waiting on one.
+    attempts: tokio::sync::watch::Sender<u64>,
+    failure_log: BoundedLog,
+    /// On a Cluster, the node of each slot.
+    nodes: NodeMap,
+    /// Over the application's connection: not yet set up as [`prepare`] sets up the
+    /// store's own connections. It is on the first call.
+    unprepared: std::sync::atomic::AtomicBool,
+    /// One setup at a time.
+    preparing: tokio::sync::Mutex<()>,
+    /// On a Cluster, a task reads the masters' `maxmemory-policy` again.
+    rereading: std::sync::atomic::AtomicBool,
+}
+
+impl Link {
+    pub(crate) fn new(source: Source, shared: Arc<Shared>, connect_timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            source,
+            shared,
+            connect_timeout,
+            current: RwLock::new(None),
+            next: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
+            health: Mutex::new(Health::default()),
+            attempts: tokio::sync::watch::Sender::new(0),
+            failure_log: BoundedLog::new(),
+            nodes: NodeMap::default(),
+            unprepared: std::sync::atomic::AtomicBool::new(false),
+            preparing: tokio::sync::Mutex::new(()),
+            rereading: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Sets up the application's connection on its first call (nothing to do for the
+    /// store's own connections, set up as they were opened).
+    pub(super) async fn set_up(&self) -> Result<(), Failure> {
+        if !self.unprepared.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _one_at_a_time = self.preparing.lock().await;
+        if !self.unprepared.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (mut conn, _) = self.conn()?;
+        prepare(&mut conn, &self.shared).await?;
+        self.unprepared.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.source, Source::Cluster(_) | Source::Given)
+    }
+
+    /// The node map; read with `CLUSTER SLOTS` when unknown or stale.
+    pub(super) async fn nodes(&self) -> Option<Arc<Nodes>> {
+        let conn = || match self.conn() {
+            Ok((Conn::Cluster(conn), _)) => Some(conn),
+            _ => None,
+        };
+        self.nodes.get(conn, &self.shared).await
+    }
+
+    /// Notes that a slot was not where the node map said.
+    pub(super) fn nodes_stale(&self) {
+        self.nodes.mark_stale();
+    }
+
+    /// What the link connects to, for `Debug` and logs.
+    pub(super) fn topology(&self) -> &'static str {
+        self.source.name()
+    }
+
+    /// A link over a cluster connection the application made; the scripts load on first
+    /// use.
+    pub(crate) fn given(conn: ClusterConnection, shared: Arc<Shared>) -> Arc<Self> {
+        let link = Self::new(Source::Given, shared, Duration::ZERO);
+        link.install(vec![Conn::Cluster(conn)]);
+        link.unprepared.store(true, Ordering::Release);
+        link
+    }
+
+    /// Connects once within the connect timeout; on failure a background task keeps
+    /// trying. Returns the failure (for the caller to tell configuration errors apart).
+    pub(crate) async fn start(self: &Arc<Self>) -> Result<(), Failure> {
+        match self.attempt().await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.failed(&e);
+                self.reconnect_in_background(true);
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) fn lock_health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn is_connected(&self) -> bool {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    pub(super) async fn connected(&self) {
+        let mut attempts = self.attempts.subscribe();
+        while !self.is_connected() {
+            if attempts.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// One connection attempt with its setup, within the connect timeout.
+    pub(super) async fn attempt(&self) -> Result<(), Failure> {
+        let connect = async {
+            let conns = self.open().await?;
+            prepare(&mut conns[0].clone(), &self.shared).await?;
+            Ok::<_, Failure>(conns)
+        };
+        let result = match tokio::time::timeout(self.connect_timeout, connect).await {
+            Ok(result) => result,
+            Err(_) => Err(Failure::Redis(RedisError::from((
+                ErrorKind::Io,
+                "connecting to Redis timed out",
+                format!(
+                    "no answer within the connect timeout ({:?})",
+                    self.connect_timeout
+                ),
+            )))),
+        };
+        if let Ok(conns) = result {
+            self.install(conns);
+            self.recovered();
+            return Ok(());
+        }
+        self.attempts.send_modify(|n| *n += 1);
+        result.map(drop)
+    }
+
+    pub(super) async fn open(&self) -> Result<Vec<Conn>, Failure> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            // The store bounds every call with its own timeout.
+            .set_response_timeout(None);
+        match &self.source {
+            Source::Server { client, lanes } => {
+                let mut conns = Vec::with_capacity(*lanes);
+                for _ in 0..*lanes {
+                    let conn = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?;
+                    conns.push(Conn::Multiplexed(conn));
+                }
+                Ok(conns)
+            }
+            Source::Cluster(client) => {
+                Ok(vec![Conn::Cluster(client.get_async_connection().await?)])
+            }
+            Source::Sentinel(client) => {
+                let client = client.lock().await.async_get_client().await?;
+                let conn = client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?;
+                Ok(vec![Conn::Multiplexed(conn)])
+            }
+            Source::Given => Err(Failure::Redis(RedisError::from((
+                ErrorKind::Io,
+                "the application's cluster connection cannot be reopened",
+            )))),
+        }
+    }
+
+    pub(super) fn install(&self, conns: Vec<Conn>) {
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Some(conns.into());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Logs the recovery when there were failures, and wakes whoever waits.
+    pub(super) fn recovered(&self) {
+        let (failures, down_since) = {
+            let mut health = self.lock_health();
+            let seen = (health.failures, health.down_since);
+            *health = Health {
+                reconnecting: health.reconnecting,
+                ..Health::default()
+            };
+            seen
+        };
+        if failures > 0 {
+            tracing::info!(
+                topology = self.source.name(),
+                failed_attempts = failures,
+                down_for = ?down_since.map(|t| t.elapsed()),
+                "Redis is reachable again; rate-limit checks go through it"
+            );
+        }
+        self.attempts.send_modify(|n| *n += 1);
+    }
+
+    pub(super) fn failed(&self, e: &Failure) {
+        let error = match e {
+            Failure::Redis(e) => e.clone(),
+            Failure::PoolTimedOut => RedisError::from((ErrorKind::Io, "timed out")),
+        };
+        {
+            let mut health = self.lock_health();
+            health.failures += 1;
+            health.down_since.get_or_insert_with(Instant::now);
+            health.last_error = Some(error.clone());
+        }
+        if let Some(count) = self.failure_log.hit(self.shared.now_us()) {
+            tracing::warn!(
+                topology = self.source.name(),
+                %error,
+                failed_attempts = count,
+                "cannot connect to Redis; rate-limit checks fail (the caller's failure policy \
+                 decides) and the store keeps trying in the background (reported at most \
+                 every 10 s, with the attempts since the last report)"
+            );
+        }
+    }
+
+    /// Starts the reconnecting task unless one runs. It holds the link weakly: a dropped
+    /// store stops it.
+    pub(super) fn reconnect_in_background(self: &Arc<Self>, pause_first: bool) {
+        {
+            let mut health = self.lock_health();
+            if health.reconnecting {
+                return;
+            }
+            health.reconnecting = true;
+        }
+        let weak = Arc::downgrade(self);
+        tokio::spawn(reconnect(weak, pause_first));
+    }
+
+    /// The cluster connection of a Cluster store, or the store's error why there is
+    /// none.
+    pub(super) fn cluster_conn(
+        &self,
+        timeout: Duration,
+    ) -> Result<ClusterConnection, RedisStoreError> {
+        match self.conn() {
+            Ok((Conn::Cluster(conn), _)) => Ok(conn),
+            Ok((Conn::Multiplexed(_), _)) => Err(RedisStoreError::UnexpectedReply(
+                "a Cluster command over a connection to one server".into(),
+            )),
+            Err(e) => Err(classify(e, timeout)),
+        }
+    }
+
+    /// A connection to send on, or the reason there is none.
+    pub(super) fn conn(&self) -> Result<(Conn, u64), RedisError> {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        match &*current {
+            Some(conns) => {
+                let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
+                Ok((conns[i].clone(), self.generation.load(Ordering::Acquire)))
+            }
+            None => {
+                drop(current);
+                let detail = match &self.lock_health().last_error {
+                    Some(e) => format!("last attempt: {e}"),
+                    None => "the connection was lost".to_owned(),
+                };
+                Err(RedisError::from((
+                    ErrorKind::Io,
+                    "no connection to Redis; reconnecting in the background",
+                    detail,
+                )))
+            }
+        }
+    }
+
+    /// Whether `e` means the connection is unusable.
+    pub(super) fn breaks(&self, e: &RedisError) -> bool {
+        match self.source {
+            // The cluster connection repairs itself.
+            Source::Cluster(_) | Source::Given => false,
+            Source::Server { .. } => is_connection_error(e),
+            Source::Sentinel(_) => is_connection_error(e) || is_demoted(e),
+        }
+    }
+
+    /// Drops the connections of `generation` (unless replaced meanwhile) and reconnects.
+    pub(super) fn broken(self: &Arc<Self>, generation: u64, e: &RedisError) {
+        {
+            let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+            if self.generation.load(Ordering::Acquire) != generation || current.is_none() {
+                return;
+            }
+            *current = None;
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+        self.lock_health().down_since = Some(Instant::now());
+        tracing::debug!(error = %e, "Redis connection lost; reconnecting");
+        self.reconnect_in_background(false);
+    }
+
+    pub(super) async fn send(self: &Arc<Self>, request: &Request<'_>) -> Result<Value, Failure> {
+        self.set_up().await?;
+        let mut attempts = self.attempts.subscribe();
+        let (mut conn, generation) = self.conn()?;
+        match conn.send(request).await {
+            Err(e) if self.breaks(&e) => {
+                // Redis restarted, failed over or the network dropped the socket: the
+                // first reconnection starts at once; send once more if it works (the
+                // caller's timeout bounds the wait) and the request may run twice.
+                self.broken(generation, &e);
+                // A demoted server answered without running the call; a lost
+                // connection tells nothing.
+                if is_connection_error(&e) && !request.repeatable() {
+                    return Err(in_flight(&e).into());
+                }
+                if !self.is_connected() {
+                    let _ = attempts.changed().await;
+                }
+                let Ok((mut conn, _)) = self.conn() else {
+                    return Err(e.into());
+                };
+                Ok(conn.send(request).await?)
+            }
+            Err(e) if moved(&e) || migrating(&e) => match conn {
+                Conn::Cluster(mut conn) => Ok(follow_slot(&mut conn, request, e).await?),
+                Conn::Multiplexed(_) => Err(e.into()),
+            },
+            Err(e) => {
+                self.node_lost(&e);
+                Err(e.into())
+            }
+            Ok(reply) => Ok(reply),
+        }
+    }
+
+    /// On a Cluster, after a failure that makes the cluster connection reconnect to a
+    /// node or read the slots again (a dropped connection, a restarted or promoted
+    /// node), reads every master's `maxmemory-policy` again once they all answer: the
+    /// node it reconnects to may be another server now, or the same one reconfigured.
+    pub(super) fn node_lost(self: &Arc<Self>, e: &RedisError) {
+        if !is_unreachable(e) || !self.is_cluster() || self.rereading.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(reread_policy(Arc::downgrade(self)));
+    }
+}
+
+/// Reads the masters' `maxmemory-policy` until every master answers, pausing as the
+/// reconnection does; it ends with the store.
+pub(super) async fn reread_policy(link: Weak<Link>) {
+    let mut pause = FIRST_BACKOFF;
+    loop {
+        tokio::time::sleep(jitter(pause)).await;
+        pause = (pause * 2).min(MAX_BACKOFF);
+        let Some(link) = link.upgrade() else {
+            return;
+        };
+        let Ok((mut conn, _)) = link.conn() else {
+            continue;
+        };
+        // A given connection has no connect timeout of the store's.
+        let within = link.connect_timeout.max(link.shared.timeout);
+        let read = read_policy(&mut conn, &link.shared);
+        if matches!(tokio::time::timeout(within, read).await, Ok(Ok(()))) {
+            link.rereading.store(false, Ordering::Release);
+            return;
+        }
+    }
+}
+
+pub(super) async fn reconnect(link: Weak<Link>, mut pause_first: bool) {
+    let mut pause = FIRST_BACKOFF;
+    loop {
+        if pause_first {
+            tokio::time::sleep(jitter(pause)).await;
+            pause = (pause * 2).min(MAX_BACKOFF);
+        }
+        pause_first = true;
+        let Some(link) = link.upgrade() else {
+            return;
+        };
+        match link.attempt().await {
+            Ok(()) => {
+                link.lock_health().reconnecting = false;
+                return;
+            }
+            Err(e) => link.failed(&e),
+        }
+    }
+}
+
+/// `pause` less up to a quarter, so that a fleet restarted together does not reconnect
+/// in step.
+pub(super) fn jitter(pause: Duration) -> Duration {
+    let nanos = u64::from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .subsec_nanos(),
+    );
+    let quarter = u64::try_from(pause.as_micros() / 4).unwrap_or(0).max(1);
+    pause.saturating_sub(Duration::from_micros(nanos % quarter))
+}
+
+/// The server no longer takes writes as a primary: a failover happened.
+pub(super) fn is_demoted(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_a_quarter() {
+        for pause in [FIRST_BACKOFF, MAX_BACKOFF] {
+            let j = jitter(pause);
+            assert!(j <= pause && j >= pause * 3 / 4, "{j:?}");
+        }
+    }
+}

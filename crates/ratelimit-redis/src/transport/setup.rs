@@ -1,0 +1,250 @@
+//! What a store does on each new connection: the scripts loaded, the module found (or
+//! not), the servers' clocks and eviction policies read.
+
+use std::sync::atomic::Ordering;
+use std::sync::PoisonError;
+use std::time::Instant;
+
+use redis::aio::ConnectionLike;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{RedisError, RedisResult, Value};
+
+use crate::error::is_connection_error;
+use crate::script;
+use crate::shared::Shared;
+
+use super::cluster::{Nodes, Primary};
+use super::conn::{Conn, Failure};
+
+/// Loads the store's scripts through `conn` (on a Cluster connection, on every primary),
+/// and the decision function library where the server has functions (Redis 7). Returns
+/// whether it has.
+pub(crate) async fn load_scripts<C: ConnectionLike + Send>(conn: &mut C) -> RedisResult<bool> {
+    let mut functions = true;
+    for script in script::scripts() {
+        let _: Value = script.load_cmd().query_async(conn).await?;
+        if let Some(load) = script.function_load_cmd() {
+            match load.query_async::<Value>(conn).await {
+                Ok(_) => {}
+                Err(e) if script::already_loaded(&e) => {}
+                Err(e) if script::unknown_command(&e) => functions = false,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(functions)
+}
+
+/// Loads the scripts, reads the server's clock and its `maxmemory-policy` (warning when
+/// limiter keys can be evicted); remembers whether the server has functions. On a
+/// Cluster, the clock and the policy are read from every master: the fastest clock
+/// sets the deadlines (see [`RedisClock`](crate::shared::RedisClock)), and each master whose
+/// policy can evict is warned about by address.
+pub(super) async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
+    let functions = match conn {
+        Conn::Multiplexed(c) => load_scripts(c).await?,
+        Conn::Cluster(c) => load_scripts(c).await?,
+    };
+    shared.paths.functions.store(functions, Ordering::Relaxed);
+    detect_module(conn, shared).await?;
+    for (_, reply) in conn.each_master(redis::cmd("TIME")).await? {
+        let (secs, micros): (u64, u64) =
+            redis::from_redis_value(reply?).map_err(RedisError::from)?;
+        shared
+            .redis_clock
+            .observe(secs * 1_000_000 + micros, Instant::now());
+    }
+    read_policy(conn, shared).await
+}
+
+/// Reads `maxmemory-policy` from the server, or from every master of a Cluster (warning
+/// about each one whose policy can evict the store's keys). Fails when a master cannot
+/// be reached; a master that refuses `CONFIG` is taken as it is.
+pub(super) async fn read_policy(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
+    let mut config = redis::cmd("CONFIG");
+    config.arg("GET").arg("maxmemory-policy");
+    let mut read = Vec::new();
+    for (primary, reply) in conn.each_master(config).await? {
+        match reply {
+            Ok(reply) => read.extend(policy_in(&reply).map(|policy| (primary, policy))),
+            Err(e) if is_connection_error(&e) => return Err(e.into()),
+            Err(e) => {
+                // Managed services often rename or forbid CONFIG.
+                tracing::info!(
+                    error = %e,
+                    ?primary,
+                    "cannot read maxmemory-policy; make sure the Redis server does not evict \
+                     rate-limit keys (maxmemory-policy noeviction)"
+                );
+            }
+        }
+    }
+    for (primary, policy) in &read {
+        if let Some(why) = eviction_risk(policy) {
+            tracing::warn!(
+                maxmemory_policy = %policy,
+                ?primary,
+                "Redis may evict rate-limit keys: {why}. An evicted key forgets what a client \
+                 consumed, so limits admit more than configured. Set `maxmemory-policy \
+                 noeviction` (or give the limiter a Redis of its own)."
+            );
+        }
+    }
+    // The policy that can evict, if a master has one; else the one all have.
+    let policy = read
+        .iter()
+        .find(|(_, policy)| eviction_risk(policy).is_some())
+        .or(read.first())
+        .map(|(_, policy)| policy.clone());
+    *shared
+        .maxmemory_policy
+        .write()
+        .unwrap_or_else(PoisonError::into_inner) = policy;
+    Ok(())
+}
+
+/// Finds out which primaries have the native module of this crate's state format: where
+/// every one has it, the store decides with its commands; where none has, with the Lua
+/// functions; on a Cluster where some have it, each call goes to the module on the nodes
+/// that have it and to Lua on the others (by the node map, read here). One INFO line says
+/// which path is in use (on a mixed Cluster, one per primary).
+pub(super) async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
+    if shared.force_lua {
+        shared.paths.module.store(false, Ordering::Relaxed);
+        shared.paths.set_module_nodes(Vec::new());
+        shared.paths.set_module_slots(None::<fn(u16) -> bool>);
+        tracing::info!("rate-limit decisions run as Lua functions (force_lua)");
+        return Ok(());
+    }
+    let ours = ratelimit_core::packed::STATE_FORMAT;
+    let found: Vec<(Primary, Option<(String, u64)>)> = conn
+        .each_master(redis::cmd("RATELIMIT.VERSION"))
+        .await?
+        .into_iter()
+        .map(|(primary, reply)| (primary, reply.ok().and_then(|r| module_format(&r))))
+        .collect();
+    let has = |f: &Option<(String, u64)>| f.as_ref().map(|f| f.1) == Some(ours);
+    let with: Vec<(String, u16)> = found
+        .iter()
+        .filter(|(_, f)| has(f))
+        .filter_map(|(primary, _)| match primary {
+            Primary::Master { host, port } => Some((host.clone(), *port)),
+            Primary::Server => None,
+        })
+        .collect();
+    let all = !found.is_empty() && found.iter().all(|(_, f)| has(f));
+    shared.paths.module.store(all, Ordering::Relaxed);
+    shared.paths.set_module_nodes(with.clone());
+    let mixed = !all && !with.is_empty();
+    if mixed {
+        if let Conn::Cluster(cluster) = conn {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+            let reply = cluster.route_command(cmd, routing).await?;
+            match Nodes::parse(&reply) {
+                Some(nodes) => nodes.map_module(&shared.paths, &with),
+                None => shared.paths.set_module_slots(None::<fn(u16) -> bool>),
+            }
+        }
+    } else {
+        shared.paths.set_module_slots(None::<fn(u16) -> bool>);
+    }
+    let path = |f: &Option<(String, u64)>| match f {
+        Some((version, format)) if *format == ours => {
+            format!("in the Redis module ratelimit {version}")
+        }
+        Some((version, format)) => format!(
+            "as Lua functions: the module ratelimit {version} has state format {format}, \
+             not {ours}"
+        ),
+        None => "as Lua functions: no ratelimit module".to_owned(),
+    };
+    if mixed {
+        for (primary, f) in &found {
+            tracing::info!(
+                ?primary,
+                "rate-limit decisions on this primary run {}",
+                path(f)
+            );
+        }
+    } else if let Some((_, f)) = found.first() {
+        tracing::info!(
+            state_format = ours,
+            primaries = found.len(),
+            "rate-limit decisions run {}",
+            path(f)
+        );
+    }
+    Ok(())
+}
+
+/// The version and state format in a `RATELIMIT.VERSION` reply.
+pub(super) fn module_format(reply: &Value) -> Option<(String, u64)> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    let version = match items.first()? {
+        Value::SimpleString(s) => s.clone(),
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        _ => return None,
+    };
+    let Value::Int(format) = items.get(1)? else {
+        return None;
+    };
+    Some((version, u64::try_from(*format).ok()?))
+}
+
+/// The policy's value in a `CONFIG GET` reply: a map or a flat array.
+pub(super) fn policy_in(reply: &Value) -> Option<String> {
+    match reply {
+        Value::BulkString(bytes) => {
+            let s = String::from_utf8_lossy(bytes);
+            (s != "maxmemory-policy").then(|| s.into_owned())
+        }
+        Value::SimpleString(s) => (s != "maxmemory-policy").then(|| s.clone()),
+        Value::Array(items) => items.iter().find_map(policy_in),
+        Value::Map(pairs) => pairs.iter().find_map(|(_, v)| policy_in(v)),
+        _ => None,
+    }
+}
+
+/// Why `policy` can evict the store's keys, or `None` when it cannot.
+pub(super) fn eviction_risk(policy: &str) -> Option<&'static str> {
+    if policy == "noeviction" {
+        None
+    } else if policy.starts_with("allkeys-") {
+        Some("the policy evicts any key when memory runs out")
+    } else {
+        Some("the policy evicts keys with a TTL when memory runs out, and every rate-limit state key has one")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eviction_policies() {
+        assert_eq!(eviction_risk("noeviction"), None);
+        for evicting in [
+            "allkeys-lru",
+            "allkeys-lfu",
+            "allkeys-random",
+            "volatile-lru",
+            "volatile-ttl",
+        ] {
+            assert!(eviction_risk(evicting).is_some(), "{evicting}");
+        }
+        let flat = Value::Array(vec![
+            Value::BulkString(b"maxmemory-policy".to_vec()),
+            Value::BulkString(b"allkeys-lru".to_vec()),
+        ]);
+        assert_eq!(policy_in(&flat).as_deref(), Some("allkeys-lru"));
+        let map = Value::Map(vec![(
+            Value::BulkString(b"maxmemory-policy".to_vec()),
+            Value::BulkString(b"noeviction".to_vec()),
+        )]);
+        assert_eq!(policy_in(&map).as_deref(), Some("noeviction"));
+    }
+}
