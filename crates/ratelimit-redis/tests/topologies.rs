@@ -15,7 +15,24 @@ fn rules() -> RuleSet {
 
 #[tokio::test]
 async fn sentinel_store_follows_a_failover_without_losing_counts() {
-    let set = RedisSentinel::start();
+    follows_a_failover(RedisSentinel::start(), false).await;
+}
+
+/// The same with the module on both servers: the store finds it on the new primary and
+/// the state the old one's module wrote carries over.
+#[tokio::test]
+async fn sentinel_store_on_the_module_follows_a_failover() {
+    follows_a_failover(RedisSentinel::start_with_module(), true).await;
+}
+
+#[tokio::test]
+async fn sentinel_store_on_valkey_with_the_module_follows_a_failover() {
+    follows_a_failover(RedisSentinel::start_valkey_with_module(), true).await;
+}
+
+/// Checks through the Sentinel-named primary, fails over, and requires the counts, the
+/// path (module or Lua) and blocks to carry on on the new primary.
+async fn follows_a_failover(set: RedisSentinel, module: bool) {
     let store = RedisStore::builder()
         .timeout(Duration::from_secs(5))
         .build_sentinel([set.url()], SENTINEL_SERVICE)
@@ -23,6 +40,7 @@ async fn sentinel_store_follows_a_failover_without_losing_counts() {
         .unwrap();
     wait_connected(&store).await;
     assert!(store.pool().is_none());
+    assert_eq!(store.uses_module(), module);
     let rules = rules();
     for _ in 0..6 {
         assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
@@ -55,6 +73,7 @@ async fn sentinel_store_follows_a_failover_without_losing_counts() {
     // 6 of the limit's 10 were used before the failover: 4 more are admitted, then it
     // limits. The failed check ran nowhere (its connection was closed before it).
     assert_eq!((admitted, limited + failed), (4, 6), "{failed} failed");
+    assert_eq!(store.uses_module(), module, "the path on the new primary");
     // Blocks go to the new primary too.
     store.block(b"k2", None).await.unwrap();
     assert_eq!(
