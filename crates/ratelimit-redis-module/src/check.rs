@@ -11,7 +11,7 @@ use ratelimit_core::algo::{self, RuleState};
 use ratelimit_core::packed::{self, Header, PackedRules};
 use redis_module::key::KeyFlags;
 
-use crate::keyspace::StateKey;
+use crate::keyspace::{Expiry, StateKey};
 use redis_module::{CallOptionsBuilder, CallReply, CallResult, Context, KeyType, RedisString};
 
 /// The rule sets seen lately, by their packed bytes: building one (validation, the
@@ -232,7 +232,7 @@ pub(crate) fn check_one(
         let mut raw = Vec::with_capacity(8 * header.width);
         packed::encode_state(&mut raw, &header, &rules, &states, log_until);
         let expiry = expires_at_ms(&header, now, transition.expires_at_us);
-        state_key.write(keys.state, &raw, expiry)?;
+        state_key.write(keys.state, &raw, Expiry::At(expiry))?;
         drop(state_key);
         if let Some(log_key) = keys.log {
             write_log(
@@ -293,7 +293,11 @@ fn write_carried(
         .fold(now, u64::max);
     let mut raw = Vec::new();
     packed::encode_carried(&mut raw, header, rules, states, log_until);
-    state_key.write(keys.state, &raw, expires_at_ms(header, now, until))?;
+    state_key.write(
+        keys.state,
+        &raw,
+        Expiry::At(expires_at_ms(header, now, until)),
+    )?;
     if let (Some(log_key), Some(until)) = (keys.log, log_until) {
         let expiry = expires_at_ms(header, now, until);
         replicated(
@@ -303,29 +307,6 @@ fn write_carried(
         )?;
     }
     Ok(())
-}
-
-/// Rewrites a key's state in place through the key API, its expiry kept, replicated as
-/// `SET .. KEEPTTL` (a refund only makes the state expire sooner in truth).
-pub(crate) fn rewrite_state(
-    ctx: &Context,
-    name: &RedisString,
-    key: &redis_module::key::RedisKeyWritable,
-    raw: &[u8],
-) -> Result<(), String> {
-    write_string(key, raw)?;
-    ctx.replicate("SET", &[name.as_slice(), raw, b"KEEPTTL"][..]);
-    Ok(())
-}
-
-/// Writes a string key's value through the key API, its expiry left as it is.
-pub(crate) fn write_string(
-    key: &redis_module::key::RedisKeyWritable,
-    raw: &[u8],
-) -> Result<(), String> {
-    key.as_string_dma()
-        .and_then(|mut dma| dma.write(raw).map(drop))
-        .map_err(|e| e.to_string())
 }
 
 /// Deletes an open key, replicated as `DEL`.

@@ -1,6 +1,8 @@
-//! A check's state key, read and written through the parts of Redis's key API that the
-//! `redis-module` crate does not wrap: the hot path of every committed check; and a
-//! Cluster node's answer to whether it serves a check's slot.
+//! A limiter key (a check's state, a block marker), read and written through the parts
+//! of Redis's key API that the `redis-module` crate does not wrap: the hot path of every
+//! committed check, and the one way the module writes a limiter key (checks, refunds and
+//! blocks alike, each replicated as a `SET` with its expiry: `PXAT`, `KEEPTTL` or none);
+//! and a Cluster node's answer to whether it serves a check's slot.
 //!
 //! The crate's `RedisKeyWritable` writes a string through `StringTruncate` and a second
 //! `StringDMA` (a new key: an object and its buffer allocated, then copied into), sets a
@@ -71,64 +73,66 @@ impl<'a> StateKey<'a> {
         Some(unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) })
     }
 
-    /// Writes `value` as the key's string expiring at `at_ms` (ms since the Unix epoch),
-    /// replacing whatever the key held, and replicates it as `SET name value PXAT at_ms`.
+    /// Writes `value` as the key's string, replacing whatever the key held, with the
+    /// expiry `expiry` says, and replicates the write as its effect: `SET name value`
+    /// followed by `PXAT at_ms`, `KEEPTTL`, or nothing. Every write of a limiter key the
+    /// module makes goes through here (a check's state, a refund, a block marker).
     pub(crate) fn write(
         &mut self,
         name: &RedisString,
         value: &[u8],
-        at_ms: u64,
+        expiry: Expiry,
     ) -> Result<(), String> {
-        let at = c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX);
-        // SAFETY: the module API's function pointers are written once, when Redis loads
-        // the module, before any command runs.
-        let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
-        let ctx = self.ctx.get_raw();
-        let pxat = PXAT.with(|pxat| pxat.inner);
-        let status = if let Some(buffer) = self.buffer_of_len(value.len()) {
+        // `StringSet` replaces the key, expiry included: an expiry to keep is read first.
+        let kept = match expiry {
+            Expiry::Kept => self.abs_expire(),
+            _ => None,
+        };
+        let rewritten = match self.buffer_of_len(value.len()) {
             // The common case, a key checked again: its buffer rewritten, nothing
-            // allocated for the key.
-            buffer.copy_from_slice(value);
-            // SAFETY: the format `sbsl` takes a RedisModuleString*, a buffer as a pointer
-            // and its length (copied into a new string), a RedisModuleString* and a long
-            // long, which is what follows it; Redis takes references to the strings.
-            unsafe {
-                replicate(
-                    ctx,
-                    c"SET".as_ptr(),
-                    c"sbsl".as_ptr(),
-                    name.inner,
-                    value.as_ptr().cast::<c_char>(),
-                    value.len(),
-                    pxat,
-                    at,
-                )
+            // allocated for the key, its expiry untouched.
+            Some(buffer) => {
+                buffer.copy_from_slice(value);
+                None
             }
-        } else {
             // A new key, or one of another type or length: one string for the key and the
             // replicated command.
-            let string = RedisString::create_from_slice(ptr::null_mut(), value);
-            if raw::string_set(self.key, string.inner) != raw::Status::Ok {
-                return Err("RLSTATE the state could not be written".to_owned());
-            }
-            // SAFETY: the format `sssl` takes three RedisModuleString* and a long long,
-            // which is what follows it.
-            unsafe {
-                replicate(
-                    ctx,
-                    c"SET".as_ptr(),
-                    c"sssl".as_ptr(),
-                    name.inner,
-                    string.inner,
-                    pxat,
-                    at,
-                )
+            None => {
+                let string = RedisString::create_from_slice(ptr::null_mut(), value);
+                if raw::string_set(self.key, string.inner) != raw::Status::Ok {
+                    return Err("RLSTATE the state could not be written".to_owned());
+                }
+                Some(string)
             }
         };
-        if status != raw::Status::Ok as i32 {
+        let value = match &rewritten {
+            Some(string) => Value::String(string),
+            None => Value::Bytes(value),
+        };
+        if replicate_set(self.ctx, name, value, expiry) != raw::Status::Ok as i32 {
             return Err("RLSTATE the state's write could not be replicated".to_owned());
         }
-        // SAFETY: as for RedisModule_Replicate above.
+        let at = match expiry {
+            Expiry::At(at_ms) => c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
+            Expiry::Kept => match (kept, &rewritten) {
+                (Some(at), Some(_)) => at,
+                _ => return Ok(()),
+            },
+            Expiry::Never => {
+                // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+                let set_expire =
+                    unsafe { raw::RedisModule_SetExpire }.expect("RedisModule_SetExpire");
+                // SAFETY: `self.key` is open for writing and holds the string just written.
+                let status =
+                    unsafe { set_expire(self.key, c_longlong::from(raw::REDISMODULE_NO_EXPIRE)) };
+                return if status == raw::Status::Ok as i32 {
+                    Ok(())
+                } else {
+                    Err("RLSTATE the state's expiry could not be removed".to_owned())
+                };
+            }
+        };
+        // SAFETY: as for RedisModule_Replicate in `replicate_set`.
         let set_abs_expire =
             unsafe { raw::RedisModule_SetAbsExpire }.expect("RedisModule_SetAbsExpire");
         // SAFETY: `self.key` is open for writing and holds the string just written.
@@ -136,6 +140,17 @@ impl<'a> StateKey<'a> {
             return Err("RLSTATE the state's expiry could not be set".to_owned());
         }
         Ok(())
+    }
+
+    /// The key's expiry as an absolute time in ms, when it has one.
+    fn abs_expire(&self) -> Option<c_longlong> {
+        // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+        let get_abs_expire =
+            unsafe { raw::RedisModule_GetAbsExpire }.expect("RedisModule_GetAbsExpire");
+        // SAFETY: `self.key` is open until `self` is dropped; RM_GetAbsExpire takes any
+        // open key and answers REDISMODULE_NO_EXPIRE for one without an expiry (or none).
+        let at = unsafe { get_abs_expire(self.key) };
+        (at != c_longlong::from(raw::REDISMODULE_NO_EXPIRE)).then_some(at)
     }
 
     /// The value's buffer for writing, when the key holds a string of `len` bytes.
@@ -152,6 +167,98 @@ impl<'a> StateKey<'a> {
         // of `len` bytes, valid while the key is open and not resized; the borrow of
         // `self` ensures both.
         Some(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) })
+    }
+}
+
+/// When a written key expires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expiry {
+    /// At this time, in ms since the Unix epoch: primary and replicas expire the key at
+    /// the same millisecond (`SET .. PXAT`).
+    At(u64),
+    /// When it did before the write (`SET .. KEEPTTL`): a refund only makes a state
+    /// expire sooner in truth, so its expiry can stay.
+    Kept,
+    /// Never: a block without end (`SET` without an expiry).
+    Never,
+}
+
+/// The value of a replicated `SET`: the string the key now holds, or the bytes of a
+/// value rewritten in place.
+enum Value<'a> {
+    String(&'a RedisString),
+    Bytes(&'a [u8]),
+}
+
+/// Replicates `SET name value` with `expiry`'s option, the arguments as they are.
+fn replicate_set(ctx: &Context, name: &RedisString, value: Value<'_>, expiry: Expiry) -> i32 {
+    // SAFETY: the module API's function pointers are written once, when Redis loads the
+    // module, before any command runs.
+    let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
+    let ctx = ctx.get_raw();
+    let set = c"SET".as_ptr();
+    // SAFETY, for each call below: its format names what follows it, in order: `s` a
+    // RedisModuleString* (Redis takes a reference), `b` a buffer as a pointer and its
+    // length (copied into a new string), `l` a long long; every string and buffer is
+    // alive for the call.
+    match (value, expiry) {
+        (Value::Bytes(bytes), Expiry::At(at_ms)) => PXAT.with(|pxat| unsafe {
+            replicate(
+                ctx,
+                set,
+                c"sbsl".as_ptr(),
+                name.inner,
+                bytes.as_ptr().cast::<c_char>(),
+                bytes.len(),
+                pxat.inner,
+                c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
+            )
+        }),
+        (Value::String(string), Expiry::At(at_ms)) => PXAT.with(|pxat| unsafe {
+            replicate(
+                ctx,
+                set,
+                c"sssl".as_ptr(),
+                name.inner,
+                string.inner,
+                pxat.inner,
+                c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
+            )
+        }),
+        (Value::Bytes(bytes), Expiry::Kept) => unsafe {
+            replicate(
+                ctx,
+                set,
+                c"sbc".as_ptr(),
+                name.inner,
+                bytes.as_ptr().cast::<c_char>(),
+                bytes.len(),
+                c"KEEPTTL".as_ptr(),
+            )
+        },
+        (Value::String(string), Expiry::Kept) => unsafe {
+            replicate(
+                ctx,
+                set,
+                c"ssc".as_ptr(),
+                name.inner,
+                string.inner,
+                c"KEEPTTL".as_ptr(),
+            )
+        },
+        (Value::Bytes(bytes), Expiry::Never) => unsafe {
+            replicate(
+                ctx,
+                set,
+                c"sb".as_ptr(),
+                name.inner,
+                bytes.as_ptr().cast::<c_char>(),
+                bytes.len(),
+            )
+        },
+        (Value::String(string), Expiry::Never) => unsafe {
+            replicate(ctx, set, c"ss".as_ptr(), name.inner, string.inner)
+        },
     }
 }
 
@@ -185,7 +292,7 @@ pub(crate) fn served(ctx: &Context, keys: &[&RedisString]) -> Result<(), String>
     if rest.iter().any(|key| key_slot(key.as_slice()) != slot) {
         return Err("CROSSSLOT the check's keys are not in one slot".to_owned());
     }
-    // SAFETY: as for RedisModule_Replicate in `StateKey::write`.
+    // SAFETY: as for RedisModule_Replicate in `replicate_set`.
     let call = unsafe { raw::RedisModule_Call }.expect("RedisModule_Call");
     // SAFETY: the format `sE` takes one RedisModuleString*, which follows it (`E`: errors
     // as replies); the reply, when there is one, is freed below and not used after.

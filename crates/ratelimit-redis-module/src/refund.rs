@@ -10,7 +10,8 @@ use ratelimit_core::packed::{self, Header};
 use ratelimit_core::{Algorithm, Rule};
 use redis_module::{Context, KeyType, RedisString};
 
-use crate::check::{args_error, read_log, replicated, rewrite_state, rules_of, Log};
+use crate::check::{args_error, read_log, replicated, rules_of, Log};
+use crate::keyspace::{Expiry, StateKey};
 
 /// A number argument: an integer in decimal.
 pub(crate) fn number(arg: &RedisString, what: &str) -> Result<u64, String> {
@@ -74,13 +75,13 @@ pub(crate) fn lease_refund(ctx: &Context, args: &[RedisString]) -> Result<i64, S
         })
         .collect::<Result<Vec<_>, String>>()?;
 
-    let key = ctx.open_key_writable(name);
+    let mut key = StateKey::open(ctx, name);
     match key.key_type() {
         KeyType::String => {}
         KeyType::Empty => return Ok(0),
         _ => return Err(wrong_type()),
     }
-    let mut raw = key.as_string_dma().map_err(|e| e.to_string())?.to_vec();
+    let mut raw = key.string().map(<[u8]>::to_vec).unwrap_or_default();
     let Some(entries) = entries(&raw) else {
         return Ok(0);
     };
@@ -147,7 +148,7 @@ pub(crate) fn lease_refund(ctx: &Context, args: &[RedisString]) -> Result<i64, S
     if !changed {
         return Ok(0);
     }
-    rewrite_state(ctx, name, &key, &raw)?;
+    key.write(name, &raw, Expiry::Kept)?;
     Ok(1)
 }
 
@@ -204,11 +205,10 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         return Ok(0);
     }
     let now = header.now.unwrap_or_else(crate::check::server_now_us);
-    let key = ctx.open_key_writable(state_name);
-    if key.key_type() != KeyType::String {
+    let mut key = StateKey::open(ctx, state_name);
+    let Some(raw) = key.string().map(<[u8]>::to_vec) else {
         return Ok(0);
-    }
-    let raw = key.as_string_dma().map_err(|e| e.to_string())?.to_vec();
+    };
     // Only a state of the check's own layout: another's usage cannot be told apart from
     // the charge's.
     if raw.len() != 8 * header.width || packed::value(&raw, 0) != Some(header.layout) {
@@ -255,7 +255,7 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         let log_until = packed::value(&raw, header.width - 1).unwrap_or(0);
         let mut out = Vec::with_capacity(raw.len());
         packed::encode_state(&mut out, &header, &rules, &states, log_until);
-        rewrite_state(ctx, state_name, &key, &out)?;
+        key.write(state_name, &out, Expiry::Kept)?;
         changed = true;
     }
     Ok(i64::from(changed))
