@@ -94,6 +94,44 @@ async fn round_failing(
     (calls, failed)
 }
 
+/// The checks of a round one at a time, each a call of its own; asserts the decisions
+/// agree with `memory`'s.
+async fn lone_round(redis: &RedisStore, memory: &MemoryStore<ManualClock>, rules: &RuleSet) {
+    for i in 0..CHECKS {
+        let cost = 1 + (i % 3) as u64;
+        let decided = redis.check(&key(i), rules, cost).await.unwrap();
+        let expected = memory.check(&key(i), rules, cost).await.unwrap();
+        assert_eq!(said(&decided), said(&expected), "check {i}");
+    }
+}
+
+/// Requires that masters 0 and 2 decided with the module only and master 1 with Lua only
+/// since the stats were reset.
+fn each_master_on_its_path(cons: &mut [redis::Connection]) {
+    for (i, con) in cons.iter_mut().enumerate() {
+        let stats = common::commandstats(con);
+        let count = |names: &[&str]| {
+            names
+                .iter()
+                .map(|name| stats.get(*name).map_or(0, |s| s.0))
+                .sum::<u64>()
+        };
+        let lua = count(&["fcall", "evalsha", "eval"]);
+        let module = count(&["ratelimit.check", "ratelimit.check_local"]);
+        if i == 1 {
+            assert!(
+                lua > 0 && module == 0,
+                "master {i}: {lua} Lua, {module} module"
+            );
+        } else {
+            assert!(
+                lua == 0 && module > 0,
+                "master {i}: {lua} Lua, {module} module"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn concurrent_checks_go_one_call_per_node_and_decide_as_the_memory_store() {
     let cluster = RedisCluster::start();
@@ -127,13 +165,13 @@ fn cmd<T: redis::FromRedisValue>(con: &mut redis::Connection, args: &[&str]) -> 
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_since_the_map_was_read_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start(), false, false).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start(), Path::Lua, false).await;
 }
 
 /// The same on Valkey, whose slot migration and redirections are its own code.
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_on_valkey_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_valkey(), false, false).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey(), Path::Lua, false).await;
 }
 
 /// The same in the native module: its `RATELIMIT.CHECK_LOCAL` answers the moved checks
@@ -141,26 +179,32 @@ async fn a_slot_moved_on_valkey_still_decides_each_check_once() {
 /// store's stale map, is redirected by the server to the node the slot moved to.
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_under_the_module_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), true, false).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), Path::Module, false).await;
 }
 
 /// The same in the module on Valkey.
 #[tokio::test(flavor = "current_thread")]
 async fn a_slot_moved_under_the_module_on_valkey_still_decides_each_check_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_valkey_with_module(), true, false).await;
+    slot_moved_since_the_map_was_read(
+        RedisCluster::start_valkey_with_module(),
+        Path::Module,
+        false,
+    )
+    .await;
 }
 
 /// The same in the module, with checks sent while the slot is migrating (`MIGRATING` on
 /// the first node and `IMPORTING` on the second), before and after its keys moved.
 #[tokio::test(flavor = "current_thread")]
 async fn checks_while_a_slot_migrates_under_the_module_are_decided_at_most_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), true, true).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start_with_module(), Path::Module, true).await;
 }
 
 /// The same on Valkey.
 #[tokio::test(flavor = "current_thread")]
 async fn checks_while_a_slot_migrates_under_the_module_on_valkey_are_decided_at_most_once() {
-    slot_moved_since_the_map_was_read(RedisCluster::start_valkey_with_module(), true, true).await;
+    slot_moved_since_the_map_was_read(RedisCluster::start_valkey_with_module(), Path::Module, true)
+        .await;
 }
 
 /// The calls of `command` each node refused (a redirection), from `INFO commandstats`.
@@ -199,7 +243,32 @@ async fn checks_while_migrating(
     }
 }
 
-async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, module: bool, during: bool) {
+/// A Cluster in the middle of the module's rollout (masters 0 and 2 have it, master 1
+/// does not) where a slot moves from master 0 to master 1: its checks go to Lua on
+/// master 1, and everything else stays on the module.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_moved_to_a_master_without_the_module_leaves_the_rest_on_it() {
+    slot_moved_since_the_map_was_read(
+        RedisCluster::start_with_module_on([true, false, true]),
+        Path::Mixed,
+        false,
+    )
+    .await;
+}
+
+/// Where a Cluster's checks are decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// No master has the module.
+    Lua,
+    /// Every master has it.
+    Module,
+    /// Masters 0 and 2 have it, master 1 does not.
+    Mixed,
+}
+
+async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, path: Path, during: bool) {
+    let module = path == Path::Module;
     let urls = cluster.urls();
     let mut cons: Vec<_> = urls.iter().map(|u| common::conn(u)).collect();
     let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
@@ -239,6 +308,16 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, module: bool, 
     }
     assert!(!moving.is_empty());
 
+    if path == Path::Mixed {
+        // One check at a time first: a moved check is refused by master 0 and followed
+        // to master 1, which has no module; the others must stay on it all the same.
+        for con in cons.iter_mut() {
+            common::reset_stats(con);
+        }
+        clock.advance(Duration::from_millis(700));
+        lone_round(&redis, &memory, &rules).await;
+        each_master_on_its_path(&mut cons);
+    }
     for i in 0..3 {
         clock.advance(Duration::from_millis(700));
         let calls = round(&redis, &memory, &rules, &mut cons).await;
@@ -256,6 +335,9 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, module: bool, 
             let stats = common::commandstats(con);
             assert_eq!(stats.get("fcall"), None, "a check went through Lua");
         }
+    }
+    if path == Path::Mixed {
+        each_master_on_its_path(&mut cons);
     }
     for name in &moving {
         let on_target: bool = cmd(&mut cons[1], &["EXISTS", name]);

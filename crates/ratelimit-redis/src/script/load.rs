@@ -56,6 +56,10 @@ pub(crate) struct Paths {
     module_slots: RwLock<Option<Arc<[u64]>>>,
     /// The primaries found with the module, by `(host, port)` as the Cluster names them.
     module_nodes: RwLock<Vec<(String, u16)>>,
+    /// Set when a Cluster master turned out to lack the module (a slot moved to it): the
+    /// node map is read again before the next batch, and with it the slots of the
+    /// module's nodes.
+    remap: AtomicBool,
 }
 
 /// Slots in a Redis Cluster.
@@ -71,7 +75,57 @@ impl Paths {
             module: AtomicBool::new(false),
             module_slots: RwLock::new(None),
             module_nodes: RwLock::new(Vec::new()),
+            remap: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the node map should be read again since a master turned out to lack the
+    /// module; cleared by asking.
+    pub(crate) fn take_remap(&self) -> bool {
+        self.remap.swap(false, Ordering::AcqRel)
+    }
+
+    /// A server answered a call of the module's on the key `first_key` as an unknown
+    /// command: it lacks the module. On a Cluster whose masters were found with it, only
+    /// that key's slot goes to Lua from now on (the master serving it now lacks the
+    /// module: a slot moved there, or the node restarted without it) and the node map is
+    /// read again before the next batch; the other masters keep the module. On one
+    /// server, every call goes to Lua until a reconnection finds the module again.
+    fn module_missing(&self, first_key: Option<&[u8]>) {
+        let cluster = !self
+            .module_nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty();
+        let (true, Some(key)) = (cluster, first_key) else {
+            tracing::info!(
+                "the ratelimit module is gone from Redis; rate-limit decisions run as Lua \
+                 functions until a reconnection finds it"
+            );
+            self.module.store(false, Ordering::Relaxed);
+            self.set_module_slots(None::<fn(u16) -> bool>);
+            return;
+        };
+        let slot = key_slot(key);
+        let mut slots = self
+            .module_slots
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut bits = match (&*slots, self.module.load(Ordering::Relaxed)) {
+            (_, true) => vec![u64::MAX; SLOTS / 64],
+            (Some(bits), false) => bits.to_vec(),
+            // Lua everywhere already.
+            (None, false) => return,
+        };
+        bits[usize::from(slot) / 64] &= !(1 << (slot % 64));
+        *slots = Some(Arc::from(bits));
+        self.module.store(false, Ordering::Relaxed);
+        self.remap.store(true, Ordering::Release);
+        tracing::debug!(
+            slot,
+            "a Cluster master lacks the ratelimit module; the slot's decisions run as Lua \
+             functions"
+        );
     }
 
     /// The primaries found with the module.
@@ -467,19 +521,18 @@ impl<'a> Call<'a> {
     }
 
     /// This module call as a call of the Lua function, for a server that turned out to
-    /// lack the module (a restart without it, a failover to a node without it): the
-    /// store uses Lua from then on, until a reconnection finds the module again.
+    /// lack the module (a restart without it, a failover or a slot move to a node
+    /// without it); later calls change as [`Paths::module_missing`] says.
     fn as_lua(&self) -> Call<'a> {
-        tracing::info!(
-            "the ratelimit module is gone from Redis; rate-limit decisions run as Lua \
-             functions until a reconnection finds it"
-        );
-        self.paths.module.store(false, Ordering::Relaxed);
-        self.paths.set_module_slots(None::<fn(u16) -> bool>);
         let head = match self.module {
             Some(ModuleCommand { numkeys: true, .. }) => 2,
             _ => 1,
         };
+        let first_key = match self.cmd.args_iter().nth(head) {
+            Some(redis::Arg::Simple(key)) if self.keys > 0 => Some(key),
+            _ => None,
+        };
+        self.paths.module_missing(first_key);
         let mut call = self.script.call_as(self.paths, self.keys, 0, None);
         for arg in self.cmd.args_iter().skip(head) {
             if let redis::Arg::Simple(bytes) = arg {

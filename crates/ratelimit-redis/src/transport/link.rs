@@ -460,6 +460,11 @@ pub(super) async fn reconnect(link: Weak<Link>, mut pause_first: bool) {
         match link.attempt().await {
             Ok(()) => {
                 link.lock_health().reconnecting = false;
+                // A connection that broke between its install and the line above found
+                // this task still running and started none: nothing would reconnect.
+                if !link.is_connected() {
+                    link.reconnect_in_background(false);
+                }
                 return;
             }
             Err(e) => link.failed(&e),
