@@ -20,6 +20,10 @@
 //!   evenly;
 //! * Redis calls per decision (`FCALL`, `EVALSHA` and the module's `RATELIMIT.CHECK*`
 //!   from `INFO commandstats`, all masters);
+//! * Redis socket reads and writes per decision (`total_reads_processed`,
+//!   `total_writes_processed`, all masters) and the kernel's share of the masters' CPU:
+//!   pipelined calls share a read and a write, so these, more than the calls, set what a
+//!   decision costs Redis outside its command;
 //! * app CPU per decision: this process's user + system time (all instances) per decision;
 //! * admitted against the bound: for the rule `RULE` (a GCRA rule; burst B, rate r), no key
 //!   may be admitted more than B + r x (elapsed + lease) over the run. The run counts the
@@ -34,6 +38,15 @@
 //! the native module, `$RATELIMIT_MODULE` or one `testing::module_file` builds; build it
 //! with `cargo build --release -p ratelimit-redis-module` and point `RATELIMIT_MODULE`
 //! at `target/release/libratelimit_redis_module.so` to measure the release build).
+//!
+//! The store's batching (see `RedisStoreBuilder`), each left at the store's default when
+//! unset: `MAX_BATCH` (the most checks in one call, before the Cluster splits it per
+//! node), `BATCH_WAIT_US` (how long a batch is held open for more checks, in µs; 0: none),
+//! `TIMEOUT_MS` (the store's call timeout: a batch wait counts against it). `POOL` is the
+//! calls a store keeps in flight at once on a Cluster (its batcher's slots).
+//!
+//! The masters' process ids are printed before the run, for a profiler to attach to one
+//! (`perf record -p PID`); the warm-up lasts a second, so attach after it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,7 +55,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::Zipf;
-use ratelimit_bench::{cpu_seconds, env_or, redis_cpu_seconds};
+use ratelimit_bench::{cpu_seconds, env_or, info_field, redis_cpu_seconds};
 use ratelimit_core::{Algorithm, Rule, RuleSet, Store};
 use ratelimit_redis::testing::{wait_connected, RedisCluster};
 use ratelimit_redis::RedisStore;
@@ -63,7 +76,14 @@ struct TaskTally {
 #[derive(Debug, Clone, Copy, Default)]
 struct NodeStats {
     cpu_s: f64,
+    /// The kernel's part of `cpu_s` (`used_cpu_sys`).
+    sys_s: f64,
     calls: u64,
+    /// Socket reads and writes of client connections (`total_reads_processed`,
+    /// `total_writes_processed`): a fleet call costs Redis per read and write it takes,
+    /// and pipelined calls share them.
+    reads: u64,
+    writes: u64,
 }
 
 #[tokio::main]
@@ -79,6 +99,11 @@ async fn main() -> Result<(), Error> {
     let rule_text = std::env::var("RULE").unwrap_or_else(|_| "100/s gcra burst=50".to_owned());
     let rules: RuleSet = rule_text.parse()?;
     let (burst, rate_per_s) = gcra_bound(&rules)?;
+    // Read before the cluster starts, so a bad value stops the run at once.
+    let pool = env_set("POOL")?;
+    let max_batch = env_set("MAX_BATCH")?;
+    let batch_wait_us = env_set("BATCH_WAIT_US")?;
+    let timeout_ms = env_set("TIMEOUT_MS")?;
 
     let cluster = if std::env::var("MODULE").is_ok_and(|v| v == "1") {
         RedisCluster::start_with_module()
@@ -95,9 +120,38 @@ async fn main() -> Result<(), Error> {
     let mut builder = RedisStore::builder()
         .prefix("fleet")
         .lease(Duration::from_millis(lease_ms));
-    if let Some(pool) = std::env::var("POOL").ok().and_then(|v| v.parse().ok()) {
-        builder = builder.pool_size(pool);
+    if let Some(pool) = pool {
+        builder = builder.pool_size(u32::try_from(pool)?);
     }
+    if let Some(max) = max_batch {
+        builder = builder.max_batch(usize::try_from(max)?);
+    }
+    if let Some(wait) = batch_wait_us {
+        builder = builder.batch_wait(Duration::from_micros(wait));
+    }
+    if let Some(timeout) = timeout_ms {
+        builder = builder.timeout(Duration::from_millis(timeout));
+    }
+    println!(
+        "store: POOL={} MAX_BATCH={} BATCH_WAIT_US={} TIMEOUT_MS={}",
+        shown(pool),
+        shown(max_batch),
+        shown(batch_wait_us),
+        shown(timeout_ms),
+    );
+    println!(
+        "masters: {}",
+        cluster
+            .nodes()
+            .iter()
+            .map(|n| format!(
+                "port {} pid {}",
+                n.port(),
+                n.pid().map_or("?".to_owned(), |p| p.to_string())
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let mut stores = Vec::with_capacity(instances);
     for _ in 0..instances {
         let store = builder.clone().build_cluster(cluster.urls()).await?;
@@ -237,6 +291,17 @@ async fn main() -> Result<(), Error> {
             ceiling(lease_s).floor()
         );
     }
+    let sum = |f: fn(&NodeStats) -> f64| -> f64 {
+        before.iter().zip(&after).map(|(b, a)| f(a) - f(b)).sum()
+    };
+    let per_decision = |n: f64| n / decisions.max(1) as f64;
+    println!(
+        "Redis, all masters: {:.3} socket reads and {:.3} socket writes per decision; \
+         {:.0} % of its CPU in the kernel",
+        per_decision(sum(|n| n.reads as f64)),
+        per_decision(sum(|n| n.writes as f64)),
+        100.0 * sum(|n| n.sys_s) / sum(|n| n.cpu_s).max(f64::MIN_POSITIVE),
+    );
     println!(
         "3 masters, one core each, allow: {:.0} decisions/s with this run's spread (busiest \
          master {busiest:.2} µs/decision), {:.0} decisions/s spread evenly",
@@ -244,6 +309,23 @@ async fn main() -> Result<(), Error> {
         3e6 / redis_us.max(f64::MIN_POSITIVE),
     );
     Ok(())
+}
+
+/// A whole number from the environment, `None` when unset; a value that is not one is
+/// refused rather than silently replaced by the default.
+fn env_set(name: &str) -> Result<Option<u64>, Error> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("{name}={v}: {e}; expected a whole number").into()),
+        Err(_) => Ok(None),
+    }
+}
+
+/// A setting as the header prints it: unset, the store's default.
+fn shown(value: Option<u64>) -> String {
+    value.map_or_else(|| "default".to_owned(), |v| v.to_string())
 }
 
 /// Burst and rate per second of a one-rule GCRA set: what the admitted bound needs.
@@ -313,7 +395,7 @@ async fn drive(
     tallies
 }
 
-/// A master's CPU seconds and decision calls so far.
+/// A master's CPU seconds, decision calls and socket reads and writes so far.
 fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats, Error> {
     let cpu = node.command("INFO cpu")?;
     let stats = node.command("INFO commandstats")?;
@@ -329,9 +411,13 @@ fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats,
                 .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
         })
         .sum();
+    let info_stats = node.command("INFO stats")?;
     Ok(NodeStats {
         cpu_s: redis_cpu_seconds(&cpu),
+        sys_s: info_field(&cpu, "used_cpu_sys"),
         calls,
+        reads: info_field(&info_stats, "total_reads_processed") as u64,
+        writes: info_field(&info_stats, "total_writes_processed") as u64,
     })
 }
 

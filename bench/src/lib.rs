@@ -45,12 +45,12 @@ fn clock_ticks_per_second() -> f64 {
 /// `used_cpu_user + used_cpu_sys` of a Redis server, in seconds, from the text of its
 /// `INFO cpu` (0 for a field it lacks).
 pub fn redis_cpu_seconds(info: &str) -> f64 {
-    ["used_cpu_user", "used_cpu_sys"]
-        .iter()
-        .map(|name| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
-                .unwrap_or(0.0)
-        })
-        .sum()
+    info_field(info, "used_cpu_user") + info_field(info, "used_cpu_sys")
+}
+
+/// The number in field `name` of the text of a Redis `INFO` section (0 if it lacks it).
+pub fn info_field(info: &str, name: &str) -> f64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+        .unwrap_or(0.0)
 }
