@@ -24,6 +24,9 @@
 //!   `total_writes_processed`, all masters) and the kernel's share of the masters' CPU:
 //!   pipelined calls share a read and a write, so these, more than the calls, set what a
 //!   decision costs Redis outside its command;
+//! * slot checks per decision: the `EXISTS` calls (all masters) by which the module's
+//!   per-node batches ask whether the node serves a check's slot (one per slot per call
+//!   once the slot proves stable);
 //! * app CPU per decision: this process's user + system time (all instances) per decision;
 //! * admitted against the bound: for the rule `RULE` (a GCRA rule; burst B, rate r), no key
 //!   may be admitted more than B + r x (elapsed + lease) over the run. The run counts the
@@ -84,6 +87,9 @@ struct NodeStats {
     /// and pipelined calls share them.
     reads: u64,
     writes: u64,
+    /// `EXISTS` calls: the module's per-node batches (`RATELIMIT.CHECK_LOCAL`) ask the
+    /// node whether it serves a check's slot with one, through the command table.
+    slot_checks: u64,
 }
 
 #[tokio::main]
@@ -297,9 +303,10 @@ async fn main() -> Result<(), Error> {
     let per_decision = |n: f64| n / decisions.max(1) as f64;
     println!(
         "Redis, all masters: {:.3} socket reads and {:.3} socket writes per decision; \
-         {:.0} % of its CPU in the kernel",
+         {:.3} slot checks (EXISTS) per decision; {:.0} % of its CPU in the kernel",
         per_decision(sum(|n| n.reads as f64)),
         per_decision(sum(|n| n.writes as f64)),
+        per_decision(sum(|n| n.slot_checks as f64)),
         100.0 * sum(|n| n.sys_s) / sum(|n| n.cpu_s).max(f64::MIN_POSITIVE),
     );
     println!(
@@ -411,8 +418,18 @@ fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats,
                 .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
         })
         .sum();
+    let slot_checks = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_exists:"))
+        .and_then(|fields| {
+            fields
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
+        })
+        .unwrap_or(0);
     let info_stats = node.command("INFO stats")?;
     Ok(NodeStats {
+        slot_checks,
         cpu_s: redis_cpu_seconds(&cpu),
         sys_s: info_field(&cpu, "used_cpu_sys"),
         calls,

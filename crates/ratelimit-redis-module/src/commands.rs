@@ -8,7 +8,7 @@ use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
 use crate::check::{check_one, server_now_us, Keys};
-use crate::keyspace::served;
+use crate::keyspace::{served, StableSlots};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
 /// take the server down.
@@ -149,6 +149,7 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     let keys = &args[3 + n..];
     let now = server_now_us();
     let mut out = Vec::with_capacity(n * 48);
+    let mut stable = StableSlots::new();
     let mut k = 0;
     for (m, packed_check) in counts.iter().zip(packs) {
         let these = &keys[k..k + m];
@@ -156,7 +157,7 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
         // A command through the command table checks the keys' slot against the ones
         // this node serves (a moved or migrating slot fails it), before anything is read.
         let names: SmallVec<[&RedisString; 3]> = these.iter().collect();
-        if let Err(why) = served(ctx, &names) {
+        if let Err(why) = served(ctx, &names, &mut stable) {
             packed::encode_failure(&mut out, format!("RLMOVED {why}").as_bytes());
             continue;
         }

@@ -274,6 +274,25 @@ impl std::fmt::Debug for StateKey<'_> {
     }
 }
 
+/// The slots a Cluster node found, within one call, that it serves and is not moving:
+/// a later check of such a slot in the same call needs no question, since a slot's state
+/// cannot change while the command runs.
+pub(crate) struct StableSlots([u64; 16384 / 64]);
+
+impl StableSlots {
+    pub(crate) fn new() -> Self {
+        Self([0; 16384 / 64])
+    }
+
+    fn contains(&self, slot: u16) -> bool {
+        self.0[usize::from(slot / 64)] >> (slot % 64) & 1 == 1
+    }
+
+    fn insert(&mut self, slot: u16) {
+        self.0[usize::from(slot / 64)] |= 1 << (slot % 64);
+    }
+}
+
 /// Whether this Cluster node serves the slot of a check's `keys`: an error message that
 /// says why not, for the check's `RLMOVED` entry.
 ///
@@ -284,13 +303,26 @@ impl std::fmt::Debug for StateKey<'_> {
 /// (`E`), without a reply before. The module API has no cheaper way to ask; one key by
 /// reference, and the call made here rather than through the `redis-module` crate's
 /// wrapping, costs about a third less than the keys through `Context::call_ext`.
-pub(crate) fn served(ctx: &Context, keys: &[&RedisString]) -> Result<(), String> {
+///
+/// A key that is absent yet served (`EXISTS` answers 0) tells that its slot is neither
+/// migrating away (the server would have sent the client to the other node) nor
+/// importing (the store never sends `ASKING`): the slot goes into `stable`, and the
+/// call's later checks of it skip the question. A key that exists tells nothing of the
+/// slot's other keys while it migrates, so the next check asks again.
+pub(crate) fn served(
+    ctx: &Context,
+    keys: &[&RedisString],
+    stable: &mut StableSlots,
+) -> Result<(), String> {
     let Some((first, rest)) = keys.split_first() else {
         return Ok(());
     };
     let slot = key_slot(first.as_slice());
     if rest.iter().any(|key| key_slot(key.as_slice()) != slot) {
         return Err("CROSSSLOT the check's keys are not in one slot".to_owned());
+    }
+    if stable.contains(slot) {
+        return Ok(());
     }
     // SAFETY: as for RedisModule_Replicate in `replicate_set`.
     let call = unsafe { raw::RedisModule_Call }.expect("RedisModule_Call");
@@ -308,7 +340,12 @@ pub(crate) fn served(ctx: &Context, keys: &[&RedisString]) -> Result<(), String>
         return Err("this node does not serve the keys' slot".to_owned());
     }
     let answer = match raw::call_reply_type(reply) {
-        raw::ReplyType::Integer => Ok(()),
+        raw::ReplyType::Integer => {
+            if raw::call_reply_integer(reply) == 0 {
+                stable.insert(slot);
+            }
+            Ok(())
+        }
         raw::ReplyType::Error => Err(raw::call_reply_string(reply).unwrap_or_default()),
         _ => Err("this node does not serve the keys' slot".to_owned()),
     };

@@ -442,6 +442,107 @@ fn check_local_on_valkey_answers_an_unserved_check_moved_between_served_ones() {
     check_local_with_an_unserved_check(&RedisCluster::start_valkey_with_module());
 }
 
+/// A node asks itself whether it serves a slot once per call when the answer proves the
+/// slot stable (a check's block key absent yet served), and again for every check of a
+/// slot that is migrating away, where only a key still on the node is served.
+#[test]
+fn check_local_asks_once_per_stable_slot_and_per_check_of_a_moving_one() {
+    let cluster = RedisCluster::start_with_module();
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    let tag = (0..100)
+        .map(|i| format!("s{i}"))
+        .find(|tag| {
+            redis::cmd("EXISTS")
+                .arg(format!("{{{tag}}}"))
+                .query::<i64>(&mut cons[0])
+                .is_ok()
+        })
+        .expect("node 0 serves some tag");
+    let key = |name: &str| format!("m:{{{tag}}}:{name}");
+    let rules: RuleSet = "100/h gcra".parse().unwrap();
+    let packed = check_script_args(&rules, 1).remove(0);
+    let check_local = |con: &mut redis::Connection, checks: &[[String; 2]]| {
+        let mut cmd = redis::cmd("RATELIMIT.CHECK_LOCAL");
+        cmd.arg(0).arg("2".repeat(checks.len()));
+        for _ in checks {
+            cmd.arg(&packed[..]);
+        }
+        for names in checks {
+            cmd.arg(names);
+        }
+        let reply: Vec<u8> = cmd.query(con).unwrap();
+        let mut rest = &reply[..];
+        let mut entries = Vec::new();
+        while !rest.is_empty() {
+            let (one, more) = entry(rest);
+            entries.push(one);
+            rest = more;
+        }
+        entries
+    };
+    let exists_calls = |con: &mut redis::Connection| {
+        common::commandstats(con)
+            .get("exists")
+            .map_or(0, |stats| stats.0)
+    };
+
+    // Eight checks of one client key: one question.
+    common::reset_stats(&mut cons[0]);
+    let checks: Vec<[String; 2]> = (0..8).map(|_| [key("b"), key("s")]).collect();
+    let entries = check_local(&mut cons[0], &checks);
+    assert_eq!(entries.len(), 8);
+    assert!(
+        entries.iter().all(|e| matches!(e, Ok((1.0, _)))),
+        "{entries:?}"
+    );
+    assert_eq!(exists_calls(&mut cons[0]), 1);
+
+    // The slot migrating away: a check whose block key is here is decided (the server
+    // serves an existing key), one of the same slot whose block key is not is turned
+    // away; the first answer must not vouch for the second.
+    let slot: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key("b"))
+        .query(&mut cons[0])
+        .unwrap();
+    let to: String = redis::cmd("CLUSTER")
+        .arg("MYID")
+        .query(&mut cons[1])
+        .unwrap();
+    // A block that ended long ago: the key exists, and the check decides past it.
+    redis::cmd("SET")
+        .arg(key("b"))
+        .arg("1")
+        .exec(&mut cons[0])
+        .unwrap();
+    redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(slot)
+        .arg("MIGRATING")
+        .arg(&to)
+        .exec(&mut cons[0])
+        .unwrap();
+    common::reset_stats(&mut cons[0]);
+    let entries = check_local(
+        &mut cons[0],
+        &[[key("b"), key("s")], [key("absent"), key("s2")]],
+    );
+    redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(slot)
+        .arg("STABLE")
+        .exec(&mut cons[0])
+        .unwrap();
+    assert!(
+        entries[0].is_ok(),
+        "the check of a key still here: {entries:?}"
+    );
+    let moved = entries[1]
+        .as_ref()
+        .expect_err("the check of a key not here");
+    assert!(moved.starts_with("RLMOVED"), "{moved}");
+}
+
 /// One entry of a batch reply of one-rule decisions: `Ok((allowed, remaining))` or
 /// `Err(message)`; the rest of the reply.
 fn entry(reply: &[u8]) -> (Result<(f64, f64), String>, &[u8]) {
