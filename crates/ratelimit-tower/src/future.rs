@@ -24,7 +24,9 @@ pin_project! {
         #[pin]
         state: State<Svc, Svc::Future, ReqBody, ResBody>,
         fields: Option<Fields>,
-        charge: Option<Box<Charge>>,
+        // Inline rather than boxed: moving it with the future costs less than an
+        // allocation per admitted request.
+        charge: Option<Charge>,
     }
 }
 
@@ -64,12 +66,17 @@ where
     /// the delay. Inlined into the service's `call` so the request is moved into the
     /// inner call once rather than through two frames (117 instructions per request).
     #[inline(always)]
-    pub(crate) fn pass(pass: Pass, req: Request<ReqBody>, ready: &mut Svc) -> Self {
-        let (state, fields, charge) = State::pass(pass, req, ready);
+    pub(crate) fn pass(
+        pass: Pass,
+        req: Request<ReqBody>,
+        ready: &mut Svc,
+        charge: Option<Charge>,
+    ) -> Self {
+        let (state, fields, later) = State::pass(pass, req, ready);
         Self {
             state,
             fields,
-            charge,
+            charge: charge.or_else(|| later.map(|c| *c)),
         }
     }
 
@@ -145,7 +152,7 @@ where
                         let (state, fields, charge) = State::pass(pass, req, &mut inner);
                         this.state.set(state);
                         *this.fields = fields;
-                        *this.charge = charge;
+                        *this.charge = charge.map(|c| *c);
                     }
                     Verdict::Refuse(refusal) => {
                         let pending = call.as_ref().expect("polled after completion");
@@ -161,10 +168,11 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    let charge = this.charge.take();
                     // A charge that counts as it is (no predicate, no refusal further in)
-                    // is dropped here, the response kept whole.
-                    let charge = charge.filter(|c| c.may_refund(response.extensions()));
+                    // is left to go with the future, the response kept whole.
+                    let refunds =
+                        (this.charge.as_ref()).is_some_and(|c| c.may_refund(response.extensions()));
+                    let charge = if refunds { this.charge.take() } else { None };
                     let Some(charge) = charge else {
                         if let Some(fields) = this.fields.take() {
                             fields.apply(response.headers_mut());

@@ -49,7 +49,14 @@ where
     /// Decides `req`; the admission of a request decided at once goes straight into its
     /// extensions, and the store's decision is read where the store wrote it (it is 160
     /// bytes: moving it through the verdict costs a copy per step).
-    pub(crate) fn begin<B>(this: &Arc<Self>, req: &mut Request<B>) -> Begin
+    ///
+    /// What an admitted request decided at once was charged goes into `charge`, to be kept
+    /// in the response future itself: a box for it would cost an allocation per request.
+    pub(crate) fn begin<B>(
+        this: &Arc<Self>,
+        req: &mut Request<B>,
+        charge: &mut Option<Charge>,
+    ) -> Begin
     where
         K: KeyExtractor<B>,
         C: RequestCost<B>,
@@ -111,14 +118,12 @@ where
                 let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 let verdict = this.finish(verdict);
-                Begin::Now(Self::keep_charge(
-                    this,
-                    verdict,
-                    charged,
-                    &check,
-                    charged_at,
-                    || arc_swap::Guard::into_inner(version),
-                ))
+                if let Verdict::Pass(_) = verdict {
+                    *charge = Self::charge(this, charged, &check, charged_at, || {
+                        arc_swap::Guard::into_inner(version)
+                    });
+                }
+                Begin::Now(verdict)
             }
             None => Begin::Later(Self::check_later(
                 this,
@@ -145,33 +150,27 @@ where
         Ok(())
     }
 
-    /// Keeps what an admitted request was charged in its pass, when the layer settles
-    /// charges on the response (charging by outcome, refusals further in). The check is
-    /// borrowed: its store key is copied at its length into the charge rather than moved
-    /// at its full inline size.
-    fn keep_charge(
+    /// What an admitted request was charged, when the layer settles charges on the
+    /// response (charging by outcome, refusals further in). The check is borrowed: its
+    /// store key is copied at its length into the charge rather than moved at its full
+    /// inline size.
+    fn charge(
         this: &Arc<Self>,
-        mut verdict: Verdict,
         charged: Charged,
         check: &Check,
         charged_at: u64,
         version: impl FnOnce() -> Arc<Version>,
-    ) -> Verdict {
-        if let Verdict::Pass(pass) = &mut verdict {
-            if charged != Charged::No && this.settles() && check.cost > 0 {
-                pass.admission.keep(Box::new(Charge {
-                    settle: Arc::clone(this) as Arc<dyn Settle>,
-                    version: version(),
-                    tier: check.tier.clone(),
-                    key: ChargeKey::from_slice(&check.key),
-                    cost: check.cost,
-                    charged_at,
-                    by_fallback: charged == Charged::Fallback,
-                    judged: this.charge_when.is_some(),
-                }));
-            }
-        }
-        verdict
+    ) -> Option<Charge> {
+        (charged != Charged::No && this.settles() && check.cost > 0).then(|| Charge {
+            settle: Arc::clone(this) as Arc<dyn Settle>,
+            version: version(),
+            tier: check.tier.clone(),
+            key: ChargeKey::from_slice(&check.key),
+            cost: check.cost,
+            charged_at,
+            by_fallback: charged == Charged::Fallback,
+            judged: this.charge_when.is_some(),
+        })
     }
 
     /// Who charges a request on the store's answer `result`, should the layer pass it.
@@ -196,7 +195,10 @@ where
             Extraction::Key(key) => key,
             Extraction::Exempt => {
                 tracing::trace!("rate limit: exempt request");
-                return Err(Verdict::unchecked(AdmittedBy::Exempt));
+                return Err(Verdict::unchecked(
+                    AdmittedBy::Exempt,
+                    self.admission_extension,
+                ));
             }
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
@@ -260,8 +262,15 @@ where
             let charged = limiter.charged(&result);
             let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
-            let verdict = limiter.finish(verdict);
-            Self::keep_charge(&limiter, verdict, charged, &check, charged_at, || version)
+            let mut verdict = limiter.finish(verdict);
+            if let Verdict::Pass(pass) = &mut verdict {
+                if let Some(charge) =
+                    Self::charge(&limiter, charged, &check, charged_at, || version)
+                {
+                    pass.admission.keep(Box::new(charge));
+                }
+            }
+            verdict
         };
         Box::pin(tracing::Instrument::instrument(future, span))
     }
@@ -366,12 +375,17 @@ where
             ratelimit: tier.policy.ratelimit(decision),
             shadow: None,
         });
-        let admission = Admission::decided(by, decision);
+        let admission = self
+            .admission_extension
+            .then(|| Admission::decided(by, decision));
         let decision = self.decision_extension.then(|| decision.clone());
         // Shadow mode may yet replace the admission: then it travels in the verdict.
         let admission = match extensions {
+            _ if admission.is_none() && decision.is_none() => Admitted::Inserted,
             Some(extensions) if !self.shadow => {
-                extensions.insert(admission);
+                if let Some(admission) = admission {
+                    extensions.insert(admission);
+                }
                 if let Some(decision) = decision {
                     extensions.insert(decision);
                 }
@@ -400,7 +414,9 @@ where
     ) -> Verdict {
         self.report_store_failure(tier, key, error);
         match self.failure_policy {
-            FailurePolicy::FailOpen => Verdict::unchecked(AdmittedBy::FailOpen),
+            FailurePolicy::FailOpen => {
+                Verdict::unchecked(AdmittedBy::FailOpen, self.admission_extension)
+            }
             FailurePolicy::FailClosed => self.store_unavailable(),
             FailurePolicy::Fallback => {
                 let fallback = self
@@ -467,7 +483,7 @@ where
             );
         }
         if !refuse {
-            return Verdict::unchecked(AdmittedBy::MissingKey);
+            return Verdict::unchecked(AdmittedBy::MissingKey, self.admission_extension);
         }
         self.missing_key(why)
     }
@@ -520,11 +536,15 @@ where
                 shadow: Some(label),
                 ..Fields::default()
             }),
-            admission: Admitted::Later(Box::new(Deferred {
-                admission: Admission::unchecked(AdmittedBy::Shadow, binding),
-                decision: None,
-                charge: None,
-            })),
+            admission: if self.admission_extension {
+                Admitted::Later(Box::new(Deferred {
+                    admission: Some(Admission::unchecked(AdmittedBy::Shadow, binding)),
+                    decision: None,
+                    charge: None,
+                }))
+            } else {
+                Admitted::Inserted
+            },
         })
     }
 }
