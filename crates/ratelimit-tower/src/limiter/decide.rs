@@ -65,10 +65,15 @@ where
         // The whole decision runs on the version loaded here, however the limits change
         // meanwhile.
         let version = this.live.current.load();
-        let mut check = match this.prepare(&version, req) {
-            Ok(check) => check,
-            Err(verdict) => return Begin::Now(this.finish(verdict)),
+        // Filled in place: the store key is 104 bytes, a move of it costs a copy.
+        let mut check = Check {
+            tier: TierRef::Index(0),
+            key: StoreKey::new(),
+            cost: 0,
         };
+        if let Err(verdict) = this.prepare(&version, req, &mut check) {
+            return Begin::Now(this.finish(verdict));
+        }
         // Read before the check, so that it is at or before the moment the store decides.
         let charged_at = if this.settles() {
             this.store.now_us()
@@ -185,7 +190,12 @@ where
     /// Extracts the key, selects the tier and prices the request; or the verdict that
     /// needs no store call (an exemption, a misconfiguration, a cost above capacity, a
     /// denial still in the deny cache).
-    fn prepare<B>(&self, version: &Version, req: &Request<B>) -> Result<Check, Verdict>
+    fn prepare<B>(
+        &self,
+        version: &Version,
+        req: &Request<B>,
+        check: &mut Check,
+    ) -> Result<(), Verdict>
     where
         K: KeyExtractor<B>,
         C: RequestCost<B>,
@@ -206,21 +216,20 @@ where
         let tier_index = self.select_tier(version, req);
         let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
-        let key = tier.store_key(client.as_ref());
+        tier.write_store_key(client.as_ref(), &mut check.key);
+        let key = &check.key;
         // A customer's own rules are priced once they are known.
         if cost > tier.min_capacity && self.customers.is_none() {
             if let Err(e) = tier.rules.check_cost(cost) {
-                return Err(self.cost_exceeded(tier, &key, &e));
+                return Err(self.cost_exceeded(tier, key, &e));
             }
         }
-        if let Some(verdict) = self.cached_denial(tier, &key, cost) {
+        if let Some(verdict) = self.cached_denial(tier, key, cost) {
             return Err(verdict);
         }
-        Ok(Check {
-            tier: TierRef::Index(tier_index),
-            key,
-            cost,
-        })
+        check.tier = TierRef::Index(tier_index);
+        check.cost = cost;
+        Ok(())
     }
 
     /// The store's answer for a store that does not decide in process, with the store
