@@ -63,8 +63,18 @@ pub(crate) struct Deferred {
 
 impl Admitted {
     /// Puts what is not yet in `extensions` there; the charge to settle on the
-    /// response, if any.
+    /// response, if any. The common case, nothing to put, is inlined into every
+    /// request's path.
+    #[inline]
     pub(crate) fn insert_into(self, extensions: &mut Extensions) -> Option<Box<Charge>> {
+        match self {
+            Admitted::Inserted => None,
+            other => other.insert_later(extensions),
+        }
+    }
+
+    #[inline(never)]
+    fn insert_later(self, extensions: &mut Extensions) -> Option<Box<Charge>> {
         match self {
             Admitted::Inserted => None,
             Admitted::Unchecked(by) => {
