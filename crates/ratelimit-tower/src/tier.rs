@@ -183,3 +183,28 @@ pub(crate) type StoreKey = smallvec::SmallVec<[u8; STORE_KEY_INLINE]>;
 
 /// The longest store key held without an allocation.
 const STORE_KEY_INLINE: usize = 96;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_keys_are_the_prefix_then_the_client_key_at_every_length() {
+        let tier = Tier::new(
+            "@0123456789abcdef",
+            "",
+            "",
+            "1/s".parse().unwrap(),
+            FailurePolicy::FailOpen,
+            None,
+        );
+        // Both sides of the key's inline buffer, and far past it.
+        for len in [0, 1, 9, 76, 77, 78, 95, 96, 97, 1_000] {
+            let client: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let key = tier.store_key(&client);
+            assert_eq!(key[..tier.prefix.len()], *tier.prefix, "{len}");
+            assert_eq!(key[tier.prefix.len()..], client[..], "{len}");
+            assert_eq!(tier.client_key(&key), &client[..], "{len}");
+        }
+    }
+}

@@ -47,8 +47,9 @@ where
     T: Send + Sync + 'static,
 {
     /// Decides `req`; the admission of a request decided at once goes straight into its
-    /// extensions, and the store's decision is read where the store wrote it (it is 160
-    /// bytes: moving it through the verdict costs a copy per step).
+    /// extensions (when the layer puts admissions there), and the store's decision is read
+    /// where the store wrote it (it is 160 bytes: moving it through the verdict costs a
+    /// copy per step).
     ///
     /// What an admitted request decided at once was charged goes into `charge`, to be kept
     /// in the response future itself: a box for it would cost an allocation per request.
@@ -187,9 +188,9 @@ where
         }
     }
 
-    /// Extracts the key, selects the tier and prices the request; or the verdict that
-    /// needs no store call (an exemption, a misconfiguration, a cost above capacity, a
-    /// denial still in the deny cache).
+    /// Extracts the key, selects the tier and prices the request, into `check`; or the
+    /// verdict that needs no store call (an exemption, a misconfiguration, a cost above
+    /// capacity, a denial still in the deny cache).
     fn prepare<B>(
         &self,
         version: &Version,
