@@ -73,8 +73,8 @@ where
         ready: &mut Svc,
         charge: Option<Charge>,
     ) -> Self {
-        // Built in place rather than through `State::pass`, whose tuple is one more move
-        // of the inner future.
+        // Built in one expression: a tuple of the state, the fields and the charge would
+        // be one more move of the inner future.
         let later = pass.admission.insert_into(req.extensions_mut());
         Self {
             state: if pass.delay.is_zero() {
