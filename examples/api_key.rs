@@ -75,8 +75,9 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// Every request the limiter passes on carries an `Admission`, also when it passed
-/// unchecked (the store down and failing open): extracting it never fails.
+/// Every request the limiter passes on carries an `Admission` (`admission_extension`),
+/// also when it passed unchecked (the store down and failing open): extracting it never
+/// fails.
 async fn search(Extension(admission): Extension<Admission>) -> String {
     match admission.binding() {
         // The plan's rule nearest to its limit (the burst rule of "pro", often).
@@ -108,6 +109,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .default_tier("free")
             .select_tier(|req: &Request| req.extensions().get::<Plan>().map(|p| p.tier()))
             .cost(cost)
+            // The handler reads the `Admission`: put into requests only when asked for.
+            .admission_extension(true)
             .build()?;
 
     let app = Router::new()

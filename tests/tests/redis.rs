@@ -224,6 +224,7 @@ async fn handlers_extract_the_admission_with_redis_stopped() {
             .unwrap()
             .failure_policy(policy)
             .shadow(shadow)
+            .admission_extension(true)
             .build()
             .unwrap();
         TestServer::start(

@@ -58,14 +58,17 @@ impl Binding {
     }
 }
 
-/// What the layer put into every request it passed on: whether the request was checked,
-/// and the rule nearest to its limit. Read it in a handler with axum's
-/// `Extension(admission): Extension<Admission>`; it is present on **every** request the
-/// layer admits, under every [`FailurePolicy`](crate::FailurePolicy), in shadow mode, for
-/// exempt keys and under [`MissingKey::Admit`](crate::MissingKey::Admit), so extracting it
-/// never fails because of a policy.
+/// What a layer built with
+/// [`admission_extension(true)`](crate::RateLimitLayerBuilder::admission_extension) puts
+/// into every request it passes on: whether the request was checked, and the rule
+/// nearest to its limit. Read it in a handler with axum's
+/// `Extension(admission): Extension<Admission>`; it is then present on **every** request
+/// the layer admits, under every [`FailurePolicy`](crate::FailurePolicy), in shadow mode,
+/// for exempt keys and under [`MissingKey::Admit`](crate::MissingKey::Admit), so
+/// extracting it never fails because of a policy. Without `admission_extension(true)`
+/// (the default) no request carries one.
 ///
-/// It is a small `Copy` value, cheap enough to put into every request. The store's whole
+/// It is a small `Copy` value. The store's whole
 /// [`Decision`] (every rule's outcome) is put beside it for checked requests when the
 /// layer is built with [`decision_extension(true)`](crate::RateLimitLayerBuilder::decision_extension).
 /// With stacked layers, the innermost layer's admission is the one a handler sees.
@@ -81,6 +84,7 @@ impl Binding {
 ///     }
 /// }
 /// let app: Router = Router::new().route("/search", get(search));
+/// // ...layered with `RateLimitLayer::builder(store, key).admission_extension(true)`.
 /// # let _ = app;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

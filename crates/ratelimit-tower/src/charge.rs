@@ -65,7 +65,7 @@ pub(crate) trait Settle: Send + Sync + 'static {
     /// Gives the charge back: at once for a store that answers in process (`None`),
     /// else the store call to wait for before the response goes out, so that a client's
     /// next request finds its units back.
-    fn refund(&self, charge: Box<Charge>) -> Option<Refund>;
+    fn refund(&self, charge: Charge) -> Option<Refund>;
     /// The `RateLimit` field of the charge's tier with `cost` more units left.
     fn refunded_field(&self, charge: &Charge, value: &HeaderValue) -> Option<HeaderValue>;
 }
@@ -96,7 +96,7 @@ impl Charge {
     /// response or the predicate says it does not count; rewrites the `RateLimit` field
     /// in `ratelimit` (the layer's own, still to be sent) to match.
     pub(crate) fn settle(
-        self: Box<Self>,
+        self,
         parts: &Parts,
         ratelimit: Option<&mut Option<HeaderValue>>,
     ) -> Settled {

@@ -96,6 +96,7 @@ impl DenyCache {
     /// A denial of `key` under the limits of `generation`, still in force for a request of
     /// `cost` (a denial at some cost says nothing about a cheaper request). Peeks
     /// (`cost == 0`) always go to the store.
+    #[inline]
     pub(crate) fn get(
         &self,
         key: &[u8],
@@ -103,11 +104,16 @@ impl DenyCache {
         cost: u64,
         now_us: impl FnOnce() -> u64,
     ) -> Option<Hit> {
-        // The common case, nobody denied lately, costs one atomic load.
+        // The common case, nobody denied lately, costs one atomic load, inlined into
+        // every request's path.
         if cost == 0 || self.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let now = now_us();
+        self.look_up(key, generation, cost, now_us())
+    }
+
+    #[inline(never)]
+    fn look_up(&self, key: &[u8], generation: u64, cost: u64, now: u64) -> Option<Hit> {
         let mut shard = self.shard(key).lock();
         let denial = shard.get(key)?;
         if now >= denial.until_us || denial.generation != generation {

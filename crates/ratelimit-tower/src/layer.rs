@@ -99,6 +99,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
             admitted_headers: true,
+            admission_extension: false,
             decision_extension: false,
             shadow: false,
             max_delay: DEFAULT_MAX_DELAY,
@@ -248,6 +249,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
     admitted_headers: bool,
+    admission_extension: bool,
     decision_extension: bool,
     shadow: bool,
     max_delay: Duration,
@@ -295,6 +297,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
+            admission_extension: self.admission_extension,
             decision_extension: self.decision_extension,
             shadow: self.shadow,
             max_delay: self.max_delay,
@@ -444,13 +447,27 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
+    /// Whether every request the layer passes on carries an [`Admission`](crate::Admission)
+    /// in its extensions: how it was admitted and the rule nearest to its limit, for
+    /// handlers to read as `Extension<Admission>`. Off by default: an extensions entry
+    /// costs every admitted request an allocation and a map insert (about 250
+    /// instructions) whether or not a handler reads it. With it on, the admission is
+    /// there under every policy (see [`Admission`](crate::Admission)); with it off, a
+    /// handler that extracts `Extension<Admission>` is answered 500 by axum, which names
+    /// the missing extension.
+    pub fn admission_extension(mut self, enabled: bool) -> Self {
+        self.admission_extension = enabled;
+        self
+    }
+
     /// Whether a request the store admitted also carries the store's whole
-    /// [`Decision`](ratelimit_core::Decision) (every rule's outcome) in its extensions,
-    /// beside the [`Admission`](crate::Admission) every admitted request carries. Off by
-    /// default: the decision is a few hundred bytes to copy into every request, and the
-    /// admission names the rule nearest to its limit. With it on, a handler reads
+    /// [`Decision`](ratelimit_core::Decision) (every rule's outcome) in its extensions.
+    /// Off by default: the decision is a few hundred bytes to copy into every request,
+    /// and an [`Admission`](crate::Admission) ([`admission_extension`](Self::admission_extension))
+    /// names the rule nearest to its limit. With it on, a handler reads
     /// `Option<Extension<Decision>>`: a request passed unchecked (fail-open, an exempt
     /// key, a missing key admitted, shadow mode overriding a refusal) has no decision.
+    /// Independent of `admission_extension`: each puts its own entry.
     pub fn decision_extension(mut self, enabled: bool) -> Self {
         self.decision_extension = enabled;
         self
@@ -656,6 +673,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_error_log: BoundedLog::new(),
             blocked_status: self.blocked_status,
             admitted_headers: self.admitted_headers,
+            admission_extension: self.admission_extension,
             decision_extension: self.decision_extension,
             shadow: self.shadow,
             max_delay: self.max_delay,

@@ -393,12 +393,14 @@
 //!
 //! # Handlers see the decision
 //!
-//! Every request the layer passes on carries an [`Admission`] in its extensions: whether
+//! Built with [`admission_extension(true)`](RateLimitLayerBuilder::admission_extension),
+//! every request the layer passes on carries an [`Admission`] in its extensions: whether
 //! the store checked it ([`AdmittedBy`]: the store, the fallback store, or unchecked by
 //! fail-open, an exempt key, a missing key admitted, shadow mode) and the rule nearest to
 //! its limit ([`Binding`]: limit, remaining, reset). It is there under every policy, so
 //! `Extension(admission): Extension<Admission>` in an axum handler never fails because of
-//! one. With stacked layers, the innermost one's.
+//! one. With stacked layers, the innermost one's. It is off by default, as an extensions
+//! entry costs every request an allocation whether or not a handler reads it.
 //!
 //! The store's whole [`Decision`](ratelimit_core::Decision) (every rule's outcome) is put
 //! beside it for requests a store admitted when the layer is built with

@@ -79,8 +79,11 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
-        match Limiter::begin(&self.limiter, &mut req) {
-            Begin::Now(Verdict::Pass(pass)) => ResponseFuture::pass(pass, req, &mut self.inner),
+        let mut charge = None;
+        match Limiter::begin(&self.limiter, &mut req, &mut charge) {
+            Begin::Now(Verdict::Pass(pass)) => {
+                ResponseFuture::pass(pass, req, &mut self.inner, charge)
+            }
             Begin::Now(Verdict::Refuse(refusal)) => {
                 ResponseFuture::reply(refusal.into_response(req.headers()))
             }

@@ -145,10 +145,26 @@ impl Tier {
     /// The store key for `client`: the prefix, then the client key's bytes as they are.
     #[inline]
     pub(crate) fn store_key(&self, client: &[u8]) -> StoreKey {
-        let mut key = StoreKey::with_capacity(self.prefix.len() + client.len());
-        key.extend_from_slice(&self.prefix);
-        key.extend_from_slice(client);
+        let mut key = StoreKey::new();
+        self.write_store_key(client, &mut key);
         key
+    }
+
+    /// Writes the store key for `client` into `key` (empty): two copies when it fits the
+    /// key's inline buffer, the common case, rather than `SmallVec`'s capacity checks.
+    #[inline]
+    pub(crate) fn write_store_key(&self, client: &[u8], key: &mut StoreKey) {
+        let (prefix, len) = (self.prefix.len(), self.prefix.len() + client.len());
+        if len <= key.inline_size() {
+            let mut buf = [0; STORE_KEY_INLINE];
+            buf[..prefix].copy_from_slice(&self.prefix);
+            buf[prefix..len].copy_from_slice(client);
+            *key = StoreKey::from_buf_and_len(buf, len);
+        } else {
+            key.reserve_exact(len);
+            key.extend_from_slice(&self.prefix);
+            key.extend_from_slice(client);
+        }
     }
 }
 
@@ -163,4 +179,32 @@ fn min_capacity(rules: &RuleSet) -> u64 {
 }
 
 /// A store key, inline up to the length of any IP key under a namespace of 32 bytes.
-pub(crate) type StoreKey = smallvec::SmallVec<[u8; 96]>;
+pub(crate) type StoreKey = smallvec::SmallVec<[u8; STORE_KEY_INLINE]>;
+
+/// The longest store key held without an allocation.
+const STORE_KEY_INLINE: usize = 96;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_keys_are_the_prefix_then_the_client_key_at_every_length() {
+        let tier = Tier::new(
+            "@0123456789abcdef",
+            "",
+            "",
+            "1/s".parse().unwrap(),
+            FailurePolicy::FailOpen,
+            None,
+        );
+        // Both sides of the key's inline buffer, and far past it.
+        for len in [0, 1, 9, 76, 77, 78, 95, 96, 97, 1_000] {
+            let client: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let key = tier.store_key(&client);
+            assert_eq!(key[..tier.prefix.len()], *tier.prefix, "{len}");
+            assert_eq!(key[tier.prefix.len()..], client[..], "{len}");
+            assert_eq!(tier.client_key(&key), &client[..], "{len}");
+        }
+    }
+}

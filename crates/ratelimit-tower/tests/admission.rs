@@ -1,6 +1,7 @@
-//! Every admitted request carries an `Admission`, whatever admitted it: a handler that
-//! extracts it answers under every failure policy, in shadow mode, for exempt keys and
-//! for missing keys admitted by policy.
+//! With `admission_extension(true)`, every admitted request carries an `Admission`,
+//! whatever admitted it: a handler that extracts it answers under every failure policy,
+//! in shadow mode, for exempt keys and for missing keys admitted by policy. Without it
+//! (the default), no request carries one.
 #![cfg(feature = "axum")]
 
 mod common;
@@ -86,6 +87,7 @@ fn builder<S: Store>(store: S, rules: &str) -> RateLimitLayerBuilder<S, PeerIp> 
         .rules(rules)
         .unwrap()
         .namespace("admission")
+        .admission_extension(true)
 }
 
 fn three(ip: &str) -> [Request<Body>; 3] {
@@ -217,6 +219,7 @@ async fn exempt_and_missing_keys_admitted_by_policy() {
     .rules("1/min")
     .unwrap()
     .namespace("admission")
+    .admission_extension(true)
     .build()
     .unwrap());
     assert_eq!(
@@ -253,4 +256,72 @@ async fn a_shaped_request_knows_its_delay() {
         .layer(layer);
     let got = answers(&app, [from("192.0.2.1"), from("192.0.2.1")]).await;
     assert_eq!(got, ["Store 0ns", "Store 1s"]);
+}
+
+/// What a handler that asks whether there is an admission sees.
+async fn maybe(
+    admission: Option<Extension<Admission>>,
+    decision: Option<Extension<Decision>>,
+) -> String {
+    format!(
+        "admission={:?} decision={}",
+        admission.map(|Extension(a)| a.by()),
+        decision.is_some(),
+    )
+}
+
+#[tokio::test]
+async fn no_admission_unless_asked_for() {
+    let bare = || {
+        RateLimitLayer::builder(memory(), PeerIp::new().exempt(["10.0.0.0/8"]).unwrap())
+            .rules("1/min")
+            .unwrap()
+            .namespace("admission")
+    };
+    // Checked by the store, exempt, and in shadow mode past a refusal.
+    assert_eq!(
+        answers(
+            &app_of(bare(), maybe),
+            [from("192.0.2.1"), from("10.1.2.3")]
+        )
+        .await,
+        ["admission=None decision=false"; 2]
+    );
+    assert_eq!(
+        answers(
+            &app_of(bare().shadow(true), maybe),
+            [from("192.0.2.1"), from("192.0.2.1")]
+        )
+        .await,
+        ["admission=None decision=false"; 2]
+    );
+    // The store down, failing open; the decision alone when only it is asked for.
+    let open = app_of(builder(down(), "1/min").admission_extension(false), maybe);
+    assert_eq!(
+        answers(&open, [from("192.0.2.1")]).await,
+        ["admission=None decision=false"]
+    );
+    let decision = app_of(
+        builder(memory(), "1/min")
+            .admission_extension(false)
+            .decision_extension(true),
+        maybe,
+    );
+    assert_eq!(
+        answers(&decision, [from("192.0.2.1")]).await,
+        ["admission=None decision=true"]
+    );
+    // A handler that requires it is answered 500 by axum, not run without it.
+    let required = app_of(builder(memory(), "1/min").admission_extension(false), show);
+    assert_eq!(answers(&required, [from("192.0.2.1")]).await, ["500"]);
+}
+
+fn app_of<S: Store, H, T>(builder: RateLimitLayerBuilder<S, PeerIp>, handler: H) -> Router
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    Router::new()
+        .route("/", get(handler))
+        .layer(builder.build().unwrap())
 }

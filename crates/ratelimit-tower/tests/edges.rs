@@ -291,11 +291,14 @@ async fn handlers_see_the_decision() {
                 )
             }),
         )
-        .layer(RateLimitLayer::new(
-            store,
-            GlobalKey,
-            "3/min fixed-window".parse().unwrap(),
-        ));
+        .layer(
+            RateLimitLayer::builder(store, GlobalKey)
+                .rules("3/min fixed-window")
+                .unwrap()
+                .admission_extension(true)
+                .build()
+                .unwrap(),
+        );
     let res = app
         .oneshot(Request::get("/").body(Body::empty()).unwrap())
         .await

@@ -89,9 +89,9 @@ impl Grouping {
         // Writing into a Key cannot fail.
         let _ = match ip.to_canonical() {
             IpAddr::V4(v4) if self.v4_prefix == 32 => {
-                // From a table into one buffer: `Display` for addresses is slow, and this
-                // runs per request.
-                let mut text = [0u8; 15];
+                // From a table into the key's own inline buffer: `Display` for addresses
+                // is slow, and this runs per request.
+                let mut text = [0u8; 48];
                 let mut len = 0;
                 for (i, octet) in v4.octets().into_iter().enumerate() {
                     if i > 0 {
@@ -102,8 +102,7 @@ impl Grouping {
                     text[len..len + 3].copy_from_slice(&digits);
                     len += usize::from(n);
                 }
-                key.0.extend_from_slice(&text[..len]);
-                Ok(())
+                return Key(SmallVec::from_buf_and_len(text, len));
             }
             IpAddr::V4(v4) => {
                 let mask = u32::MAX << (32 - self.v4_prefix);

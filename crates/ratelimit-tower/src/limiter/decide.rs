@@ -47,9 +47,17 @@ where
     T: Send + Sync + 'static,
 {
     /// Decides `req`; the admission of a request decided at once goes straight into its
-    /// extensions, and the store's decision is read where the store wrote it (it is 160
-    /// bytes: moving it through the verdict costs a copy per step).
-    pub(crate) fn begin<B>(this: &Arc<Self>, req: &mut Request<B>) -> Begin
+    /// extensions (when the layer puts admissions there), and the store's decision is read
+    /// where the store wrote it (it is 160 bytes: moving it through the verdict costs a
+    /// copy per step).
+    ///
+    /// What an admitted request decided at once was charged goes into `charge`, to be kept
+    /// in the response future itself: a box for it would cost an allocation per request.
+    pub(crate) fn begin<B>(
+        this: &Arc<Self>,
+        req: &mut Request<B>,
+        charge: &mut Option<Charge>,
+    ) -> Begin
     where
         K: KeyExtractor<B>,
         C: RequestCost<B>,
@@ -58,10 +66,15 @@ where
         // The whole decision runs on the version loaded here, however the limits change
         // meanwhile.
         let version = this.live.current.load();
-        let mut check = match this.prepare(&version, req) {
-            Ok(check) => check,
-            Err(verdict) => return Begin::Now(this.finish(verdict)),
+        // Filled in place: the store key is 104 bytes, a move of it costs a copy.
+        let mut check = Check {
+            tier: TierRef::Index(0),
+            key: StoreKey::new(),
+            cost: 0,
         };
+        if let Err(verdict) = this.prepare(&version, req, &mut check) {
+            return Begin::Now(this.finish(verdict));
+        }
         // Read before the check, so that it is at or before the moment the store decides.
         let charged_at = if this.settles() {
             this.store.now_us()
@@ -111,14 +124,12 @@ where
                 let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
                 let verdict = this.finish(verdict);
-                Begin::Now(Self::keep_charge(
-                    this,
-                    verdict,
-                    charged,
-                    &check,
-                    charged_at,
-                    || arc_swap::Guard::into_inner(version),
-                ))
+                if let Verdict::Pass(_) = verdict {
+                    *charge = Self::charge(this, charged, &check, charged_at, || {
+                        arc_swap::Guard::into_inner(version)
+                    });
+                }
+                Begin::Now(verdict)
             }
             None => Begin::Later(Self::check_later(
                 this,
@@ -145,33 +156,27 @@ where
         Ok(())
     }
 
-    /// Keeps what an admitted request was charged in its pass, when the layer settles
-    /// charges on the response (charging by outcome, refusals further in). The check is
-    /// borrowed: its store key is copied at its length into the charge rather than moved
-    /// at its full inline size.
-    fn keep_charge(
+    /// What an admitted request was charged, when the layer settles charges on the
+    /// response (charging by outcome, refusals further in). The check is borrowed: its
+    /// store key is copied at its length into the charge rather than moved at its full
+    /// inline size.
+    fn charge(
         this: &Arc<Self>,
-        mut verdict: Verdict,
         charged: Charged,
         check: &Check,
         charged_at: u64,
         version: impl FnOnce() -> Arc<Version>,
-    ) -> Verdict {
-        if let Verdict::Pass(pass) = &mut verdict {
-            if charged != Charged::No && this.settles() && check.cost > 0 {
-                pass.admission.keep(Box::new(Charge {
-                    settle: Arc::clone(this) as Arc<dyn Settle>,
-                    version: version(),
-                    tier: check.tier.clone(),
-                    key: ChargeKey::from_slice(&check.key),
-                    cost: check.cost,
-                    charged_at,
-                    by_fallback: charged == Charged::Fallback,
-                    judged: this.charge_when.is_some(),
-                }));
-            }
-        }
-        verdict
+    ) -> Option<Charge> {
+        (charged != Charged::No && this.settles() && check.cost > 0).then(|| Charge {
+            settle: Arc::clone(this) as Arc<dyn Settle>,
+            version: version(),
+            tier: check.tier.clone(),
+            key: ChargeKey::from_slice(&check.key),
+            cost: check.cost,
+            charged_at,
+            by_fallback: charged == Charged::Fallback,
+            judged: this.charge_when.is_some(),
+        })
     }
 
     /// Who charges a request on the store's answer `result`, should the layer pass it.
@@ -183,10 +188,15 @@ where
         }
     }
 
-    /// Extracts the key, selects the tier and prices the request; or the verdict that
-    /// needs no store call (an exemption, a misconfiguration, a cost above capacity, a
-    /// denial still in the deny cache).
-    fn prepare<B>(&self, version: &Version, req: &Request<B>) -> Result<Check, Verdict>
+    /// Extracts the key, selects the tier and prices the request, into `check`; or the
+    /// verdict that needs no store call (an exemption, a misconfiguration, a cost above
+    /// capacity, a denial still in the deny cache).
+    fn prepare<B>(
+        &self,
+        version: &Version,
+        req: &Request<B>,
+        check: &mut Check,
+    ) -> Result<(), Verdict>
     where
         K: KeyExtractor<B>,
         C: RequestCost<B>,
@@ -196,7 +206,10 @@ where
             Extraction::Key(key) => key,
             Extraction::Exempt => {
                 tracing::trace!("rate limit: exempt request");
-                return Err(Verdict::unchecked(AdmittedBy::Exempt));
+                return Err(Verdict::unchecked(
+                    AdmittedBy::Exempt,
+                    self.admission_extension,
+                ));
             }
             Extraction::Omitted(why) => return Err(self.omitted(why)),
             Extraction::Missing(why) => return Err(self.missing(why)),
@@ -204,21 +217,20 @@ where
         let tier_index = self.select_tier(version, req);
         let tier = &version.tiers[tier_index];
         let cost = self.cost.cost(req);
-        let key = tier.store_key(client.as_ref());
+        tier.write_store_key(client.as_ref(), &mut check.key);
+        let key = &check.key;
         // A customer's own rules are priced once they are known.
         if cost > tier.min_capacity && self.customers.is_none() {
             if let Err(e) = tier.rules.check_cost(cost) {
-                return Err(self.cost_exceeded(tier, &key, &e));
+                return Err(self.cost_exceeded(tier, key, &e));
             }
         }
-        if let Some(verdict) = self.cached_denial(tier, &key, cost) {
+        if let Some(verdict) = self.cached_denial(tier, key, cost) {
             return Err(verdict);
         }
-        Ok(Check {
-            tier: TierRef::Index(tier_index),
-            key,
-            cost,
-        })
+        check.tier = TierRef::Index(tier_index);
+        check.cost = cost;
+        Ok(())
     }
 
     /// The store's answer for a store that does not decide in process, with the store
@@ -260,8 +272,15 @@ where
             let charged = limiter.charged(&result);
             let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
-            let verdict = limiter.finish(verdict);
-            Self::keep_charge(&limiter, verdict, charged, &check, charged_at, || version)
+            let mut verdict = limiter.finish(verdict);
+            if let Verdict::Pass(pass) = &mut verdict {
+                if let Some(charge) =
+                    Self::charge(&limiter, charged, &check, charged_at, || version)
+                {
+                    pass.admission.keep(Box::new(charge));
+                }
+            }
+            verdict
         };
         Box::pin(tracing::Instrument::instrument(future, span))
     }
@@ -366,12 +385,17 @@ where
             ratelimit: tier.policy.ratelimit(decision),
             shadow: None,
         });
-        let admission = Admission::decided(by, decision);
+        let admission = self
+            .admission_extension
+            .then(|| Admission::decided(by, decision));
         let decision = self.decision_extension.then(|| decision.clone());
         // Shadow mode may yet replace the admission: then it travels in the verdict.
         let admission = match extensions {
+            _ if admission.is_none() && decision.is_none() => Admitted::Inserted,
             Some(extensions) if !self.shadow => {
-                extensions.insert(admission);
+                if let Some(admission) = admission {
+                    extensions.insert(admission);
+                }
                 if let Some(decision) = decision {
                     extensions.insert(decision);
                 }
@@ -400,7 +424,9 @@ where
     ) -> Verdict {
         self.report_store_failure(tier, key, error);
         match self.failure_policy {
-            FailurePolicy::FailOpen => Verdict::unchecked(AdmittedBy::FailOpen),
+            FailurePolicy::FailOpen => {
+                Verdict::unchecked(AdmittedBy::FailOpen, self.admission_extension)
+            }
             FailurePolicy::FailClosed => self.store_unavailable(),
             FailurePolicy::Fallback => {
                 let fallback = self
@@ -467,7 +493,7 @@ where
             );
         }
         if !refuse {
-            return Verdict::unchecked(AdmittedBy::MissingKey);
+            return Verdict::unchecked(AdmittedBy::MissingKey, self.admission_extension);
         }
         self.missing_key(why)
     }
@@ -520,11 +546,15 @@ where
                 shadow: Some(label),
                 ..Fields::default()
             }),
-            admission: Admitted::Later(Box::new(Deferred {
-                admission: Admission::unchecked(AdmittedBy::Shadow, binding),
-                decision: None,
-                charge: None,
-            })),
+            admission: if self.admission_extension {
+                Admitted::Later(Box::new(Deferred {
+                    admission: Some(Admission::unchecked(AdmittedBy::Shadow, binding)),
+                    decision: None,
+                    charge: None,
+                }))
+            } else {
+                Admitted::Inserted
+            },
         })
     }
 }

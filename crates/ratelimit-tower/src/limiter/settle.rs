@@ -34,7 +34,7 @@ where
         self.refund_refused
     }
 
-    fn refund(&self, charge: Box<Charge>) -> Option<Refund> {
+    fn refund(&self, charge: Charge) -> Option<Refund> {
         let tier = charge.tier.get(&charge.version);
         if charge.by_fallback {
             if let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) {

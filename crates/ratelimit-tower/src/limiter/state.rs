@@ -35,7 +35,9 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) store_error_log: BoundedLog,
     pub(crate) blocked_status: BlockedStatus,
     pub(crate) admitted_headers: bool,
-    /// Whether admitted requests carry the store's whole decision beside their admission.
+    /// Whether passed requests carry an `Admission`.
+    pub(crate) admission_extension: bool,
+    /// Whether admitted requests carry the store's whole decision.
     pub(crate) decision_extension: bool,
     pub(crate) shadow: bool,
     pub(crate) max_delay: Duration,

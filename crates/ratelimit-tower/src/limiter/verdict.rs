@@ -41,7 +41,8 @@ pub(crate) enum Charged {
 /// the request's extensions, what arrives later (a store that is not in process, shadow
 /// mode) travels boxed.
 pub(crate) enum Admitted {
-    /// Already in the request's extensions.
+    /// Already in the request's extensions, or nothing to put there (the layer puts no
+    /// admission into requests).
     Inserted,
     /// Passed unchecked, with no rule to name.
     Unchecked(AdmittedBy),
@@ -52,9 +53,9 @@ pub(crate) enum Admitted {
     Charged(Box<Charge>),
 }
 
-/// An admission, and the store's decision when the layer keeps it for handlers.
+/// An admission and the store's decision, each when the layer puts it into requests.
 pub(crate) struct Deferred {
-    pub(crate) admission: Admission,
+    pub(crate) admission: Option<Admission>,
     pub(crate) decision: Option<Decision>,
     /// What the store charged, as in [`Admitted::Charged`].
     pub(crate) charge: Option<Box<Charge>>,
@@ -62,8 +63,18 @@ pub(crate) struct Deferred {
 
 impl Admitted {
     /// Puts what is not yet in `extensions` there; the charge to settle on the
-    /// response, if any.
+    /// response, if any. The common case, nothing to put, is inlined into every
+    /// request's path.
+    #[inline]
     pub(crate) fn insert_into(self, extensions: &mut Extensions) -> Option<Box<Charge>> {
+        match self {
+            Admitted::Inserted => None,
+            other => other.insert_later(extensions),
+        }
+    }
+
+    #[inline(never)]
+    fn insert_later(self, extensions: &mut Extensions) -> Option<Box<Charge>> {
         match self {
             Admitted::Inserted => None,
             Admitted::Unchecked(by) => {
@@ -76,7 +87,9 @@ impl Admitted {
                     decision,
                     charge,
                 } = *later;
-                extensions.insert(admission);
+                if let Some(admission) = admission {
+                    extensions.insert(admission);
+                }
                 if let Some(decision) = decision {
                     extensions.insert(decision);
                 }
@@ -99,19 +112,24 @@ impl Admitted {
     /// The binding rule of an admission not yet in the extensions.
     pub(crate) fn binding(&self) -> Option<Binding> {
         match self {
-            Admitted::Later(later) => later.admission.binding(),
+            Admitted::Later(later) => later.admission.and_then(|a| a.binding()),
             Admitted::Inserted | Admitted::Unchecked(_) | Admitted::Charged(_) => None,
         }
     }
 }
 
 impl Verdict {
-    /// Passed without asking the store (or without its answer): no delay, no fields.
-    pub(crate) const fn unchecked(by: AdmittedBy) -> Verdict {
+    /// Passed without asking the store (or without its answer): no delay, no fields; an
+    /// admission saying so when `admission` (the layer puts admissions into requests).
+    pub(crate) const fn unchecked(by: AdmittedBy, admission: bool) -> Verdict {
         Verdict::Pass(Pass {
             delay: Duration::ZERO,
             fields: None,
-            admission: Admitted::Unchecked(by),
+            admission: if admission {
+                Admitted::Unchecked(by)
+            } else {
+                Admitted::Inserted
+            },
         })
     }
 }
