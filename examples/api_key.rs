@@ -23,7 +23,7 @@ use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::{Extension, Router};
+use axum::Router;
 use ratelimit_core::MemoryStore;
 use ratelimit_tower::{Admission, HeaderKey, RateLimitLayer};
 
@@ -78,7 +78,7 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
 /// Every request the limiter passes on carries an `Admission` (`admission_extension`),
 /// also when it passed unchecked (the store down and failing open): extracting it never
 /// fails.
-async fn search(Extension(admission): Extension<Admission>) -> String {
+async fn search(admission: Admission) -> String {
     match admission.binding() {
         // The plan's rule nearest to its limit (the burst rule of "pro", often).
         Some(rule) => format!(

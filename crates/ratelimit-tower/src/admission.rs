@@ -61,12 +61,13 @@ impl Binding {
 /// What a layer built with
 /// [`admission_extension(true)`](crate::RateLimitLayerBuilder::admission_extension) puts
 /// into every request it passes on: whether the request was checked, and the rule
-/// nearest to its limit. Read it in a handler with axum's
-/// `Extension(admission): Extension<Admission>`; it is then present on **every** request
+/// nearest to its limit. Read it in an axum handler as `admission: Admission` (or
+/// `Option<Admission>`; `Extension<Admission>` reads the same entry); it is then present on **every** request
 /// the layer admits, under every [`FailurePolicy`](crate::FailurePolicy), in shadow mode,
 /// for exempt keys and under [`MissingKey::Admit`](crate::MissingKey::Admit), so
 /// extracting it never fails because of a policy. Without `admission_extension(true)`
-/// (the default) no request carries one.
+/// (the default) no request carries one, and a handler extracting `Admission` is
+/// answered 500 with a body that says so ([`MissingAdmission`]).
 ///
 /// It is a small `Copy` value. The store's whole
 /// [`Decision`] (every rule's outcome) is put beside it for checked requests when the
@@ -74,10 +75,10 @@ impl Binding {
 /// With stacked layers, the innermost layer's admission is the one a handler sees.
 ///
 /// ```
-/// use axum::{routing::get, Extension, Router};
+/// use axum::{routing::get, Router};
 /// use ratelimit_tower::Admission;
 ///
-/// async fn search(Extension(admission): Extension<Admission>) -> String {
+/// async fn search(admission: Admission) -> String {
 ///     match admission.binding() {
 ///         Some(rule) => format!("{} left", rule.remaining),
 ///         None => "not limited".to_owned(),
@@ -195,5 +196,73 @@ mod tests {
     #[test]
     fn small_enough_to_put_into_every_request() {
         assert!(std::mem::size_of::<Admission>() <= 80);
+    }
+}
+
+/// The message of [`MissingAdmission`].
+#[cfg(feature = "axum")]
+const MISSING_ADMISSION: &str = "this request carries no rate-limit Admission: build the \
+    RateLimitLayer in front of this route with `.admission_extension(true)` (off by default), \
+    or extract `Option<Admission>` where a route may have no such layer";
+
+/// The rejection of a handler that extracts an [`Admission`] the request does not carry:
+/// answered 500, with a body that says what to change (the layer was built without
+/// [`admission_extension(true)`](crate::RateLimitLayerBuilder::admission_extension), or
+/// the route has no rate-limit layer).
+#[cfg(feature = "axum")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MissingAdmission;
+
+#[cfg(feature = "axum")]
+impl std::fmt::Display for MissingAdmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(MISSING_ADMISSION)
+    }
+}
+
+#[cfg(feature = "axum")]
+impl std::error::Error for MissingAdmission {}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for MissingAdmission {
+    fn into_response(self) -> axum::response::Response {
+        tracing::error!("{MISSING_ADMISSION}");
+        (http::StatusCode::INTERNAL_SERVER_ERROR, MISSING_ADMISSION).into_response()
+    }
+}
+
+/// `admission: Admission` in an axum handler: the request's admission, or a 500 that
+/// says what to change when the layer was built without
+/// [`admission_extension(true)`](crate::RateLimitLayerBuilder::admission_extension).
+/// (`Extension<Admission>` reads the same entry, with axum's generic message.)
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Admission {
+    type Rejection = MissingAdmission;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Admission>()
+            .copied()
+            .ok_or(MissingAdmission)
+    }
+}
+
+/// `admission: Option<Admission>`: `None` for a request no layer with
+/// [`admission_extension(true)`](crate::RateLimitLayerBuilder::admission_extension)
+/// passed.
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for Admission {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Admission>().copied())
     }
 }

@@ -449,12 +449,12 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
 
     /// Whether every request the layer passes on carries an [`Admission`](crate::Admission)
     /// in its extensions: how it was admitted and the rule nearest to its limit, for
-    /// handlers to read as `Extension<Admission>`. Off by default: an extensions entry
+    /// handlers to read as `admission: Admission`. Off by default: an extensions entry
     /// costs every admitted request an allocation and a map insert (about 250
     /// instructions) whether or not a handler reads it. With it on, the admission is
     /// there under every policy (see [`Admission`](crate::Admission)); with it off, a
-    /// handler that extracts `Extension<Admission>` is answered 500 by axum, which names
-    /// the missing extension.
+    /// handler that extracts `Admission` is answered 500 with a body that says to turn
+    /// this on ([`MissingAdmission`](crate::MissingAdmission)).
     pub fn admission_extension(mut self, enabled: bool) -> Self {
         self.admission_extension = enabled;
         self

@@ -398,9 +398,11 @@
 //! the store checked it ([`AdmittedBy`]: the store, the fallback store, or unchecked by
 //! fail-open, an exempt key, a missing key admitted, shadow mode) and the rule nearest to
 //! its limit ([`Binding`]: limit, remaining, reset). It is there under every policy, so
-//! `Extension(admission): Extension<Admission>` in an axum handler never fails because of
-//! one. With stacked layers, the innermost one's. It is off by default, as an extensions
-//! entry costs every request an allocation whether or not a handler reads it.
+//! `admission: Admission` in an axum handler never fails because of one. With stacked
+//! layers, the innermost one's. It is off by default, as an extensions entry costs every
+//! request an allocation whether or not a handler reads it; a handler extracting an
+//! `Admission` from a layer built without it is answered 500 with a body that says to
+//! turn it on ([`MissingAdmission`]), and `Option<Admission>` extracts `None`.
 //!
 //! The store's whole [`Decision`](ratelimit_core::Decision) (every rule's outcome) is put
 //! beside it for requests a store admitted when the layer is built with
@@ -560,6 +562,8 @@ mod service;
 pub mod throttle;
 mod tier;
 
+#[cfg(feature = "axum")]
+pub use admission::MissingAdmission;
 pub use admission::{Admission, AdmittedBy, Binding};
 pub use body::ResponseBody;
 pub use charge::Refused;

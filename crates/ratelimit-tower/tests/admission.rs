@@ -314,6 +314,34 @@ async fn no_admission_unless_asked_for() {
     // A handler that requires it is answered 500 by axum, not run without it.
     let required = app_of(builder(memory(), "1/min").admission_extension(false), show);
     assert_eq!(answers(&required, [from("192.0.2.1")]).await, ["500"]);
+    // Extracted as `Admission`: the 500's body says what to change; as
+    // `Option<Admission>`, none; with the option on, the admission.
+    let direct = |enabled: bool| {
+        app_of(
+            builder(memory(), "1/min").admission_extension(enabled),
+            |admission: Admission| async move { format!("{:?}", admission.by()) },
+        )
+    };
+    let res = direct(false).oneshot(from("192.0.2.1")).await.unwrap();
+    assert_eq!(res.status(), 500);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    assert!(body.contains(".admission_extension(true)"), "{body}");
+    assert_eq!(answers(&direct(true), [from("192.0.2.1")]).await, ["Store"]);
+    let optional = |enabled: bool| {
+        app_of(
+            builder(memory(), "1/min").admission_extension(enabled),
+            |admission: Option<Admission>| async move { format!("{:?}", admission.map(|a| a.by())) },
+        )
+    };
+    assert_eq!(
+        answers(&optional(false), [from("192.0.2.1")]).await,
+        ["None"]
+    );
+    assert_eq!(
+        answers(&optional(true), [from("192.0.2.1")]).await,
+        ["Some(Store)"]
+    );
 }
 
 fn app_of<S: Store, H, T>(builder: RateLimitLayerBuilder<S, PeerIp>, handler: H) -> Router
