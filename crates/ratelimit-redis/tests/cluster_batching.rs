@@ -256,6 +256,46 @@ async fn a_slot_moved_to_a_master_without_the_module_leaves_the_rest_on_it() {
     .await;
 }
 
+/// A Cluster whose masters all have the module, one of which loses it (unloaded, as a
+/// restart without it would leave it): that master's checks go to Lua and the others'
+/// stay on the module, without the store reconnecting.
+#[tokio::test(flavor = "current_thread")]
+async fn a_master_that_loses_the_module_goes_to_lua_alone() {
+    let module = ratelimit_redis::testing::module_file();
+    let cluster = RedisCluster::try_start_kind_with(
+        ratelimit_redis::testing::ServerKind::Redis,
+        &[
+            "--loadmodule",
+            &module.to_string_lossy(),
+            "--enable-module-command",
+            "yes",
+        ],
+    )
+    .expect("a Cluster with the module");
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
+    let clock = ManualClock::new(T0_US);
+    let (redis, memory) = common::cluster_stores(&cluster, &clock, "lost").await;
+    assert!(redis.uses_module());
+    round(&redis, &memory, &rules, &mut cons).await;
+    let _: () = cmd(&mut cons[1], &["MODULE", "UNLOAD", "ratelimit"]);
+    // Checks one at a time, then batched: each meets master 1 without the module.
+    clock.advance(Duration::from_millis(700));
+    lone_round(&redis, &memory, &rules).await;
+    clock.advance(Duration::from_millis(700));
+    round(&redis, &memory, &rules, &mut cons).await;
+    // From then on, each master on its own path.
+    for con in cons.iter_mut() {
+        common::reset_stats(con);
+    }
+    clock.advance(Duration::from_millis(700));
+    lone_round(&redis, &memory, &rules).await;
+    clock.advance(Duration::from_millis(700));
+    round(&redis, &memory, &rules, &mut cons).await;
+    each_master_on_its_path(&mut cons);
+    assert!(!redis.uses_module(), "not every master has the module");
+}
+
 /// Where a Cluster's checks are decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {

@@ -170,9 +170,6 @@ impl NodeMap {
         conn: impl FnOnce() -> Option<ClusterConnection>,
         shared: &Shared,
     ) -> Option<Arc<Nodes>> {
-        if shared.paths.take_remap() {
-            self.mark_stale();
-        }
         if let Some(nodes) = self.known() {
             return Some(nodes);
         }

@@ -17,7 +17,7 @@ use crate::shared::Shared;
 
 use super::cluster::{follow_slot, migrating, moved, NodeMap, Nodes};
 use super::conn::{in_flight, Conn, Failure};
-use super::setup::{prepare, read_policy};
+use super::setup::{detect_module, prepare, read_policy};
 
 /// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
 pub(super) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
@@ -130,6 +130,17 @@ impl Link {
 
     /// The node map; read with `CLUSTER SLOTS` when unknown or stale.
     pub(super) async fn nodes(&self) -> Option<Arc<Nodes>> {
+        if self.shared.paths.take_remap() {
+            // A master answered a module call as an unknown command (it lost the module,
+            // or a slot moved to one without it): which masters have it is asked again,
+            // and the map read again with it. Until then, only the slots met so far go to
+            // Lua.
+            if let Ok((mut conn, _)) = self.conn() {
+                let find = detect_module(&mut conn, &self.shared, false);
+                let _ = tokio::time::timeout(self.shared.timeout, find).await;
+            }
+            self.nodes.mark_stale();
+        }
         let conn = || match self.conn() {
             Ok((Conn::Cluster(conn), _)) => Some(conn),
             _ => None,

@@ -46,7 +46,7 @@ pub(super) async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Fail
         Conn::Cluster(c) => load_scripts(c).await?,
     };
     shared.paths.functions.store(functions, Ordering::Relaxed);
-    detect_module(conn, shared).await?;
+    detect_module(conn, shared, true).await?;
     for (_, reply) in conn.each_master(redis::cmd("TIME")).await? {
         let (secs, micros): (u64, u64) =
             redis::from_redis_value(reply?).map_err(RedisError::from)?;
@@ -107,8 +107,14 @@ pub(super) async fn read_policy(conn: &mut Conn, shared: &Shared) -> Result<(), 
 /// every one has it, the store decides with its commands; where none has, with the Lua
 /// functions; on a Cluster where some have it, each call goes to the module on the nodes
 /// that have it and to Lua on the others (by the node map, read here). One INFO line says
-/// which path is in use (on a mixed Cluster, one per primary).
-pub(super) async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
+/// which path is in use (on a mixed Cluster, one per primary): always at a connection
+/// (`announce`), else only when the primaries with the module changed (a Cluster found
+/// again after a master answered a module call as unknown).
+pub(super) async fn detect_module(
+    conn: &mut Conn,
+    shared: &Shared,
+    announce: bool,
+) -> Result<(), Failure> {
     if shared.force_lua {
         shared.paths.module.store(false, Ordering::Relaxed);
         shared.paths.set_module_nodes(Vec::new());
@@ -124,7 +130,7 @@ pub(super) async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<()
         .map(|(primary, reply)| (primary, reply.ok().and_then(|r| module_format(&r))))
         .collect();
     let has = |f: &Option<(String, u64)>| f.as_ref().map(|f| f.1) == Some(ours);
-    let with: Vec<(String, u16)> = found
+    let mut with: Vec<(String, u16)> = found
         .iter()
         .filter(|(_, f)| has(f))
         .filter_map(|(primary, _)| match primary {
@@ -132,7 +138,11 @@ pub(super) async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<()
             Primary::Server => None,
         })
         .collect();
+    with.sort();
     let all = !found.is_empty() && found.iter().all(|(_, f)| has(f));
+    let announce = announce
+        || shared.paths.module_nodes() != with
+        || shared.paths.module.load(Ordering::Relaxed) != all;
     shared.paths.module.store(all, Ordering::Relaxed);
     shared.paths.set_module_nodes(with.clone());
     let mixed = !all && !with.is_empty();
@@ -160,6 +170,9 @@ pub(super) async fn detect_module(conn: &mut Conn, shared: &Shared) -> Result<()
         ),
         None => "as Lua functions: no ratelimit module".to_owned(),
     };
+    if !announce {
+        return Ok(());
+    }
     if mixed {
         for (primary, f) in &found {
             tracing::info!(
