@@ -406,27 +406,23 @@ async fn drive(
 fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats, Error> {
     let cpu = node.command("INFO cpu")?;
     let stats = node.command("INFO commandstats")?;
-    let calls = stats
-        .lines()
-        .filter(|l| {
-            l.starts_with("cmdstat_fcall:")
-                || l.starts_with("cmdstat_evalsha:")
-                || l.starts_with("cmdstat_ratelimit.check")
-        })
-        .filter_map(|l| {
-            l.split(&[':', ','][..])
-                .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
-        })
-        .sum();
-    let slot_checks = stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_exists:"))
-        .and_then(|fields| {
-            fields
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
-        })
-        .unwrap_or(0);
+    // `cmdstat_<name>:calls=<n>,...`: the calls of every command `counted` names.
+    let calls_of = |counted: &dyn Fn(&str) -> bool| -> u64 {
+        stats
+            .lines()
+            .filter_map(|l| l.strip_prefix("cmdstat_")?.split_once(':'))
+            .filter(|(name, _)| counted(name))
+            .filter_map(|(_, fields)| {
+                fields
+                    .split(',')
+                    .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
+            })
+            .sum()
+    };
+    let calls = calls_of(&|name| {
+        name == "fcall" || name == "evalsha" || name.starts_with("ratelimit.check")
+    });
+    let slot_checks = calls_of(&|name| name == "exists");
     let info_stats = node.command("INFO stats")?;
     Ok(NodeStats {
         slot_checks,

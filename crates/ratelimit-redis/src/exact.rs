@@ -165,10 +165,7 @@ impl Exact {
     ) -> Result<(), RedisStoreError> {
         let mut call = REFUND.call(&self.shared.paths, state.as_bytes(), 1, 5 + 5 * rules.len());
         call.cmd.arg(state);
-        match self.injected_now() {
-            Some(now) => call.cmd.arg(now),
-            None => call.cmd.arg(""),
-        };
+        self.now_arg(&mut call.cmd);
         call.cmd
             .arg(unspent.units)
             .arg(unspent.start_us)
@@ -198,10 +195,7 @@ impl Exact {
         let mut names = KeyNames::new(&self.shared.prefix, key);
         let mut call = BLOCK.call(&self.shared.paths, names.block().as_bytes(), 1, 4);
         call.cmd.arg(names.block());
-        match self.injected_now() {
-            Some(now) => call.cmd.arg(now),
-            None => call.cmd.arg(""),
-        };
+        self.now_arg(&mut call.cmd);
         match duration {
             Some(d) => call.cmd.arg(block_us(d)),
             None => call.cmd.arg(""),
@@ -227,6 +221,15 @@ impl Exact {
     /// The injected clock's time; `None` under Redis `TIME`.
     fn injected_now(&self) -> Option<u64> {
         self.shared.clock.as_ref().map(|clock| clock.now_us())
+    }
+
+    /// The `now` argument of `refund` and `block`: the injected clock's time, or empty
+    /// for the server's.
+    fn now_arg(&self, cmd: &mut redis::Cmd) {
+        match self.injected_now() {
+            Some(now) => cmd.arg(now),
+            None => cmd.arg(""),
+        };
     }
 
     /// A check's time: the injected clock's, and when the caller stops waiting.

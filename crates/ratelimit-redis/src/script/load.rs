@@ -56,9 +56,9 @@ pub(crate) struct Paths {
     module_slots: RwLock<Option<Arc<[u64]>>>,
     /// The primaries found with the module, by `(host, port)` as the Cluster names them.
     module_nodes: RwLock<Vec<(String, u16)>>,
-    /// Set when a Cluster master turned out to lack the module (a slot moved to it): the
-    /// node map is read again before the next batch, and with it the slots of the
-    /// module's nodes.
+    /// Set when a Cluster master turned out to lack the module (a slot moved to it, or it
+    /// lost the module): before the next batch, the masters are asked again which have
+    /// it, and the slots of those that do are mapped anew.
     remap: AtomicBool,
 }
 
@@ -79,8 +79,8 @@ impl Paths {
         }
     }
 
-    /// Whether the node map should be read again since a master turned out to lack the
-    /// module; cleared by asking.
+    /// Whether the masters should be asked again which have the module, since one turned
+    /// out to lack it; cleared by asking.
     pub(crate) fn take_remap(&self) -> bool {
         self.remap.swap(false, Ordering::AcqRel)
     }
@@ -88,8 +88,8 @@ impl Paths {
     /// A server answered a call of the module's on the key `first_key` as an unknown
     /// command: it lacks the module. On a Cluster whose masters were found with it, only
     /// that key's slot goes to Lua from now on (the master serving it now lacks the
-    /// module: a slot moved there, or the node restarted without it) and the node map is
-    /// read again before the next batch; the other masters keep the module. On one
+    /// module: a slot moved there, or the node restarted without it) and the masters are
+    /// asked again before the next batch; the other masters keep the module. On one
     /// server, every call goes to Lua until a reconnection finds the module again.
     fn module_missing(&self, first_key: Option<&[u8]>) {
         let cluster = !self

@@ -133,13 +133,12 @@ impl Link {
         if self.shared.paths.take_remap() {
             // A master answered a module call as an unknown command (it lost the module,
             // or a slot moved to one without it): which masters have it is asked again,
-            // and the map read again with it. Until then, only the slots met so far go to
-            // Lua.
+            // and on a mixed Cluster the slots of those that have it are read with it.
+            // Until then, only the slots met so far go to Lua.
             if let Ok((mut conn, _)) = self.conn() {
                 let find = detect_module(&mut conn, &self.shared, false);
                 let _ = tokio::time::timeout(self.shared.timeout, find).await;
             }
-            self.nodes.mark_stale();
         }
         let conn = || match self.conn() {
             Ok((Conn::Cluster(conn), _)) => Some(conn),
