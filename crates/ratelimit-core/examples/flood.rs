@@ -5,8 +5,11 @@
 //! the flood goes.
 //!
 //! ```sh
-//! cargo run --release -p ratelimit-core --example flood -- [keys] [rules]
+//! cargo run --release -p ratelimit-core --example flood -- [keys] [rules] [key bytes]
 //! cargo run --release -p ratelimit-core --example flood -- 3000000 "5/min fixed-window"
+//! # keys the length of a tower layer's store key for an IPv4 client (17: `192.0.2.1`
+//! # under the implicit namespace), or longer than a `MemoryStore` entry holds (28)
+//! cargo run --release -p ratelimit-core --example flood -- 3000000 "5/h gcra" 28
 //! ```
 //!
 //! The clock is a manual one moved 5 µs per key (200,000 keys/s, about what one core
@@ -36,13 +39,15 @@ fn main() {
     let keys: u32 = args.next().map_or(3_000_000, |a| a.parse().expect("keys"));
     let text = args.next().unwrap_or_else(|| "5/min".to_owned());
     let rules: RuleSet = text.parse().expect("rules");
+    let key_len: usize = args.next().map_or(16, |a| a.parse().expect("key bytes"));
+    assert!(key_len >= 8, "keys of at least 8 bytes, to be distinct");
 
     // Start on a minute boundary so a fixed window does not roll over mid-flood.
     let start = 1_700_000_040_000_000;
     let clock = ManualClock::new(start);
     let store = MemoryStore::builder().clock(clock.clone()).build();
     let (rss0, _) = rss_mib();
-    println!("rules: {rules}; flood of {keys} one-shot keys; default cap");
+    println!("rules: {rules}; flood of {keys} one-shot keys of {key_len} bytes; default cap");
     println!("RSS before: {rss0:.1} MiB");
 
     // The victim's state as the pure transition keeps it, never evicted.
@@ -60,12 +65,12 @@ fn main() {
 
     let began = Instant::now();
     let (mut resets, mut checks, mut limited) = (0u32, 0u32, 0u32);
-    let mut key = [0u8; 16];
+    let mut key = vec![0u8; key_len];
     for i in 0..keys {
         clock.advance(Duration::from_micros(5));
-        // Distinct keys that look like IPv6 addresses.
+        // Distinct keys that look like IPv6 addresses (at the default length).
         key[..4].copy_from_slice(&0x2001_0db8u32.to_be_bytes());
-        key[12..].copy_from_slice(&i.to_be_bytes());
+        key[key_len - 4..].copy_from_slice(&i.to_be_bytes());
         store.check_now(&key, &rules, 1).unwrap();
         if i % 10_000 == 0 {
             let (allowed, same) = victim(clock.now_us());

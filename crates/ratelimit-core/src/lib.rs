@@ -63,7 +63,7 @@ mod wait;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use decision::{Decision, Outcome, RuleOutcome};
 pub use error::{CapacityError, ConfigError};
-pub use memory::{MemoryStore, MemoryStoreBuilder, DEFAULT_MAX_KEYS};
+pub use memory::{MemoryStore, MemoryStoreBuilder, DEFAULT_MAX_KEYS, MEMORY_INLINE_KEY_LEN};
 pub use rule::{
     Algorithm, LeakyMode, Rule, RuleSet, MAX_EXACT_PRODUCT, MAX_LOG_LIMIT, MAX_PRECISION, MAX_RULES,
 };

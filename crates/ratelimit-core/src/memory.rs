@@ -115,11 +115,13 @@ struct Entry {
     tag: Tag,
 }
 
-/// Keys of up to this many bytes are held in their entry: an IPv4 address or an IPv6 /64
-/// network under a short namespace (the tower layer's key under `api` is at most 20
-/// bytes). The tower layer's implicit namespace takes 19 bytes of prefix, which puts
-/// its keys out of line.
-const INLINE: usize = 23;
+const INLINE: usize = MEMORY_INLINE_KEY_LEN;
+
+/// Keys of up to this many bytes are held in their entry of a [`MemoryStore`], with no
+/// allocation of their own: an IPv4 address or an IPv6 /64 network under a short prefix
+/// (the tower layer's keys of IPv4 clients under its implicit namespace or a namespace of
+/// up to 6 bytes are at most 23 bytes). Longer keys cost an allocation per tracked key.
+pub const MEMORY_INLINE_KEY_LEN: usize = 23;
 
 /// An entry's key kind, state form and eviction tier in one byte.
 ///

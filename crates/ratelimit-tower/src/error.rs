@@ -12,6 +12,21 @@ pub enum BuildError {
     /// A namespace that is empty or longer than 255 bytes.
     #[error("namespace {0:?} must be 1 to 255 bytes long")]
     BadNamespace(String),
+    /// Two layers built in different places of this process whose implicit namespaces
+    /// (derived from where each is built) are the same: their budgets would be one.
+    #[error(
+        "the layers built at {here} and at {other} derive the same implicit namespace \
+         {namespace:?}, so they would share their budgets; name one of them with \
+         `RateLimitLayer::builder(store, key).namespace(\"...\")`"
+    )]
+    ImplicitNamespaceClash {
+        /// The namespace both derive.
+        namespace: String,
+        /// Where the layer refused is built.
+        here: String,
+        /// Where the layer that derived it first is built.
+        other: String,
+    },
     /// A tier name that is empty, longer than 64 bytes, or not `[A-Za-z0-9_.-]` (shown cut
     /// to 200 bytes).
     #[error("tier name {0:?} must be 1 to 64 characters of A-Z, a-z, 0-9, `_`, `-`, `.`")]
