@@ -1,5 +1,5 @@
 //! Throwaway Redis servers for tests: a `redis-server` on a free port, a 3-master Redis
-//! Cluster, or a primary with a replica watched by a `redis-sentinel`, each killed when
+//! Cluster, or a primary with a replica watched by a Sentinel, each killed when
 //! dropped. Servers and clusters also run on Valkey ([`ServerKind::Valkey`]:
 //! [`RedisServer::start_valkey`], [`RedisCluster::start_valkey`] and their `_with_module`
 //! forms), found as [`ServerKind::program`] says.
@@ -876,12 +876,11 @@ impl RedisSentinel {
     ///
     /// # Panics
     ///
-    /// When `redis-server` or `redis-sentinel` is missing or the set does not form.
+    /// When `redis-server` is missing or the set does not form.
     pub fn start() -> Self {
         Self::try_start().unwrap_or_else(|e| {
             panic!(
-                "cannot start Redis Sentinel: {e} (install `redis-server`, `redis-sentinel` \
-                 and `redis-tools`)"
+                "cannot start Redis Sentinel: {e} (install `redis-server` and `redis-tools`)"
             )
         })
     }
