@@ -879,9 +879,7 @@ impl RedisSentinel {
     /// When `redis-server` is missing or the set does not form.
     pub fn start() -> Self {
         Self::try_start().unwrap_or_else(|e| {
-            panic!(
-                "cannot start Redis Sentinel: {e} (install `redis-server` and `redis-tools`)"
-            )
+            panic!("cannot start Redis Sentinel: {e} (install `redis-server` and `redis-tools`)")
         })
     }
 
