@@ -1181,3 +1181,39 @@ fn lua_and_module_write_the_same_bytes() {
     }
     alive(&server);
 }
+
+/// A batch of more than 256 distinct packed values (here, 299 costs) goes in the older
+/// form, whose checks carry their own: the compact form refers to at most 256.
+#[tokio::test(flavor = "current_thread")]
+async fn a_batch_of_more_than_256_distinct_checks_goes_in_the_older_form() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let store = RedisStore::builder()
+        .pool_size(1)
+        .max_batch(512)
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    let rules: RuleSet = "1000/h fixed-window".parse().unwrap();
+    common::reset_stats(&mut con);
+    let tasks: Vec<_> = (0..300u64)
+        .map(|i| {
+            let (store, rules) = (store.clone(), rules.clone());
+            tokio::spawn(
+                async move { store.check(format!("k{i}").as_bytes(), &rules, i + 1).await },
+            )
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let decided = task.await.unwrap().expect("check");
+        assert_eq!(decided.rules()[0].remaining, 1000 - (i as u64 + 1));
+    }
+    let stats = common::commandstats(&mut con);
+    let calls = |command: &str| stats.get(command).map_or(0, |s| s.0);
+    // The first check alone, the 299 queued behind it in one call.
+    assert_eq!(calls("ratelimit.check"), 1);
+    assert_eq!(calls("ratelimit.check_many"), 1);
+    assert_eq!(calls("ratelimit.check_states"), 0);
+}
