@@ -13,7 +13,9 @@
 //! - `check_many` of `lua/check.lua` on batches of 64 checks, one rule and four rules;
 //! - the same batches as `RATELIMIT.CHECK_MANY` of the native module, when the server
 //!   loads it: `$RATELIMIT_MODULE` names the module's `.so`, else
-//!   `target/release/libratelimit_redis_module.so` when it is there (build it first).
+//!   `target/release/libratelimit_redis_module.so` when it is there (build it first);
+//!   and in its compact form, `RATELIMIT.CHECK_STATES` (one argument per check and the
+//!   packed value once; a module before it fails that row).
 //!
 //! Every key is a new one for its round, so every check is admitted and writes its state;
 //! but in the last rows, which check the same 64 keys in every batch (a limiter's steady
@@ -31,7 +33,8 @@
 //!
 //! `CLUSTER=1` measures instead, on a Cluster node serving every slot with the module
 //! loaded, the module's batches as `RATELIMIT.CHECK_MANY` and as `RATELIMIT.CHECK_LOCAL`
-//! (the Cluster's per-node batches, each check's slot checked).
+//! and `RATELIMIT.CHECK_LOCAL_STATES` (the Cluster's per-node batches, each check's slot
+//! checked, in the older and the compact form).
 //!
 //! `KEEP` names a directory where each row's callgrind dump is kept (`<row>-<path>.out`),
 //! to see where a row's instructions go.
@@ -129,6 +132,7 @@ fn main() {
         &[
             ("check_many", Some(script.batch_function)),
             ("RATELIMIT.CHECK_MANY", None),
+            ("RATELIMIT.CHECK_STATES", None),
         ]
     } else {
         &[("check_many", Some(script.batch_function))]
@@ -165,7 +169,8 @@ fn main() {
                 }
                 None => redis::cmd(path),
             };
-            cmd.arg(keys * BATCH);
+            let compact = path == "RATELIMIT.CHECK_STATES";
+            cmd.arg(if compact { BATCH } else { keys * BATCH });
             // Each path its own keys, so that the second does not find the first's.
             for i in 0..BATCH {
                 let tag = if same_keys {
@@ -173,21 +178,24 @@ fn main() {
                 } else {
                     format!("check:{path}:{{{round}:{i}}}")
                 };
-                cmd.arg(format!("{tag}:b")).arg(format!("{tag}:s"));
+                if !compact {
+                    cmd.arg(format!("{tag}:b"));
+                }
+                cmd.arg(format!("{tag}:s"));
             }
-            cmd.arg(vec![b'0' + keys as u8; BATCH]);
-            for _ in 0..BATCH {
-                cmd.arg(&args[0][..]);
+            if compact {
+                // The compact form: the one packed value, referred to by every check.
+                cmd.arg(compact_refs()).arg(&args[0][..]);
+            } else {
+                cmd.arg(vec![b'0' + keys as u8; BATCH]);
+                for _ in 0..BATCH {
+                    cmd.arg(&args[0][..]);
+                }
             }
             let reply: Vec<u8> = cmd.query(con).unwrap();
             assert!(reply.len() >= BATCH * 48, "every check decided");
             if same_keys {
-                // One rule: 6 values per check, the third its `allowed`.
-                let allowed = reply
-                    .chunks(48)
-                    .filter(|c| c.get(16..24) == Some(&1f64.to_le_bytes()[..]))
-                    .count();
-                assert_eq!(allowed, BATCH, "every check admitted");
+                assert_eq!(allowed(&reply), BATCH, "every check admitted");
             }
         });
         println!("| `{path}`, {name} | {cost:.0} | {:.2}x |", cost / ping);
@@ -234,8 +242,22 @@ fn cluster_rows(rounds: usize, module: &str) {
     println!("|---|---:|");
     let rules: RuleSet = "1/min gcra burst=1000".parse().expect("rules");
     let args = check_script_args(&rules, 1);
-    for path in ["RATELIMIT.CHECK_MANY", "RATELIMIT.CHECK_LOCAL"] {
+    for path in [
+        "RATELIMIT.CHECK_MANY",
+        "RATELIMIT.CHECK_LOCAL",
+        "RATELIMIT.CHECK_LOCAL_STATES",
+    ] {
         let cost = count(&server, path, &mut con, rounds, |con, _| {
+            if path == "RATELIMIT.CHECK_LOCAL_STATES" {
+                let mut cmd = redis::cmd(path);
+                cmd.arg(0).arg(compact_refs()).arg(&args[0][..]);
+                for i in 0..BATCH {
+                    cmd.arg(format!("hot:{path}:{{{i}}}:s"));
+                }
+                let reply: Vec<u8> = cmd.query(con).unwrap();
+                assert_eq!(allowed(&reply), BATCH, "every check admitted");
+                return;
+            }
             let names: Vec<String> = (0..BATCH)
                 .flat_map(|i| {
                     [
@@ -258,14 +280,26 @@ fn cluster_rows(rounds: usize, module: &str) {
                 cmd.arg(&names);
             }
             let reply: Vec<u8> = cmd.query(con).unwrap();
-            let allowed = reply
-                .chunks(48)
-                .filter(|c| c.get(16..24) == Some(&1f64.to_le_bytes()[..]))
-                .count();
-            assert_eq!(allowed, BATCH, "every check admitted");
+            assert_eq!(allowed(&reply), BATCH, "every check admitted");
         });
         println!("| `{path}`, `1/min gcra burst=1000`, the same 64 keys every batch | {cost:.0} |");
     }
+}
+
+/// The admitted checks of a batch reply of one-rule decisions (6 values per check, the
+/// third its `allowed`).
+fn allowed(reply: &[u8]) -> usize {
+    reply
+        .chunks(48)
+        .filter(|c| c.get(16..24) == Some(&1f64.to_le_bytes()[..]))
+        .count()
+}
+
+/// The `refs` of a compact batch (`RATELIMIT.CHECK_STATES`) of `BATCH` checks of one
+/// packed value without deadlines: per check, the value's index (0) and the deadline (0,
+/// none), 9 bytes.
+fn compact_refs() -> Vec<u8> {
+    vec![0u8; 9 * BATCH]
 }
 
 /// The module's shared object, when there is one to load.

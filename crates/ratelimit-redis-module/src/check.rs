@@ -31,7 +31,7 @@ thread_local! {
 type ReadCheck = (Box<[u8]>, Header, Rc<PackedRules>);
 
 /// The header and the rules of a packed check, read or taken from the caches.
-fn read_check(packed_check: &[u8]) -> Result<(Header, Rc<PackedRules>), String> {
+pub(crate) fn read_check(packed_check: &[u8]) -> Result<(Header, Rc<PackedRules>), String> {
     let last = LAST.with(|last| {
         last.borrow()
             .as_ref()
@@ -106,10 +106,6 @@ pub(crate) fn check_one(
     server_now: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
-    #[cfg(feature = "test-panic")]
-    if keys.state.as_slice().ends_with(b"{rlpanic}:s") {
-        panic!("{}", crate::TEST_PANIC);
-    }
     let (header, rules) = read_check(packed_check)?;
     if (header.log_limit > 0) != keys.log.is_some() {
         return Err(args_error(&format_args!(
@@ -122,6 +118,24 @@ pub(crate) fn check_one(
             if header.log_limit > 0 { 3 } else { 2 }
         )));
     }
+    decide_one(ctx, keys, &header, &rules, server_now, out)
+}
+
+/// Decides one check whose packed values are read already (`header`, `rules`) and
+/// appends its reply to `out`; an `Err` as for [`check_one`].
+pub(crate) fn decide_one(
+    ctx: &Context,
+    keys: &Keys<'_>,
+    header: &Header,
+    rules: &PackedRules,
+    server_now: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    #[cfg(feature = "test-panic")]
+    if keys.state.as_slice().ends_with(b"{rlpanic}:s") {
+        panic!("{}", crate::TEST_PANIC);
+    }
+    let header = *header;
     rules
         .rules()
         .check_cost(header.cost)
@@ -175,7 +189,7 @@ pub(crate) fn check_one(
     // commits, as in Lua.
     let foreign_type = !matches!(state_key.key_type(), KeyType::String | KeyType::Empty);
     if let Some(raw) = state_key.string() {
-        stored = packed::decode_state(raw, &header, &rules, now);
+        stored = packed::decode_state(raw, &header, rules, now);
         discarded |= stored.is_none();
     }
     let (mut states, log_counts, converted) = match stored {
@@ -230,7 +244,7 @@ pub(crate) fn check_one(
         };
         let log_until = log_now + header.log_period_us;
         let mut raw = Vec::with_capacity(8 * header.width);
-        packed::encode_state(&mut raw, &header, &rules, &states, log_until);
+        packed::encode_state(&mut raw, &header, rules, &states, log_until);
         let expiry = expires_at_ms(&header, now, transition.expires_at_us);
         state_key.write(keys.state, &raw, Expiry::At(expiry))?;
         drop(state_key);
@@ -254,7 +268,7 @@ pub(crate) fn check_one(
             keys,
             &mut state_key,
             &header,
-            &rules,
+            rules,
             &states,
             now,
             &transition,

@@ -7,7 +7,7 @@ use ratelimit_core::packed;
 use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
-use crate::check::{check_one, server_now_us, Keys};
+use crate::check::{args_error, check_one, decide_one, read_check, server_now_us, Keys};
 use crate::keyspace::{served, StableSlots};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
@@ -167,6 +167,192 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     Ok(RedisValue::StringBuffer(out))
 }
 
+/// The length of one check's entry in a compact batch's `refs` argument: the index of
+/// its packed value among the call's distinct ones (one byte, so at most 256 distinct
+/// values are referred to), then its caller's deadline in µs on the server's clock (8
+/// bytes, little-endian, 0 for none), which the packed values leave out: the deadline
+/// is the one header value that differs from check to check of a batch, and without it
+/// the checks of the same rules and cost share one packed value.
+pub(crate) const REF_LEN: usize = 9;
+
+/// One check's entry in a compact batch's `refs`.
+#[derive(Clone, Copy)]
+struct Ref {
+    /// The index of its packed value.
+    pack: usize,
+    deadline: Option<u64>,
+}
+
+/// The entries of a compact batch's `refs` for `checks` checks of `packs` packed
+/// values: an error for the whole call, before anything is read, when their length
+/// is not [`REF_LEN`] per check or one refers past the packed values.
+fn refs_of(
+    command: &str,
+    refs: &[u8],
+    checks: usize,
+    packs: usize,
+) -> Result<Vec<Ref>, RedisError> {
+    if refs.len() != checks * REF_LEN {
+        return Err(arity(&format!(
+            "{command} takes {REF_LEN} bytes of refs per check: {checks} checks, got {} bytes",
+            refs.len()
+        )));
+    }
+    refs.chunks_exact(REF_LEN)
+        .enumerate()
+        .map(|(i, entry)| {
+            let pack = usize::from(entry[0]);
+            if pack >= packs {
+                return Err(arity(&format!(
+                    "{command}: check {i} refers to packed value {pack}, of {packs}"
+                )));
+            }
+            let mut deadline = [0; 8];
+            deadline.copy_from_slice(&entry[1..]);
+            let deadline = u64::from_le_bytes(deadline);
+            Ok(Ref {
+                pack,
+                deadline: (deadline > 0).then_some(deadline),
+            })
+        })
+        .collect()
+}
+
+/// Whether a state key's name is `..{tag}:s`: it ends in `}:s` and has a hash tag (a
+/// `{` followed by something and a `}`), so that its block marker's and log's names,
+/// the same but for the last byte, hash to its Cluster slot.
+fn is_state_name(name: &[u8]) -> bool {
+    let Some(stem) = name.strip_suffix(b"}:s") else {
+        return false;
+    };
+    stem.iter().position(|&b| b == b'{').is_some_and(|open| {
+        // The tag ends at the first `}` after the `{`: the one of the suffix, or earlier.
+        let inside = &name[open + 1..];
+        inside
+            .iter()
+            .position(|&b| b == b'}')
+            .is_some_and(|close| close > 0)
+    })
+}
+
+/// The name of a check's other key: its state's name with the last byte `kind` (`b`
+/// the block marker, `l` the sliding log), written through `scratch`.
+fn sibling(state: &[u8], kind: u8, scratch: &mut Vec<u8>) -> RedisString {
+    scratch.clear();
+    scratch.extend_from_slice(state);
+    if let Some(last) = scratch.last_mut() {
+        *last = kind;
+    }
+    RedisString::create_from_slice(std::ptr::null_mut(), scratch)
+}
+
+/// The checks of a compact batch: each state name with its `refs` entry, decided in
+/// order on the packed values `packs` (each read once per call), each check's slot
+/// asked about first when `stable` is given (a Cluster node's batch).
+fn compact_checks(
+    ctx: &Context,
+    states: &[RedisString],
+    refs: &[Ref],
+    packs: &[RedisString],
+    mut stable: Option<&mut StableSlots>,
+) -> Vec<u8> {
+    let now = server_now_us();
+    let mut out = Vec::with_capacity(states.len() * 48);
+    let mut reads: SmallVec<[Option<Result<_, String>>; 4]> =
+        std::iter::repeat_with(|| None).take(packs.len()).collect();
+    let mut scratch = Vec::new();
+    for (state, r) in states.iter().zip(refs) {
+        let start = out.len();
+        let read = reads[r.pack].get_or_insert_with(|| read_check(packs[r.pack].as_slice()));
+        let decided = guarded(|| {
+            let (header, rules) = read.as_ref().map_err(Clone::clone)?;
+            let name = state.as_slice();
+            if !is_state_name(name) {
+                return Err(args_error(&format_args!(
+                    "a state key's name ends in `}}:s` after a hash tag, got {:?}",
+                    String::from_utf8_lossy(&name[name.len().saturating_sub(64)..])
+                )));
+            }
+            let block = sibling(name, b'b', &mut scratch);
+            let log = (header.log_limit > 0).then(|| sibling(name, b'l', &mut scratch));
+            if let Some(stable) = stable.as_deref_mut() {
+                // The block marker alone, asked about first as in `check_local`: the
+                // state's hash tag, checked above, puts the check's keys in its slot.
+                served(ctx, &[&block], stable).map_err(|why| format!("RLMOVED {why}"))?;
+            }
+            let mut header = *header;
+            header.deadline = r.deadline;
+            let keys = Keys {
+                block: &block,
+                state,
+                log: log.as_ref(),
+            };
+            decide_one(ctx, &keys, &header, rules, now, &mut out)
+        });
+        if let Err(message) = decided {
+            out.truncate(start);
+            packed::encode_failure(&mut out, message.as_bytes());
+        }
+    }
+    out
+}
+
+/// `RATELIMIT.CHECK_STATES numkeys state.. refs packed..`: `CHECK_MANY`'s checks in
+/// compact form, one argument per check (its state key; the block marker's and the
+/// log's names follow from it) and the distinct packed values once, each check's
+/// referred to by `refs` (see [`REF_LEN`]).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+pub(crate) fn check_states(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    const NAME: &str = "ratelimit.check_states";
+    let numkeys = args
+        .get(1)
+        .and_then(|n| n.try_as_str().ok()?.parse::<usize>().ok())
+        .ok_or_else(|| arity(&format!("{NAME} takes numkeys first")))?;
+    let states = args
+        .get(2..2 + numkeys)
+        .ok_or_else(|| arity(&format!("{NAME} has fewer keys than numkeys")))?;
+    let Some((refs, packs)) = args[2 + numkeys..].split_first() else {
+        return Err(arity(&format!("{NAME} takes the refs after the keys")));
+    };
+    let refs = refs_of(NAME, refs.as_slice(), numkeys, packs.len())?;
+    Ok(RedisValue::StringBuffer(compact_checks(
+        ctx, states, &refs, packs, None,
+    )))
+}
+
+/// `RATELIMIT.CHECK_LOCAL_STATES 0 refs packed.. state..`: `CHECK_LOCAL`'s checks in
+/// the compact form of [`check_states`], on one Cluster node; a check whose slot the
+/// node does not serve is answered `RLMOVED`, untouched. The number of checks is the
+/// length of `refs` over [`REF_LEN`]; the state keys are the last arguments.
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+pub(crate) fn check_local_states(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    const NAME: &str = "ratelimit.check_local_states";
+    let Some(refs) = args.get(2) else {
+        return Err(arity(&format!("{NAME} takes 0 and the refs first")));
+    };
+    let checks = refs.as_slice().len() / REF_LEN;
+    let Some(packs) = args
+        .len()
+        .checked_sub(checks)
+        .and_then(|end| args.get(3..end))
+    else {
+        return Err(arity(&format!(
+            "{NAME} has {checks} checks by its refs but {} arguments",
+            args.len() - 1
+        )));
+    };
+    let refs = refs_of(NAME, refs.as_slice(), checks, packs.len())?;
+    let states = &args[args.len() - checks..];
+    let mut stable = StableSlots::new();
+    Ok(RedisValue::StringBuffer(compact_checks(
+        ctx,
+        states,
+        &refs,
+        packs,
+        Some(&mut stable),
+    )))
+}
+
 /// A command on one key that answers an integer, its panics caught.
 fn integer_command(
     args: &[RedisString],
@@ -201,11 +387,19 @@ pub(crate) fn block(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     integer_command(&args, |args| crate::block::block(ctx, args))
 }
 
-/// `RATELIMIT.VERSION`: the module's version and its state format.
+/// `RATELIMIT.VERSION`: the module's version, its state format, and the batch protocol
+/// it serves (see [`crate::PROTOCOL`]).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 pub(crate) fn version(_: &Context, _: Vec<RedisString>) -> RedisResult {
-    Ok(RedisValue::Array(vec![
+    let mut reply = vec![
         RedisValue::SimpleString(env!("CARGO_PKG_VERSION").to_owned()),
         RedisValue::Integer(i64::try_from(crate::STATE_FORMAT).unwrap_or(i64::MAX)),
-    ]))
+    ];
+    // A module of protocol 0 answers as the modules before the compact form: two
+    // elements, which stores of every version read.
+    let protocol = crate::protocol();
+    if protocol > 0 {
+        reply.push(RedisValue::Integer(i64::from(protocol)));
+    }
+    Ok(RedisValue::Array(reply))
 }

@@ -27,14 +27,33 @@
 //! - `RATELIMIT.CHECK_LOCAL 0 counts packed.. key..`: the same on one Redis Cluster node
 //!   for keys of any slots it serves (`check_local`); a check whose slot it does not
 //!   serve is answered `RLMOVED` untouched.
+//! - `RATELIMIT.CHECK_STATES numkeys state.. refs packed..` and
+//!   `RATELIMIT.CHECK_LOCAL_STATES 0 refs packed.. state..`: `CHECK_MANY` and
+//!   `CHECK_LOCAL` in compact form (batch protocol 1, [`PROTOCOL`]), one argument per
+//!   check instead of three or four (each argument costs Redis about 600 instructions to
+//!   read and free). A check is named by its state key, `<prefix>:{<tag>}:s`; its block
+//!   marker's and sliding log's names are the same with `b` and `l` last, the log used
+//!   when the packed header has a log limit. The packed values come once each; `refs`
+//!   holds 9 bytes per check: the index of its packed value (one byte: at most 256
+//!   distinct values per call) and its deadline (µs on the server's clock,
+//!   little-endian, 0 for none), which replaces the packed value's own: a batch's
+//!   checks differ in nothing else. A state name not ending in `}:s` after a hash tag
+//!   fails that check (`RLARGS`); `refs` of the wrong length or referring past the
+//!   packed values fail the call before anything is read. Replies as the older form's.
 //! - `RATELIMIT.REFUND state now units start granted (id code limit period window)..`:
 //!   a lease's unspent units given back (`refund`), by
 //!   [`ratelimit_core::algo::refund_unspent`].
 //! - `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
 //!   (`give_back`), by [`ratelimit_core::algo::refund`].
 //! - `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
-//! - `RATELIMIT.VERSION`: the module's version and the state format it reads and writes
-//!   ([`STATE_FORMAT`]); a store uses the module only when the format is its own.
+//! - `RATELIMIT.VERSION`: the module's version, the state format it reads and writes
+//!   ([`STATE_FORMAT`]) and its batch protocol ([`PROTOCOL`]; modules before the
+//!   compact form answer without it); a store uses the module only when the format is
+//!   its own, and the compact form only when every module master reports it.
+//!
+//! Loaded with the arguments `protocol 0` (`--loadmodule <path> protocol 0`), the
+//! module serves and reports only what a module before the compact form does: for tests
+//! of a rollout across module versions. Other load arguments refuse the load.
 //!
 //! # What it does like the Lua functions, and how
 //!
@@ -61,13 +80,101 @@ pub const TEST_PANIC: &str = "ratelimit-redis-module test panic (feature test-pa
 /// [`ratelimit_core::packed::STATE_FORMAT`], reported by `RATELIMIT.VERSION`.
 pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 
+/// The batch protocol this build serves, reported as `RATELIMIT.VERSION`'s third
+/// element: 1, the compact batches (`RATELIMIT.CHECK_STATES`,
+/// `RATELIMIT.CHECK_LOCAL_STATES`) besides the older ones. A module before them answers
+/// `RATELIMIT.VERSION` with two elements (protocol 0).
+pub const PROTOCOL: u8 = 1;
+
+/// The protocol served, [`PROTOCOL`] unless the module was loaded with `protocol 0`.
+static SERVED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(PROTOCOL);
+
+/// The batch protocol the module serves, as loaded.
+pub(crate) fn protocol() -> u8 {
+    SERVED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The module's load arguments: none, or `protocol 0` (the module then serves and
+/// reports only what a module before the compact batches does: a Cluster's masters
+/// with modules of two versions during a rollout, as tests build them). Anything else
+/// refuses the load with a message saying what is accepted.
+fn protocol_arg(args: &[String]) -> Result<u8, String> {
+    match args {
+        [] => Ok(PROTOCOL),
+        [name, value] if name.eq_ignore_ascii_case("protocol") => match value.parse::<u8>() {
+            Ok(p) if p <= PROTOCOL => Ok(p),
+            _ => Err(format!(
+                "ratelimit: `protocol {value}`: the protocol is 0 to {PROTOCOL}"
+            )),
+        },
+        _ => Err(format!(
+            "ratelimit: unknown load arguments {args:?}; the module takes none, or \
+             `protocol 0` to serve only the batch commands of modules before the compact \
+             form"
+        )),
+    }
+}
+
 // The registration with Redis: `redis_module!` expands to the module's one unsafe entry
 // point, the `extern "C"` function Redis calls when it loads the module.
 #[allow(unsafe_code, missing_docs)]
 mod registration {
-    use redis_module::redis_module;
+    use std::ffi::CString;
+    use std::os::raw::c_int;
 
-    use crate::commands::{block, check, check_local, check_many, give_back, refund, version};
+    use redis_module::{raw, redis_command, redis_module, Context, RedisString, Status};
+
+    use crate::commands::{
+        block, check, check_local, check_local_states, check_many, check_states, give_back, refund,
+        version,
+    };
+
+    /// Reads the load arguments; registers the compact batch commands unless loaded with
+    /// `protocol 0` (a module of that protocol does not know them).
+    fn init(ctx: &Context, args: &[RedisString]) -> Status {
+        let args: Vec<String> = args.iter().map(ToString::to_string).collect();
+        let protocol = match super::protocol_arg(&args) {
+            Ok(protocol) => protocol,
+            Err(message) => {
+                ctx.log_warning(&message);
+                return Status::Err;
+            }
+        };
+        super::SERVED.store(protocol, std::sync::atomic::Ordering::Relaxed);
+        if protocol >= 1 && register_compact(ctx.ctx) != raw::Status::Ok as c_int {
+            return Status::Err;
+        }
+        Status::Ok
+    }
+
+    fn register_compact(ctx: *mut raw::RedisModuleCtx) -> c_int {
+        // SAFETY: `ctx` is the context Redis gave `RedisModule_OnLoad`, still loading the
+        // module, as for the commands `redis_module!` registers (the macro calls the
+        // module API's function pointers, set before `init` runs).
+        unsafe {
+            redis_command!(
+                ctx,
+                "ratelimit.check_states",
+                check_states,
+                "write deny-oom",
+                0,
+                0,
+                0,
+                ""
+            );
+            redis_command!(
+                ctx,
+                "ratelimit.check_local_states",
+                check_local_states,
+                "write deny-oom",
+                0,
+                0,
+                0,
+                ""
+            );
+        }
+        raw::Status::Ok as c_int
+    }
 
     redis_module! {
         name: "ratelimit",
@@ -75,6 +182,7 @@ mod registration {
         // Redis's allocator: the module's memory counts in INFO and against maxmemory.
         allocator: (redis_module::alloc::RedisAlloc, redis_module::alloc::RedisAlloc),
         data_types: [],
+        init: init,
         commands: [
             ["ratelimit.check", check, "write deny-oom", 1, -2, 1, ""],
             ["ratelimit.check_many", check_many, "write deny-oom", 0, 0, 0, ""],

@@ -713,6 +713,30 @@ impl RedisCluster {
         .unwrap_or_else(|e| panic!("cannot start a mixed Redis Cluster: {e}"))
     }
 
+    /// Starts a cluster whose node `i` loads the native module with the load arguments
+    /// `protocol <protocols[i]>`: 0 makes a node's module serve and report only the batch
+    /// commands of modules before the compact form (a Cluster amid a rollout of the
+    /// module's versions).
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_protocols(protocols: [u8; 3]) -> Self {
+        let module = module_file();
+        let module = module.to_string_lossy();
+        Self::try_start_kind_each(ServerKind::Redis, |i| {
+            vec![
+                "--loadmodule".to_owned(),
+                module.clone().into_owned(),
+                "protocol".to_owned(),
+                protocols[i].to_string(),
+            ]
+        })
+        .unwrap_or_else(|e| {
+            panic!("cannot start a Redis Cluster of module protocols {protocols:?}: {e}")
+        })
+    }
+
     /// Starts a cluster of `kind`'s nodes, each with the extra command-line `options`;
     /// the error says what failed.
     pub fn try_start_kind_with(kind: ServerKind, options: &[&str]) -> io::Result<Self> {

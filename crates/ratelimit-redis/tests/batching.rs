@@ -28,9 +28,30 @@ async fn store(server: &RedisServer, prefix: &str, clock: Option<ManualClock>) -
     store
 }
 
-/// Batch calls and single calls since the last reset.
-fn calls(con: &mut redis::Connection) -> u64 {
-    common::commandstats(con).get("fcall").map_or(0, |s| s.0)
+/// Batch calls and single calls since the last reset: FCALLs, or on the module its
+/// single checks and compact batches. On the module, requires that no batch went in the
+/// older form (the module has the compact one).
+fn calls(con: &mut redis::Connection, module: bool) -> u64 {
+    let stats = common::commandstats(con);
+    let count = |command: &str| stats.get(command).map_or(0, |s| s.0);
+    if !module {
+        return count("fcall");
+    }
+    assert_eq!(count("fcall"), 0, "a check went to Lua");
+    assert_eq!(
+        count("ratelimit.check_many"),
+        0,
+        "a batch in the older form"
+    );
+    count("ratelimit.check") + count("ratelimit.check_states")
+}
+
+fn server(module: bool) -> RedisServer {
+    if module {
+        RedisServer::start_with_module()
+    } else {
+        RedisServer::start()
+    }
 }
 
 /// What a decision says, to compare two stores'.
@@ -44,12 +65,23 @@ fn said(d: &ratelimit_core::Decision) -> (bool, Option<Duration>, Vec<u64>) {
 
 #[tokio::test(flavor = "current_thread")]
 async fn concurrent_checks_decide_as_the_memory_store_decides_them_one_by_one() {
+    concurrent_checks_decide_as_alone(false).await;
+}
+
+/// The same on the module, whose batches go in its compact form: one argument per
+/// check, the packed values once (each check's deadline beside its reference).
+#[tokio::test(flavor = "current_thread")]
+async fn module_batches_decide_as_the_memory_store_decides_them_one_by_one() {
+    concurrent_checks_decide_as_alone(true).await;
+}
+
+async fn concurrent_checks_decide_as_alone(module: bool) {
     const CHECKS: usize = 300;
     // Most checks on one hot key, the others on a few more, mixed in every batch.
     fn key(i: usize) -> &'static [u8] {
         [&b"hot"[..], b"hot", b"hot", b"warm", b"hot", b"cool"][i % 6]
     }
-    let server = RedisServer::start();
+    let server = server(module);
     let mut con = common::conn(&server.url());
     for rules in [
         "50/min sliding-window precision=1",
@@ -75,7 +107,7 @@ async fn concurrent_checks_decide_as_the_memory_store_decides_them_one_by_one() 
             for task in tasks {
                 decided.push(said(&task.await.unwrap().expect("check")));
             }
-            let fcalls = calls(&mut con);
+            let fcalls = calls(&mut con, module);
             assert!(
                 fcalls < CHECKS as u64 / 10,
                 "{rules}: {fcalls} calls for {CHECKS} checks: they were not batched"
@@ -100,7 +132,16 @@ async fn concurrent_checks_decide_as_the_memory_store_decides_them_one_by_one() 
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_failing_check_in_a_batch_does_not_fail_its_mates() {
-    let server = RedisServer::start();
+    a_failing_check_does_not_fail_its_mates(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_failing_check_in_a_module_batch_does_not_fail_its_mates() {
+    a_failing_check_does_not_fail_its_mates(true).await;
+}
+
+async fn a_failing_check_does_not_fail_its_mates(module: bool) {
+    let server = server(module);
     let mut con = common::conn(&server.url());
     let store = store(&server, "mates", None).await;
     let deep: RuleSet = "10/s sliding-log; 10000/h sliding-log".parse().unwrap();
@@ -141,7 +182,11 @@ async fn a_failing_check_in_a_batch_does_not_fail_its_mates() {
     }
     // The first check found no call in flight and went alone; the 19 that queued
     // meanwhile went together.
-    assert_eq!(calls(&mut con), 2, "the 20 checks went in two calls");
+    assert_eq!(
+        calls(&mut con, module),
+        2,
+        "the 20 checks went in two calls"
+    );
     // The failing check charged nothing and healed its key; its mates were charged.
     assert!(store.check(b"bad", &deep, 1).await.unwrap().is_allowed());
     let d = store.check(b"good-3", &deep, 1).await.unwrap();

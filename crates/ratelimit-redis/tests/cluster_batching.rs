@@ -35,10 +35,15 @@ fn fcalls(cons: &mut [redis::Connection]) -> u64 {
     cons.iter_mut()
         .map(|con| {
             let stats = common::commandstats(con);
-            ["fcall", "ratelimit.check", "ratelimit.check_local"]
-                .iter()
-                .map(|name| stats.get(*name).map_or(0, |s| s.0))
-                .sum::<u64>()
+            [
+                "fcall",
+                "ratelimit.check",
+                "ratelimit.check_local",
+                "ratelimit.check_local_states",
+            ]
+            .iter()
+            .map(|name| stats.get(*name).map_or(0, |s| s.0))
+            .sum::<u64>()
         })
         .sum()
 }
@@ -117,7 +122,11 @@ fn each_master_on_its_path(cons: &mut [redis::Connection]) {
                 .sum::<u64>()
         };
         let lua = count(&["fcall", "evalsha", "eval"]);
-        let module = count(&["ratelimit.check", "ratelimit.check_local"]);
+        let module = count(&[
+            "ratelimit.check",
+            "ratelimit.check_local",
+            "ratelimit.check_local_states",
+        ]);
         if i == 1 {
             assert!(
                 lua > 0 && module == 0,
@@ -296,6 +305,103 @@ async fn a_master_that_loses_the_module_goes_to_lua_alone() {
     assert!(!redis.uses_module(), "not every master has the module");
 }
 
+/// The node batches the masters took in compact form (`RATELIMIT.CHECK_LOCAL_STATES`)
+/// and in the older form (`RATELIMIT.CHECK_LOCAL`), since the stats were reset.
+fn batch_forms(cons: &mut [redis::Connection]) -> (u64, u64) {
+    cons.iter_mut().fold((0, 0), |(compact, older), con| {
+        let stats = common::commandstats(con);
+        let count = |command: &str| stats.get(command).map_or(0, |s| s.0);
+        (
+            compact + count("ratelimit.check_local_states"),
+            older + count("ratelimit.check_local"),
+        )
+    })
+}
+
+/// A Cluster amid a rollout of the module's versions: master 0's module is of the
+/// protocol before the compact form. The store sends every master the older form (the
+/// compact one only where every module master has it) and decides as the memory store.
+#[tokio::test(flavor = "current_thread")]
+async fn masters_of_two_module_versions_get_the_older_batches() {
+    let cluster = RedisCluster::start_with_module_protocols([0, 1, 1]);
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
+    let clock = ManualClock::new(T0_US);
+    let (redis, memory) = common::cluster_stores(&cluster, &clock, "versions").await;
+    assert!(redis.uses_module());
+    for con in cons.iter_mut() {
+        common::reset_stats(con);
+    }
+    for _ in 0..3 {
+        clock.advance(Duration::from_millis(700));
+        round(&redis, &memory, &rules, &mut cons).await;
+    }
+    let (compact, older) = batch_forms(&mut cons);
+    assert_eq!(compact, 0, "compact batches beside a module without them");
+    assert!(older > 0, "no batch");
+    for con in cons.iter_mut() {
+        let stats = common::commandstats(con);
+        assert_eq!(stats.get("fcall"), None, "a check went through Lua");
+        assert!(
+            stats.contains_key("ratelimit.check_local"),
+            "every master took batches"
+        );
+    }
+}
+
+/// A master whose module is replaced by one of the protocol before the compact form
+/// (a restart with an older version): its compact batches are answered as unknown and
+/// resent in the older form, charged once; from then on every master gets the older
+/// form, and nothing goes to Lua.
+#[tokio::test(flavor = "current_thread")]
+async fn a_master_whose_module_turns_older_gets_the_older_batches() {
+    let module = ratelimit_redis::testing::module_file();
+    let module = module.to_string_lossy();
+    let cluster = RedisCluster::try_start_kind_with(
+        ratelimit_redis::testing::ServerKind::Redis,
+        &["--loadmodule", &module, "--enable-module-command", "yes"],
+    )
+    .expect("a Cluster with the module");
+    let mut cons: Vec<_> = cluster.urls().iter().map(|u| common::conn(u)).collect();
+    let rules: RuleSet = "20/s gcra burst=40; 100/min fixed-window".parse().unwrap();
+    let clock = ManualClock::new(T0_US);
+    let (redis, memory) = common::cluster_stores(&cluster, &clock, "older").await;
+    round(&redis, &memory, &rules, &mut cons).await;
+    let (compact, older) = batch_forms(&mut cons);
+    assert!(
+        compact > 0 && older == 0,
+        "{compact} compact, {older} older"
+    );
+    let _: () = cmd(&mut cons[1], &["MODULE", "UNLOAD", "ratelimit"]);
+    let _: () = cmd(&mut cons[1], &["MODULE", "LOAD", &module, "protocol", "0"]);
+    for con in cons.iter_mut() {
+        common::reset_stats(con);
+    }
+    // Decided as the memory store decides: the batch master 1 refused was charged once.
+    clock.advance(Duration::from_millis(700));
+    round(&redis, &memory, &rules, &mut cons).await;
+    // Master 1 refused its compact batch (an unknown command, counted in no
+    // commandstat) and took it in the older form.
+    let stats = common::commandstats(&mut cons[1]);
+    assert!(stats.contains_key("ratelimit.check_local"), "{stats:?}");
+    assert_eq!(stats.get("ratelimit.check_local_states"), None);
+    for con in cons.iter_mut() {
+        common::reset_stats(con);
+    }
+    clock.advance(Duration::from_millis(700));
+    round(&redis, &memory, &rules, &mut cons).await;
+    let (compact, older) = batch_forms(&mut cons);
+    assert!(
+        compact == 0 && older > 0,
+        "{compact} compact, {older} older"
+    );
+    for con in cons.iter_mut() {
+        let stats = common::commandstats(con);
+        assert_eq!(stats.get("fcall"), None, "a check went through Lua");
+    }
+    assert!(redis.uses_module());
+}
+
 /// Where a Cluster's checks are decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
@@ -375,6 +481,8 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, path: Path, du
             let stats = common::commandstats(con);
             assert_eq!(stats.get("fcall"), None, "a check went through Lua");
         }
+        // Every master's module takes the compact form: no batch went in the older one.
+        assert_eq!(batch_forms(&mut cons).1, 0, "a batch in the older form");
     }
     if path == Path::Mixed {
         each_master_on_its_path(&mut cons);

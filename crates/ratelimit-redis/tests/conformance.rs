@@ -765,6 +765,20 @@ fn calls(node: &RedisServer, command: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Requires that the module took every batch of `nodes` in its compact form
+/// (`RATELIMIT.CHECK_STATES`, on a Cluster node `RATELIMIT.CHECK_LOCAL_STATES`) and
+/// none in the older one: the store found the compact form and used it.
+fn compact_batches_only(nodes: &[&RedisServer]) {
+    let count = |command: &str| nodes.iter().map(|&n| calls(n, command)).sum::<u64>();
+    let compact = count("ratelimit.check_states") + count("ratelimit.check_local_states");
+    let older = count("ratelimit.check_many") + count("ratelimit.check_local");
+    assert!(compact > 0, "no batch in compact form");
+    assert_eq!(
+        older, 0,
+        "batches in the older form beside {compact} compact ones"
+    );
+}
+
 /// A Cluster in the middle of a rollout of the module: masters 0 and 2 have it, master 1
 /// does not. One store decides exactly as MemoryStore does, each node on its own path:
 /// the module where it is loaded (no Lua call there), the Lua functions elsewhere.
@@ -799,11 +813,16 @@ fn mixed_cluster_store_decides_each_node_on_its_path() {
     for (i, node) in nodes.iter().enumerate() {
         let module = [
             "ratelimit.check",
-            "ratelimit.check_local",
+            "ratelimit.check_local_states",
             "ratelimit.give_back",
             "ratelimit.block",
         ]
         .map(|c| calls(node, c));
+        assert_eq!(
+            calls(node, "ratelimit.check_local"),
+            0,
+            "node {i}: older batches"
+        );
         let lua = calls(node, "fcall") + calls(node, "evalsha") + calls(node, "eval");
         if i == 1 {
             assert_eq!(module, [0; 4], "node {i} has no module");
@@ -818,4 +837,5 @@ fn mixed_cluster_store_decides_each_node_on_its_path() {
     }
     // Refunds and blocks of keys on the module's nodes went to it.
     assert!(on_module.iter().all(|&n| n > 0), "{on_module:?}");
+    compact_batches_only(&[&nodes[0], &nodes[2]]);
 }

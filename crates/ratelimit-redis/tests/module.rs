@@ -35,11 +35,350 @@ fn the_module_reports_its_version_and_state_format() {
     let Value::Array(items) = reply else {
         panic!("{reply:?}")
     };
-    assert_eq!(items.len(), 2);
+    assert_eq!(items.len(), 3);
     assert_eq!(
         items[1],
         Value::Int(ratelimit_core::packed::STATE_FORMAT as i64)
     );
+    // The batch protocol: 1, the compact batches.
+    assert_eq!(items[2], Value::Int(1));
+}
+
+/// Loaded with `protocol 0`, the module answers as the modules before the compact form:
+/// `RATELIMIT.VERSION` of two elements, and no compact commands. An unknown load
+/// argument refuses the load.
+#[test]
+fn a_module_loaded_with_protocol_0_is_one_before_the_compact_form() {
+    let module = module_file();
+    let server =
+        RedisServer::start_with(&["--loadmodule", &module.to_string_lossy(), "protocol", "0"]);
+    let mut con = common::conn(&server.url());
+    let reply: Value = redis::cmd("RATELIMIT.VERSION").query(&mut con).unwrap();
+    let Value::Array(items) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(items.len(), 2);
+    for command in ["RATELIMIT.CHECK_STATES", "RATELIMIT.CHECK_LOCAL_STATES"] {
+        let err = redis::cmd(command)
+            .arg(0)
+            .arg("")
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("unknown command"),
+            "{command}: {err}"
+        );
+    }
+    // A server refusing the module aborts at startup: with no TCP port, nothing else
+    // can go wrong with it.
+    for args in [&["protocol", "2"][..], &["protocol"], &["compact", "0"]] {
+        let mut server = std::process::Command::new(ServerKind::Redis.program().unwrap())
+            .args(["--port", "0", "--save", "", "--loadmodule"])
+            .arg(&module)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = server.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(20) {
+                let _ = server.kill();
+                panic!("loaded with {args:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(!status.success(), "loaded with {args:?}");
+    }
+}
+
+/// `refs` of a compact batch: per check, the index of its packed value and its deadline
+/// (0: none).
+fn refs(entries: &[(u8, u64)]) -> Vec<u8> {
+    entries
+        .iter()
+        .flat_map(|&(i, deadline)| std::iter::once(i).chain(deadline.to_le_bytes()))
+        .collect()
+}
+
+/// The entries of a batch reply of one-rule decisions.
+fn entries(reply: &[u8]) -> Vec<Result<(f64, f64), String>> {
+    let mut rest = reply;
+    let mut all = Vec::new();
+    while !rest.is_empty() {
+        let (one, more) = entry(rest);
+        all.push(one);
+        rest = more;
+    }
+    all
+}
+
+/// The compact batches under what a store never sends: a state name the module cannot
+/// derive the others from fails that check alone; `refs` of the wrong length or out of
+/// range, and a wrong `numkeys`, fail the call before anything is read; a 64 KiB key is
+/// decided; a value of another type at a state key is replaced as in the older form; a
+/// panic fails its check alone. Nothing is charged twice or by a failed call.
+#[test]
+fn compact_batches_refuse_malformed_input_check_by_check() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "2/h gcra".parse().unwrap();
+    let good = check_script_args(&rules, 1).remove(0);
+    let states = |con: &mut redis::Connection, names: &[&str], refs: &[u8], packs: &[&[u8]]| {
+        redis::cmd("RATELIMIT.CHECK_STATES")
+            .arg(names.len())
+            .arg(names)
+            .arg(refs)
+            .arg(packs)
+            .query::<Vec<u8>>(con)
+    };
+    let many = |n: usize| refs(&vec![(0, 0); n]);
+    let raw = |con: &mut redis::Connection, args: &[&[u8]]| {
+        redis::cmd("RATELIMIT.CHECK_STATES")
+            .arg(args)
+            .query::<Vec<u8>>(con)
+    };
+    let reply = states(
+        &mut con,
+        &[
+            "m:{a}:s",
+            "m:{a}:x",
+            "m:a}:s",
+            "m:{}:s",
+            "m:{a}:s",
+            "m:{rlpanic}:s",
+            "m:{a}",
+        ],
+        &many(7),
+        &[&good],
+    )
+    .unwrap();
+    let got = entries(&reply);
+    assert_eq!(got.len(), 7, "{got:?}");
+    assert_eq!(got[0], Ok((1.0, 1.0)));
+    for bad in [1, 2, 3, 6] {
+        let message = got[bad].as_ref().expect_err("a bad name");
+        assert!(
+            message.starts_with("RLARGS") && message.contains("}:s"),
+            "{message}"
+        );
+    }
+    // The same key again, after the first: charged once each.
+    assert_eq!(got[4], Ok((1.0, 0.0)));
+    let panicked = got[5].as_ref().expect_err("a panic");
+    assert!(panicked.starts_with("RLPANIC"), "{panicked}");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("m:*").query(&mut con).unwrap();
+    assert_eq!(keys, ["m:{a}:s"], "only the decided check wrote");
+
+    // Malformed calls: refused whole, nothing read or charged.
+    let call_errors: [(&str, Result<Vec<u8>, redis::RedisError>); 7] = [
+        (
+            "refs out of range",
+            states(&mut con, &["m:{b}:s"], &refs(&[(1, 0)]), &[&good]),
+        ),
+        (
+            "refs too short",
+            states(&mut con, &["m:{b}:s"], &many(1)[..8], &[&good]),
+        ),
+        (
+            "refs too long",
+            states(&mut con, &["m:{b}:s", "m:{c}:s"], &many(3), &[&good]),
+        ),
+        (
+            "no packed value",
+            states(&mut con, &["m:{b}:s"], &many(1), &[]),
+        ),
+        (
+            "numkeys past the arguments",
+            raw(&mut con, &[b"5", b"m:{b}:s", &many(1), &good]),
+        ),
+        (
+            "numkeys short of the names",
+            raw(&mut con, &[b"1", b"m:{b}:s", b"m:{c}:s", &many(2), &good]),
+        ),
+        (
+            "numkeys not a number",
+            raw(&mut con, &[b"x", b"m:{b}:s", &many(1), &good]),
+        ),
+    ];
+    for (what, reply) in call_errors {
+        let err = reply.expect_err(what);
+        assert!(err.to_string().contains("RLARGS"), "{what}: {err}");
+    }
+    for (what, args) in [
+        (
+            "refs out of range",
+            vec![refs(&[(3, 0)]), good.clone(), b"m:{b}:s".to_vec()],
+        ),
+        (
+            "refs of a check too many",
+            vec![many(2), good.clone(), b"m:{b}:s".to_vec()],
+        ),
+        (
+            "refs not whole",
+            vec![many(1)[..5].to_vec(), good.clone(), b"m:{b}:s".to_vec()],
+        ),
+        ("no refs", vec![]),
+    ] {
+        let err = redis::cmd("RATELIMIT.CHECK_LOCAL_STATES")
+            .arg(0)
+            .arg(args)
+            .query::<Vec<u8>>(&mut con)
+            .expect_err(what);
+        assert!(err.to_string().contains("RLARGS"), "{what}: {err}");
+    }
+    let keys: Vec<String> = redis::cmd("KEYS").arg("m:*").query(&mut con).unwrap();
+    assert_eq!(keys, ["m:{a}:s"], "a refused call wrote nothing");
+
+    // A 64 KiB state name: decided, its block marker's name derived from it.
+    let long = format!("m:{{{}}}:s", "x".repeat(64 * 1024));
+    for expect in [1.0, 1.0, 0.0] {
+        let reply = states(&mut con, &[&long], &many(1), &[&good]).unwrap();
+        assert_eq!(entries(&reply)[0].as_ref().map(|d| d.0), Ok(expect));
+    }
+    let blocked = format!("{}b", &long[..long.len() - 1]);
+    redis::cmd("SET")
+        .arg(&blocked)
+        .arg("inf")
+        .exec(&mut con)
+        .unwrap();
+    let reply = states(&mut con, &[&long], &many(1), &[&good]).unwrap();
+    assert_eq!(
+        f64::from_le_bytes(reply[..8].try_into().unwrap()),
+        1.0,
+        "blocked"
+    );
+
+    // Values of another type: at the state, replaced when the check commits; at the
+    // block marker, read as no marker and left.
+    redis::cmd("LPUSH")
+        .arg("m:{f}:s")
+        .arg("x")
+        .exec(&mut con)
+        .unwrap();
+    redis::cmd("HSET")
+        .arg("m:{f}:b")
+        .arg("x")
+        .arg("y")
+        .exec(&mut con)
+        .unwrap();
+    let reply = states(&mut con, &["m:{f}:s"], &many(1), &[&good]).unwrap();
+    assert_eq!(entries(&reply)[0], Ok((1.0, 1.0)));
+    let kinds: Vec<String> = ["m:{f}:s", "m:{f}:b"]
+        .iter()
+        .map(|k| redis::cmd("TYPE").arg(k).query(&mut con).unwrap())
+        .collect();
+    assert_eq!(kinds, ["string", "hash"]);
+
+    // Deadlines from `refs`, not from the packed value: a past one is answered late and
+    // charges nothing, beside a check of the same packed value without one.
+    let reply = states(
+        &mut con,
+        &["m:{d}:s", "m:{d}:s"],
+        &refs(&[(0, 1), (0, 0)]),
+        &[&good],
+    )
+    .unwrap();
+    assert_eq!(
+        f64::from_le_bytes(reply[..8].try_into().unwrap()),
+        3.0,
+        "too late"
+    );
+    assert_eq!(entries(&reply[16..])[0], Ok((1.0, 1.0)), "the first charge");
+    alive(&server);
+}
+
+/// A store on a module without the compact form (loaded with `protocol 0`) sends its
+/// batches in the older form, and one whose module turns older under it (unloaded,
+/// loaded again of protocol 0) resends the refused compact batch in the older form,
+/// charged once; a batch whose server lost the module goes on to Lua.
+#[tokio::test(flavor = "current_thread")]
+async fn stores_fall_back_to_the_older_batches() {
+    let module = module_file();
+    let module = module.to_string_lossy().into_owned();
+    let rules: RuleSet = "10/h gcra burst=10".parse().unwrap();
+    let batch = |store: &RedisStore, key: &'static [u8], n: usize| {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let (store, rules) = (store.clone(), rules.clone());
+                tokio::spawn(async move { store.check(key, &rules, 1).await })
+            })
+            .collect();
+        async move {
+            let mut remaining = Vec::new();
+            for task in tasks {
+                remaining.push(task.await.unwrap().expect("check").rules()[0].remaining);
+            }
+            remaining.sort_unstable();
+            remaining
+        }
+    };
+    let stats = |con: &mut redis::Connection| {
+        let stats = common::commandstats(con);
+        ["ratelimit.check_states", "ratelimit.check_many", "fcall"]
+            .map(|c| stats.get(c).map_or(0, |s| s.0))
+    };
+    let store_on = |url: String| async move {
+        let store = RedisStore::builder()
+            .pool_size(1)
+            .timeout(Duration::from_secs(5))
+            .build(&url)
+            .await
+            .unwrap();
+        wait_connected(&store).await;
+        store
+    };
+
+    let old = RedisServer::start_with(&["--loadmodule", &module, "protocol", "0"]);
+    let mut con = common::conn(&old.url());
+    let store = store_on(old.url()).await;
+    assert!(store.uses_module());
+    assert_eq!(batch(&store, b"a", 5).await, [5, 6, 7, 8, 9]);
+    let [compact, older, lua] = stats(&mut con);
+    assert_eq!((compact, lua), (0, 0));
+    assert_eq!(
+        older, 1,
+        "the 4 checks queued behind the first went as one batch"
+    );
+
+    let server =
+        RedisServer::start_with(&["--loadmodule", &module, "--enable-module-command", "yes"]);
+    let mut con = common::conn(&server.url());
+    let store = store_on(server.url()).await;
+    assert_eq!(batch(&store, b"a", 3).await, [7, 8, 9]);
+    assert_eq!(stats(&mut con), [1, 0, 0]);
+    redis::cmd("MODULE")
+        .arg("UNLOAD")
+        .arg("ratelimit")
+        .exec(&mut con)
+        .unwrap();
+    redis::cmd("MODULE")
+        .arg("LOAD")
+        .arg(&module)
+        .arg("protocol")
+        .arg("0")
+        .exec(&mut con)
+        .unwrap();
+    common::reset_stats(&mut con);
+    assert_eq!(batch(&store, b"a", 3).await, [4, 5, 6], "charged once");
+    assert_eq!(stats(&mut con), [0, 1, 0]);
+    assert!(store.uses_module());
+    // The module gone: the older form is refused too, and Lua decides.
+    redis::cmd("MODULE")
+        .arg("UNLOAD")
+        .arg("ratelimit")
+        .exec(&mut con)
+        .unwrap();
+    common::reset_stats(&mut con);
+    assert_eq!(batch(&store, b"a", 3).await, [1, 2, 3], "charged once");
+    assert_eq!(
+        stats(&mut con)[2],
+        2,
+        "the first check alone, then the batch"
+    );
+    assert!(!store.uses_module());
 }
 
 /// Arguments no store sends: each answered with an error that names the problem (in a
@@ -841,4 +1180,40 @@ fn lua_and_module_write_the_same_bytes() {
         assert!(calls > 20, "{command}: {calls} calls");
     }
     alive(&server);
+}
+
+/// A batch of more than 256 distinct packed values (here, 299 costs) goes in the older
+/// form, whose checks carry their own: the compact form refers to at most 256.
+#[tokio::test(flavor = "current_thread")]
+async fn a_batch_of_more_than_256_distinct_checks_goes_in_the_older_form() {
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let store = RedisStore::builder()
+        .pool_size(1)
+        .max_batch(512)
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    let rules: RuleSet = "1000/h fixed-window".parse().unwrap();
+    common::reset_stats(&mut con);
+    let tasks: Vec<_> = (0..300u64)
+        .map(|i| {
+            let (store, rules) = (store.clone(), rules.clone());
+            tokio::spawn(
+                async move { store.check(format!("k{i}").as_bytes(), &rules, i + 1).await },
+            )
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let decided = task.await.unwrap().expect("check");
+        assert_eq!(decided.rules()[0].remaining, 1000 - (i as u64 + 1));
+    }
+    let stats = common::commandstats(&mut con);
+    let calls = |command: &str| stats.get(command).map_or(0, |s| s.0);
+    // The first check alone, the 299 queued behind it in one call.
+    assert_eq!(calls("ratelimit.check"), 1);
+    assert_eq!(calls("ratelimit.check_many"), 1);
+    assert_eq!(calls("ratelimit.check_states"), 0);
 }

@@ -7,6 +7,7 @@
 use ratelimit_core::RuleSet;
 
 use super::args::{CheckArgs, Time};
+use super::compact;
 use super::load::{Call, Paths, Script, BATCH, CHECK, LOCAL};
 use crate::keys::{key_slot, KeyNames};
 
@@ -63,10 +64,10 @@ impl CheckJob {
         &self.names.as_bytes()[..self.ends[0]]
     }
 
-    /// The block marker's and the state's names, which every check of the same client
-    /// key shares.
-    fn shared_names(&self) -> &str {
-        &self.names[..self.ends[1]]
+    /// The name of the check's state key, which every check of the same client key
+    /// shares (and from which the module derives the others in a compact batch).
+    fn state_name(&self) -> &[u8] {
+        &self.names.as_bytes()[self.ends[0]..self.ends[1]]
     }
 
     fn key_names(&self) -> impl Iterator<Item = &str> {
@@ -117,6 +118,9 @@ fn many_call<'a, 'j>(
     let declared = std::ptr::eq(script, *BATCH);
     // A node batch's checks are all of the node serving the first one's slot.
     let first = jobs.clone().next().map_or(&b""[..], CheckJob::block_name);
+    if let Some(call) = compact_call(script, paths, first, count, declared, jobs.clone()) {
+        return call;
+    }
     let mut call = script.call(
         paths,
         first,
@@ -130,17 +134,11 @@ fn many_call<'a, 'j>(
             }
         }
     }
-    // Each check's number of keys; `check_many` also learns which checks share their
-    // client key with an earlier one (2 more), as those read their keys again after it:
-    // a hash set here costs less than the table that would find them there.
-    let mut seen = std::collections::HashSet::with_capacity(if declared { count } else { 0 });
-    let counts: Vec<u8> = jobs
-        .clone()
-        .map(|job| {
-            let again = declared && !seen.insert(job.shared_names());
-            b'0' + job.keys as u8 + if again { 2 } else { 0 }
-        })
-        .collect();
+    let counts = compact::key_counts(
+        jobs.clone().map(|job| (job.state_name(), job.keys)),
+        count,
+        declared,
+    );
     call.cmd.arg(counts);
     for job in jobs.clone() {
         call.cmd.arg(&job.packed[..]);
@@ -153,4 +151,42 @@ fn many_call<'a, 'j>(
         }
     }
     call
+}
+
+/// The call of `many_call` in the module's compact form (see `script::compact`), when the
+/// module serving it takes that form and the checks have at most 256 distinct packed
+/// values.
+fn compact_call<'a, 'j>(
+    script: &'static Script,
+    paths: &'a Paths,
+    first: &[u8],
+    count: usize,
+    declared: bool,
+    jobs: impl Iterator<Item = &'j CheckJob> + Clone,
+) -> Option<Call<'a>> {
+    if count == 0 {
+        return None;
+    }
+    let mut call = script.compact_call(
+        paths,
+        first,
+        if declared { count } else { 0 },
+        2 + 2 * count,
+    )?;
+    let (refs, packs) = compact::refs(jobs.clone().map(|job| &job.packed[..]), count)?;
+    if declared {
+        for job in jobs.clone() {
+            call.cmd.arg(job.state_name());
+        }
+    }
+    call.cmd.arg(refs);
+    for pack in packs {
+        call.cmd.arg(pack);
+    }
+    if !declared {
+        for job in jobs {
+            call.cmd.arg(job.state_name());
+        }
+    }
+    Some(call)
 }

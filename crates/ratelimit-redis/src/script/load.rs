@@ -26,6 +26,9 @@ pub(crate) struct Script {
     /// The command of the native module (crate `ratelimit-redis-module`) that stands for
     /// this script, where there is one.
     module: Option<ModuleCommand>,
+    /// The module's command that takes this script's checks in compact form (a batch's;
+    /// see `script::compact`), where there is one.
+    compact: Option<ModuleCommand>,
 }
 
 /// A command of the native module that takes a script's keys and arguments.
@@ -36,6 +39,18 @@ struct ModuleCommand {
     /// commands of one client key leave it out (their keys come first, for a Cluster
     /// client to route them by them).
     numkeys: bool,
+    /// Whether it takes a batch in compact form (module protocol 1).
+    compact: bool,
+}
+
+impl ModuleCommand {
+    const fn new(name: &'static str, numkeys: bool) -> Self {
+        Self {
+            name,
+            numkeys,
+            compact: false,
+        }
+    }
 }
 
 /// Which form of the decisions a store's calls take: what it learned from its servers,
@@ -50,6 +65,10 @@ pub(crate) struct Paths {
     /// Every primary has the native module of this crate's state format: checks go as
     /// its commands.
     pub(crate) module: AtomicBool,
+    /// Every primary found with the module serves its batch protocol 1: batches go to it
+    /// in compact form (`RATELIMIT.CHECK_STATES`, `RATELIMIT.CHECK_LOCAL_STATES`), else
+    /// in the older form, which every version of the module takes.
+    pub(crate) compact: AtomicBool,
     /// On a Cluster where only some primaries have the module: the slots whose node has
     /// it, one bit each, as of the last node map; a call on a key of such a slot goes as
     /// the module's command, any other as Lua. `None` otherwise.
@@ -73,6 +92,7 @@ impl Paths {
             functions: AtomicBool::new(true),
             // Until a server says it has the module.
             module: AtomicBool::new(false),
+            compact: AtomicBool::new(false),
             module_slots: RwLock::new(None),
             module_nodes: RwLock::new(Vec::new()),
             remap: AtomicBool::new(false),
@@ -125,6 +145,26 @@ impl Paths {
             slot,
             "a Cluster master lacks the ratelimit module; the slot's decisions run as Lua \
              functions"
+        );
+    }
+
+    /// A server answered a compact batch as an unknown command: its module is of an
+    /// older protocol (a node restarted with an older module). Batches go in the older
+    /// form from now on: on a Cluster, until the masters, asked again before the next
+    /// batch, all report the compact form; on one server, until a reconnection finds it.
+    fn compact_missing(&self) {
+        self.compact.store(false, Ordering::Relaxed);
+        let cluster = !self
+            .module_nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty();
+        if cluster {
+            self.remap.store(true, Ordering::Release);
+        }
+        tracing::info!(
+            "a server's ratelimit module does not know the compact batches (an older \
+             version); batches go in the older form"
         );
     }
 
@@ -206,6 +246,7 @@ impl Script {
             sha,
             function: None,
             module: None,
+            compact: None,
         }
     }
 
@@ -238,25 +279,21 @@ impl Script {
                 name: format!("ratelimit_{name}_{tag}"),
             }),
             module: match name {
-                "check" => Some(ModuleCommand {
-                    name: "RATELIMIT.CHECK",
-                    numkeys: false,
-                }),
+                "check" => Some(ModuleCommand::new("RATELIMIT.CHECK", false)),
+                "batch" => Some(ModuleCommand::new("RATELIMIT.CHECK_MANY", true)),
+                "local" => Some(ModuleCommand::new("RATELIMIT.CHECK_LOCAL", true)),
+                "refund" => Some(ModuleCommand::new("RATELIMIT.REFUND", false)),
+                "give_back" => Some(ModuleCommand::new("RATELIMIT.GIVE_BACK", false)),
+                _ => None,
+            },
+            compact: match name {
                 "batch" => Some(ModuleCommand {
-                    name: "RATELIMIT.CHECK_MANY",
-                    numkeys: true,
+                    compact: true,
+                    ..ModuleCommand::new("RATELIMIT.CHECK_STATES", true)
                 }),
                 "local" => Some(ModuleCommand {
-                    name: "RATELIMIT.CHECK_LOCAL",
-                    numkeys: true,
-                }),
-                "refund" => Some(ModuleCommand {
-                    name: "RATELIMIT.REFUND",
-                    numkeys: false,
-                }),
-                "give_back" => Some(ModuleCommand {
-                    name: "RATELIMIT.GIVE_BACK",
-                    numkeys: false,
+                    compact: true,
+                    ..ModuleCommand::new("RATELIMIT.CHECK_LOCAL_STATES", true)
                 }),
                 _ => None,
             },
@@ -296,6 +333,22 @@ impl Script {
     ) -> Call<'a> {
         let module = self.module.filter(|_| paths.module_for(first_key));
         self.call_as(paths, keys, capacity, module)
+    }
+
+    /// The module's command for this script's checks in compact form, when it has one,
+    /// `paths` says every module primary takes it, and the call on `first_key` goes to
+    /// the module; the number of keys (`keys`) follows it.
+    pub(crate) fn compact_call<'a>(
+        &'static self,
+        paths: &'a Paths,
+        first_key: &[u8],
+        keys: usize,
+        capacity: usize,
+    ) -> Option<Call<'a>> {
+        let compact = self
+            .compact
+            .filter(|_| paths.compact.load(Ordering::Relaxed) && paths.module_for(first_key))?;
+        Some(self.call_as(paths, keys, capacity, Some(compact)))
     }
 
     fn call_as<'a>(
@@ -367,10 +420,7 @@ pub(crate) static REFUND: LazyLock<&'static Script> = LazyLock::new(|| &DECISION
 pub(crate) static GIVE_BACK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[4]);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> = LazyLock::new(|| Script {
-    module: Some(ModuleCommand {
-        name: "RATELIMIT.BLOCK",
-        numkeys: false,
-    }),
+    module: Some(ModuleCommand::new("RATELIMIT.BLOCK", false)),
     ..Script::new(include_str!("../../lua/block.lua").to_owned())
 });
 
@@ -520,6 +570,40 @@ impl<'a> Call<'a> {
         std::ptr::eq(self.script, &*BLOCK)
     }
 
+    /// This compact batch as the module's batch of the older form, which a module of every
+    /// version takes (and which goes on to the Lua function if the module is gone);
+    /// `None` when its arguments are not a compact batch's. Later batches change as
+    /// [`Paths::compact_missing`] says.
+    fn as_older(&self) -> Option<Call<'a>> {
+        let older = self.script.module?;
+        let args: Vec<&[u8]> = self
+            .cmd
+            .args_iter()
+            .skip(1)
+            .map(|arg| match arg {
+                redis::Arg::Simple(bytes) => bytes,
+                _ => &[],
+            })
+            .collect();
+        let local = std::ptr::eq(self.script, *LOCAL);
+        let expanded = super::compact::expand(&args, local)?;
+        self.paths.compact_missing();
+        let keys = if local {
+            0
+        } else {
+            std::str::from_utf8(expanded.first()?).ok()?.parse().ok()?
+        };
+        let mut call = self
+            .script
+            .call_as(self.paths, keys, expanded.len(), Some(older));
+        // `call_as` wrote the number of keys; the expansion starts with it.
+        call.cmd = redis::cmd(older.name);
+        for arg in expanded {
+            call.cmd.arg(arg);
+        }
+        Some(call)
+    }
+
     /// This module call as a call of the Lua function, for a server that turned out to
     /// lack the module (a restart without it, a failover or a slot move to a node
     /// without it); later calls change as [`Paths::module_missing`] says.
@@ -558,7 +642,15 @@ impl<'a> Call<'a> {
     ) -> RedisResult<Value> {
         if self.module.is_some() {
             return match self.cmd.query_async(conn).await {
-                Err(e) if unknown_command(&e) => Box::pin(self.as_lua().invoke(conn)).await,
+                Err(e) if unknown_command(&e) => {
+                    if !self.module.is_some_and(|m| m.compact) {
+                        return Box::pin(self.as_lua().invoke(conn)).await;
+                    }
+                    match self.as_older() {
+                        Some(older) => Box::pin(older.invoke(conn)).await,
+                        None => Err(e),
+                    }
+                }
                 other => other,
             };
         }
@@ -645,7 +737,13 @@ impl<'a> Call<'a> {
         if self.module.is_some() {
             return match route(conn, &self.cmd, routing).await {
                 Err(e) if unknown_command(&e) => {
-                    Box::pin(self.as_lua().invoke_routed(conn, routing)).await
+                    if !self.module.is_some_and(|m| m.compact) {
+                        return Box::pin(self.as_lua().invoke_routed(conn, routing)).await;
+                    }
+                    match self.as_older() {
+                        Some(older) => Box::pin(older.invoke_routed(conn, routing)).await,
+                        None => Err(e),
+                    }
                 }
                 other => other,
             };

@@ -10,6 +10,7 @@
 
 mod args;
 mod batch;
+mod compact;
 mod load;
 mod reply;
 

@@ -123,13 +123,13 @@ pub(super) async fn detect_module(
         return Ok(());
     }
     let ours = ratelimit_core::packed::STATE_FORMAT;
-    let found: Vec<(Primary, Option<(String, u64)>)> = conn
+    let found: Vec<(Primary, Option<ModuleVersion>)> = conn
         .each_master(redis::cmd("RATELIMIT.VERSION"))
         .await?
         .into_iter()
         .map(|(primary, reply)| (primary, reply.ok().and_then(|r| module_format(&r))))
         .collect();
-    let has = |f: &Option<(String, u64)>| f.as_ref().map(|f| f.1) == Some(ours);
+    let has = |f: &Option<ModuleVersion>| f.as_ref().map(|f| f.format) == Some(ours);
     let mut with: Vec<(String, u16)> = found
         .iter()
         .filter(|(_, f)| has(f))
@@ -143,6 +143,15 @@ pub(super) async fn detect_module(
     let announce = announce
         || shared.paths.module_nodes() != with
         || shared.paths.module.load(Ordering::Relaxed) != all;
+    // The compact batches only where every primary with the module takes them: a
+    // Cluster amid a rollout of the module's versions sends the older form everywhere.
+    let compact = !with.is_empty() || all;
+    let compact = compact
+        && found
+            .iter()
+            .filter(|(_, f)| has(f))
+            .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 1));
+    shared.paths.compact.store(compact, Ordering::Relaxed);
     shared.paths.module.store(all, Ordering::Relaxed);
     shared.paths.set_module_nodes(with.clone());
     let mixed = !all && !with.is_empty();
@@ -160,11 +169,15 @@ pub(super) async fn detect_module(
     } else {
         shared.paths.set_module_slots(None::<fn(u16) -> bool>);
     }
-    let path = |f: &Option<(String, u64)>| match f {
-        Some((version, format)) if *format == ours => {
+    let path = |f: &Option<ModuleVersion>| match f {
+        Some(ModuleVersion {
+            version, format, ..
+        }) if *format == ours => {
             format!("in the Redis module ratelimit {version}")
         }
-        Some((version, format)) => format!(
+        Some(ModuleVersion {
+            version, format, ..
+        }) => format!(
             "as Lua functions: the module ratelimit {version} has state format {format}, \
              not {ours}"
         ),
@@ -185,6 +198,7 @@ pub(super) async fn detect_module(
         tracing::info!(
             state_format = ours,
             primaries = found.len(),
+            compact_batches = compact,
             "rate-limit decisions run {}",
             path(f)
         );
@@ -192,8 +206,19 @@ pub(super) async fn detect_module(
     Ok(())
 }
 
-/// The version and state format in a `RATELIMIT.VERSION` reply.
-pub(super) fn module_format(reply: &Value) -> Option<(String, u64)> {
+/// What a module answers to `RATELIMIT.VERSION`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ModuleVersion {
+    version: String,
+    /// The state format it reads and writes.
+    format: u64,
+    /// Its batch protocol: 1 with the compact batches, 0 (no third element) before them.
+    protocol: u64,
+}
+
+/// The version, state format and batch protocol in a `RATELIMIT.VERSION` reply; elements
+/// past the ones this version reads (a later module's) are left alone.
+pub(super) fn module_format(reply: &Value) -> Option<ModuleVersion> {
     let Value::Array(items) = reply else {
         return None;
     };
@@ -205,7 +230,15 @@ pub(super) fn module_format(reply: &Value) -> Option<(String, u64)> {
     let Value::Int(format) = items.get(1)? else {
         return None;
     };
-    Some((version, u64::try_from(*format).ok()?))
+    let protocol = match items.get(2) {
+        Some(Value::Int(protocol)) => u64::try_from(*protocol).unwrap_or(0),
+        _ => 0,
+    };
+    Some(ModuleVersion {
+        version,
+        format: u64::try_from(*format).ok()?,
+        protocol,
+    })
 }
 
 /// The policy's value in a `CONFIG GET` reply: a map or a flat array.
@@ -236,6 +269,34 @@ pub(super) fn eviction_risk(policy: &str) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn version_replies_of_every_module_version_are_read() {
+        let version = |protocol| ModuleVersion {
+            version: "0.1.0".to_owned(),
+            format: 2,
+            protocol,
+        };
+        let reply = |items: &[Value]| {
+            let mut all = vec![Value::SimpleString("0.1.0".to_owned()), Value::Int(2)];
+            all.extend_from_slice(items);
+            Value::Array(all)
+        };
+        // A module before the compact batches.
+        assert_eq!(module_format(&reply(&[])), Some(version(0)));
+        assert_eq!(module_format(&reply(&[Value::Int(1)])), Some(version(1)));
+        // A later module's extra elements are left alone, and so is a protocol of a
+        // shape this version does not know.
+        assert_eq!(
+            module_format(&reply(&[Value::Int(3), Value::Nil, Value::Int(9)])),
+            Some(version(3))
+        );
+        assert_eq!(module_format(&reply(&[Value::Nil])), Some(version(0)));
+        // What a store before the protocol read: the first two elements only (its
+        // parser took `items.first()` and `items.get(1)`), so it reads these replies too.
+        assert_eq!(module_format(&Value::Array(vec![Value::Int(2)])), None);
+        assert_eq!(module_format(&Value::Nil), None);
+    }
 
     #[test]
     fn eviction_policies() {
