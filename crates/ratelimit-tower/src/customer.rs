@@ -133,6 +133,13 @@ impl Customers {
             let mut in_flight = self.in_flight.lock();
             if let Some(call) = in_flight.get(&key) {
                 call.clone()
+            } else if let Some(own) = self.cache.get(&key) {
+                // A call that ended between the caller's lookup and this lock: its answer
+                // is cached (a call caches before it leaves the map), and asking again
+                // would call the resolver twice for one miss.
+                let ready: Pin<Box<dyn Future<Output = Own> + Send>> =
+                    Box::pin(std::future::ready(own));
+                ready.shared()
             } else {
                 let this = Arc::clone(self);
                 let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -181,5 +188,68 @@ impl Customers {
             }
         };
         call
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::fallback::FallbackRules;
+    use crate::limits::{Limits, Settings};
+
+    #[tokio::test]
+    async fn a_miss_whose_call_ended_before_it_asked_takes_the_cached_answer() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let customers = Arc::new(Customers::new(
+            resolver(move |_: &[u8]| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, String>("7/h".parse().ok()) }
+            }),
+            100,
+            Duration::from_secs(60),
+        ));
+        let settings = Settings::new(
+            "ns".into(),
+            FailurePolicy::FailOpen,
+            FallbackRules::Same,
+            false,
+            0,
+        );
+        let version = Arc::new(
+            settings
+                .version(Limits::new("1/s".parse().unwrap()))
+                .unwrap(),
+        );
+        let generation = version.tiers[0].generation;
+        let resolve = || {
+            customers.resolve(
+                &version,
+                0,
+                "ns".into(),
+                FailurePolicy::FailOpen,
+                b"acme",
+                0,
+            )
+        };
+        // Two requests miss at once; the first one's call ends before the second asks.
+        assert!(matches!(
+            customers.lookup(generation, 0, b"acme"),
+            Lookup::Unknown
+        ));
+        assert!(matches!(
+            customers.lookup(generation, 0, b"acme"),
+            Lookup::Unknown
+        ));
+        let first = resolve().await.expect("acme's own rules");
+        let second = resolve().await.expect("acme's own rules");
+        assert!(Arc::ptr_eq(&first, &second), "the first call's answer");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "one resolver call for one miss"
+        );
     }
 }
