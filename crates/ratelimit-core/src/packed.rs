@@ -18,6 +18,9 @@
 //!   (kept apart, newest first) counts until then. A state of the check's layout is read
 //!   in place; one of another layout entry by entry, each rule carried by identity as
 //!   [`algo::carry_stored`] says ([`decode_state`]).
+//! * A **compact batch**'s `refs` hold [`REF_LEN`] bytes per check: the index of its
+//!   packed check among the call's distinct ones, and its deadline, which the packed
+//!   checks then leave out ([`write_ref`], [`read_ref`]).
 //! * A **reply** is `{1, block left or -1}`, `{3, server time}` (past the caller's
 //!   deadline) or `{status, delay, then per rule allowed, remaining, reset, retry}`, the
 //!   status 2 when a value the store did not write was found and discarded; in a batch,
@@ -55,6 +58,11 @@ pub const HEADER: usize = 10;
 pub const PER_RULE: usize = 6;
 /// The identity of the state's log marker entry; no rule has it.
 pub const LOG_MARKER: u64 = 0;
+
+/// Bytes per check in a compact batch's `refs`: the index of its packed check among the
+/// call's distinct ones (one byte, so at most 256 per call), then its deadline in µs on
+/// the server's clock (8 bytes, little-endian, 0 for none).
+pub const REF_LEN: usize = 9;
 
 /// Algorithm codes, in the order of the core's algorithm files.
 const FIXED_WINDOW: u64 = 1;
@@ -597,6 +605,20 @@ pub fn encode_late(out: &mut Vec<u8>, now_us: u64) {
     push(out, now_us.min(MAX_EXACT));
 }
 
+/// Appends a check's entry in a compact batch's `refs` ([`REF_LEN`] bytes).
+pub fn write_ref(out: &mut Vec<u8>, index: u8, deadline: Option<u64>) {
+    out.push(index);
+    out.extend_from_slice(&deadline.unwrap_or(0).to_le_bytes());
+}
+
+/// A check's entry in a compact batch's `refs`, as [`write_ref`] wrote it: the index of
+/// its packed check and its deadline; `None` when `entry` is not [`REF_LEN`] bytes.
+pub fn read_ref(entry: &[u8]) -> Option<(usize, Option<u64>)> {
+    let (&index, deadline) = entry.split_first()?;
+    let deadline = u64::from_le_bytes(deadline.try_into().ok()?);
+    Some((usize::from(index), (deadline > 0).then_some(deadline)))
+}
+
 /// Appends a failed check of a batch: `{-1, n}` and the `n` bytes of `message`.
 pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
     out.extend_from_slice(&(-1f64).to_le_bytes());
@@ -607,6 +629,21 @@ pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refs_read_what_they_wrote() {
+        let mut refs = Vec::new();
+        write_ref(&mut refs, 3, Some(1_700_000_000_000_000));
+        write_ref(&mut refs, 255, None);
+        assert_eq!(refs.len(), 2 * REF_LEN);
+        let read: Vec<_> = refs.chunks(REF_LEN).map(read_ref).collect();
+        assert_eq!(
+            read,
+            [Some((3, Some(1_700_000_000_000_000))), Some((255, None))]
+        );
+        assert_eq!(read_ref(&refs[..REF_LEN - 1]), None);
+        assert_eq!(read_ref(&refs[..REF_LEN + 1]), None);
+    }
 
     fn rules(text: &str) -> RuleSet {
         text.parse().unwrap()

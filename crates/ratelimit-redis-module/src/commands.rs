@@ -3,7 +3,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use ratelimit_core::packed;
+use ratelimit_core::packed::{self, REF_LEN};
 use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
@@ -167,14 +167,6 @@ pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     Ok(RedisValue::StringBuffer(out))
 }
 
-/// The length of one check's entry in a compact batch's `refs` argument: the index of
-/// its packed value among the call's distinct ones (one byte, so at most 256 distinct
-/// values are referred to), then its caller's deadline in µs on the server's clock (8
-/// bytes, little-endian, 0 for none), which the packed values leave out: the deadline
-/// is the one header value that differs from check to check of a batch, and without it
-/// the checks of the same rules and cost share one packed value.
-pub(crate) const REF_LEN: usize = 9;
-
 /// One check's entry in a compact batch's `refs`.
 #[derive(Clone, Copy)]
 struct Ref {
@@ -201,19 +193,15 @@ fn refs_of(
     refs.chunks_exact(REF_LEN)
         .enumerate()
         .map(|(i, entry)| {
-            let pack = usize::from(entry[0]);
+            let Some((pack, deadline)) = packed::read_ref(entry) else {
+                return Err(arity(&format!("{command}: check {i}'s refs are cut short")));
+            };
             if pack >= packs {
                 return Err(arity(&format!(
                     "{command}: check {i} refers to packed value {pack}, of {packs}"
                 )));
             }
-            let mut deadline = [0; 8];
-            deadline.copy_from_slice(&entry[1..]);
-            let deadline = u64::from_le_bytes(deadline);
-            Ok(Ref {
-                pack,
-                deadline: (deadline > 0).then_some(deadline),
-            })
+            Ok(Ref { pack, deadline })
         })
         .collect()
 }

@@ -7,10 +7,9 @@
 //! freeing it costs Redis about 600 instructions; the older form sends three or four per
 //! check.
 //!
-//! `refs` holds [`REF_LEN`] bytes per check: the index of its packed value among the
-//! distinct ones (one byte: at most [`MAX_DISTINCT`] per call; a batch of more goes in
-//! the older form), then its deadline (little-endian µs on the server's clock, 0 for
-//! none). The deadline is the one value that differs between the checks of a batch (each
+//! `refs` holds [`packed::REF_LEN`] bytes per check ([`packed::write_ref`]): the index
+//! of its packed value among the distinct ones (one byte: at most [`MAX_DISTINCT`] per
+//! call; a batch of more goes in the older form), then its deadline. The deadline is the one value that differs between the checks of a batch (each
 //! caller's timeout runs from its own call), so it travels in `refs` and the packed
 //! values are told apart without it; the module ignores the packed values' own.
 //!
@@ -21,19 +20,13 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use ratelimit_core::packed;
-
-/// Bytes per check in `refs`: the packed value's index, then the deadline.
-pub(crate) const REF_LEN: usize = 9;
+use ratelimit_core::packed::{self, Header, REF_LEN};
 
 /// The most distinct packed values one compact call refers to (a one-byte index).
 pub(crate) const MAX_DISTINCT: usize = 256;
 
 /// Where a packed check holds its deadline: the header's last value.
 const DEADLINE: Range<usize> = 8 * (packed::HEADER - 1)..8 * packed::HEADER;
-
-/// Where a packed check holds whether it has a sliding log: the header's log limit.
-const LOG_LIMIT: usize = 6;
 
 /// A packed check without its deadline: the bytes before it and after it.
 type SansDeadline<'p> = (&'p [u8], &'p [u8]);
@@ -77,12 +70,8 @@ pub(crate) fn refs<'p>(
             },
         };
         last = Some((key, i));
-        refs.push(i);
-        refs.extend_from_slice(
-            &packed::value(pack, packed::HEADER - 1)
-                .unwrap_or(0)
-                .to_le_bytes(),
-        );
+        let deadline = packed::value(pack, packed::HEADER - 1).filter(|&d| d > 0);
+        packed::write_ref(&mut refs, i, deadline);
     }
     Some((refs, distinct))
 }
@@ -128,11 +117,11 @@ pub(crate) fn expand(args: &[&[u8]], local: bool) -> Option<Vec<Vec<u8>>> {
     let mut checks = Vec::with_capacity(states.len());
     let mut own_packs = Vec::with_capacity(states.len());
     for (state, entry) in states.iter().zip(refs.chunks_exact(REF_LEN)) {
-        let mut pack = packs.get(usize::from(entry[0]))?.to_vec();
-        let deadline = u64::from_le_bytes(entry[1..].try_into().ok()?);
+        let (index, deadline) = packed::read_ref(entry)?;
+        let mut pack = packs.get(index)?.to_vec();
         pack.get_mut(DEADLINE)?
-            .copy_from_slice(&(deadline as f64).to_le_bytes());
-        let log = packed::value(&pack, LOG_LIMIT).is_some_and(|limit| limit > 0);
+            .copy_from_slice(&(deadline.unwrap_or(0) as f64).to_le_bytes());
+        let log = Header::parse(&pack).ok()?.0.log_limit > 0;
         let sibling = |kind: u8| {
             let mut name = state.to_vec();
             *name.last_mut()? = kind;
@@ -178,11 +167,19 @@ mod tests {
         let c = pack("10/s", 2, None);
         let (refs, distinct) = refs([&a[..], &b[..], &c[..], &a[..]].into_iter(), 4).unwrap();
         assert_eq!(distinct, vec![&a[..], &c[..]]);
-        let entries: Vec<(u8, u64)> = refs
+        let entries: Vec<(usize, Option<u64>)> = refs
             .chunks(REF_LEN)
-            .map(|e| (e[0], u64::from_le_bytes(e[1..].try_into().unwrap())))
+            .map(|e| packed::read_ref(e).unwrap())
             .collect();
-        assert_eq!(entries, [(0, 1_000), (0, 2_000), (1, 0), (0, 1_000)]);
+        assert_eq!(
+            entries,
+            [
+                (0, Some(1_000)),
+                (0, Some(2_000)),
+                (1, None),
+                (0, Some(1_000))
+            ]
+        );
     }
 
     #[test]
