@@ -8,7 +8,7 @@ use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
 use crate::check::{args_error, check_one, decide_one, read_check, server_now_us, Keys};
-use crate::keyspace::{served, StableSlots};
+use crate::keyspace::{hash_tag, served, StableSlots};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
 /// take the server down.
@@ -210,17 +210,8 @@ fn refs_of(
 /// `{` followed by something and a `}`), so that its block marker's and log's names,
 /// the same but for the last byte, hash to its Cluster slot.
 fn is_state_name(name: &[u8]) -> bool {
-    let Some(stem) = name.strip_suffix(b"}:s") else {
-        return false;
-    };
-    stem.iter().position(|&b| b == b'{').is_some_and(|open| {
-        // The tag ends at the first `}` after the `{`: the one of the suffix, or earlier.
-        let inside = &name[open + 1..];
-        inside
-            .iter()
-            .position(|&b| b == b'}')
-            .is_some_and(|close| close > 0)
-    })
+    // The suffix holds no `{`, so a tag found is one that ends at or before its `}`.
+    name.ends_with(b"}:s") && hash_tag(name).is_some()
 }
 
 /// The name of a check's other key: its state's name with the last byte `kind` (`b`

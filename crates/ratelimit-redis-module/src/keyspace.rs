@@ -353,13 +353,17 @@ pub(crate) fn served(
     answer
 }
 
-/// A key's Cluster slot, as Redis computes it: CRC16 (XMODEM) of its hash tag (the
-/// first `{..}` with something inside), or of the whole key, modulo 16384.
+/// A key's Cluster slot, as Redis computes it: CRC16 (XMODEM) of its hash tag, or of the
+/// whole key, modulo 16384.
 fn key_slot(key: &[u8]) -> u16 {
-    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
-        let inside = &key[open + 1..];
-        let close = inside.iter().position(|&b| b == b'}')?;
-        (close > 0).then_some(&inside[..close])
-    });
-    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(key)) & 0x3fff
+    crc16::State::<crc16::XMODEM>::calculate(hash_tag(key).unwrap_or(key)) & 0x3fff
+}
+
+/// A key's hash tag, as Redis reads it: what is between its first `{` and the next `}`,
+/// when that is not empty.
+pub(crate) fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+    let open = key.iter().position(|&b| b == b'{')?;
+    let inside = &key[open + 1..];
+    let close = inside.iter().position(|&b| b == b'}')?;
+    (close > 0).then_some(&inside[..close])
 }
