@@ -58,6 +58,13 @@ pub const HEADER: usize = 10;
 pub const PER_RULE: usize = 6;
 /// The identity of the state's log marker entry; no rule has it.
 pub const LOG_MARKER: u64 = 0;
+/// The most values a key's state holds: the widest rule set's ([`MAX_RULES`] sliding
+/// window counters of the finest precision, and the log marker). A stored value longer
+/// than this is no state of this encoding, whoever wrote it: it reads as fresh, in time
+/// that does not depend on its length.
+pub const MAX_STATE_VALUES: usize = 1 + MAX_RULES * (4 + crate::rule::MAX_PRECISION as usize) + 3;
+/// [`MAX_STATE_VALUES`] in bytes.
+pub const MAX_STATE_BYTES: usize = 8 * MAX_STATE_VALUES;
 
 /// Bytes per check in a compact batch's `refs`: the index of its packed check among the
 /// call's distinct ones (one byte, so at most 256 per call), then its deadline in µs on
@@ -300,22 +307,36 @@ impl PackedRules {
             ids.push(id);
         }
         let rules = RuleSet::new(rules).map_err(|e| PackedError(e.to_string()))?;
-        let width = state_width(&rules);
-        if width != header.width as u64
+        let parsed = Self { rules, ids };
+        parsed.check_header(header)?;
+        Ok(parsed)
+    }
+
+    /// Refuses a header whose state width, log limit or log period is not what these
+    /// rules fill: every allocation a store makes for a check is sized by those values,
+    /// so a store that keeps parsed rules by their bytes (the header apart) checks each
+    /// header against them on every use, not only when it parsed them.
+    pub fn check_header(&self, header: &Header) -> Result<(), PackedError> {
+        let rules = &self.rules;
+        let width = state_width(rules);
+        if rules.len() != header.rules
+            || width != header.width as u64
             || rules.log_limit() != header.log_limit
             || rules.log_period_us() != header.log_period_us
         {
             return Err(PackedError(format!(
-                "the rules fill {width} values of a state of {}, with a log of {} entries \
-                 over {} µs; the header says {} entries over {} µs",
-                header.width,
+                "the {} rules fill {width} values of a state, with a log of {} entries \
+                 over {} us; the header says {} rules, {} values, {} entries over {} us",
+                rules.len(),
                 rules.log_limit(),
                 rules.log_period_us(),
+                header.rules,
+                header.width,
                 header.log_limit,
                 header.log_period_us
             )));
         }
-        Ok(Self { rules, ids })
+        Ok(())
     }
 
     /// The rule set (without names: [`ids`](Self::ids) stand for them).
@@ -371,29 +392,37 @@ pub fn decode_state(raw: &[u8], header: &Header, rules: &PackedRules, now: u64) 
             converted: false,
         });
     }
-    if raw.is_empty() || raw.len() % 8 != 0 {
+    if raw.is_empty() || raw.len() % 8 != 0 || raw.len() > MAX_STATE_BYTES {
         return None;
     }
     let len = raw.len() / 8;
-    // Where each identity's values start; a later entry of one identity wins, as in Lua.
-    let mut at: SmallVec<[(u64, usize); 8]> = SmallVec::new();
+    // Where the values of each identity this check reads start (a later entry of one
+    // identity wins, as in Lua): the rules' and the log marker's only, so that the
+    // walk is linear in the value's length whatever identities it holds.
+    let mut at: SmallVec<[(u64, usize); 8]> = rules
+        .ids
+        .iter()
+        .chain(std::iter::once(&LOG_MARKER))
+        .map(|&id| (id, 0))
+        .collect();
     let mut pos = 1;
     while pos < len {
         let id = value(raw, pos)?;
         let m = usize::try_from(value(raw, pos + 1)?).ok()?;
-        if pos + 2 + m > len {
+        if m > len - pos - 2 {
             return None;
         }
         // Every value must be one this encoding writes.
         for i in pos + 2..pos + 2 + m {
             value(raw, i)?;
         }
-        at.retain(|(i, _)| *i != id);
-        at.push((id, pos + 2));
+        if let Some(slot) = at.iter_mut().find(|(i, _)| *i == id) {
+            slot.1 = pos + 2;
+        }
         pos += 2 + m;
     }
     value(raw, 0)?;
-    let find = |id: u64| at.iter().find(|(i, _)| *i == id).map(|&(_, p)| p);
+    let find = |id: u64| at.iter().find(|&&(i, p)| i == id && p > 0).map(|&(_, p)| p);
     // A carried state's writer finds its log counting while the state says it has one,
     // as in a state of its own layout.
     let writer = value(raw, 0) == Some(CARRIED + header.layout);

@@ -1,5 +1,6 @@
 //! `RATELIMIT.BLOCK`: a client key's block marker written, as `block.lua` writes it.
 
+use ratelimit_core::packed;
 use redis_module::{Context, KeyType, RedisString};
 
 use crate::check::args_error;
@@ -18,6 +19,13 @@ pub(crate) fn block(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
             args.len()
         )));
     };
+    // Every value is read and checked before the key is touched: a refused command
+    // writes nothing.
+    let written = if length.as_slice().is_empty() {
+        None
+    } else {
+        Some(marker(now, length, floor)?)
+    };
     let mut key = StateKey::open(ctx, name);
     let kind = key.key_type();
     if !matches!(kind, KeyType::Empty | KeyType::String) {
@@ -26,23 +34,55 @@ pub(crate) fn block(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
             format!("{kind:?}").to_lowercase()
         ));
     }
-    if length.as_slice().is_empty() {
-        // A block without end has no expiry (as `SET` leaves it).
-        key.write(name, b"inf", Expiry::Never)?;
-        return Ok(-1);
+    match written {
+        None => {
+            // A block without end has no expiry (as `SET` leaves it).
+            key.write(name, b"inf", Expiry::Never)?;
+            Ok(-1)
+        }
+        Some((until, at_ms)) => {
+            key.write(name, until.to_string().as_bytes(), Expiry::At(at_ms))?;
+            // Below 2^53 (checked in `marker`).
+            Ok(i64::try_from(until).unwrap_or(i64::MAX))
+        }
     }
+}
+
+/// The longest block in µs, as the store caps it (`block.lua` takes lengths below it):
+/// `now + length` stays below 2^53, exact in Lua, for a century yet.
+const MAX_LENGTH_US: u64 = 1 << 52;
+
+/// A timed block's end in µs and its marker's expiry in ms, from the arguments; an
+/// error, before anything is written, for a value out of range.
+fn marker(
+    now: &RedisString,
+    length: &RedisString,
+    floor: &RedisString,
+) -> Result<(u64, u64), String> {
     let injected = !now.as_slice().is_empty();
     let now = now_arg(now)?;
     let length = number(length, "the block's length")?;
-    let until = now.saturating_add(length);
+    if length > MAX_LENGTH_US {
+        return Err(args_error(&format_args!(
+            "the block's length is at most 2^52 us, got {length}"
+        )));
+    }
+    let until = now
+        .checked_add(length)
+        .filter(|&until| until <= packed::MAX_EXACT)
+        .ok_or_else(|| args_error(&format_args!("now + length is past 2^53 us")))?;
     let at_ms = if injected {
         // Under an injected clock, which need not run at the server's pace: relative to
         // the server's, with the TTL floor, and at least 1 ms.
         let floor = number(floor, "the TTL floor")?;
+        if floor > packed::MAX_EXACT / 1000 {
+            return Err(args_error(&format_args!(
+                "the TTL floor is at most 2^53 us in ms, got {floor}"
+            )));
+        }
         crate::check::server_now_us() / 1000 + length.div_ceil(1000).max(floor).max(1)
     } else {
         until.div_ceil(1000)
     };
-    key.write(name, until.to_string().as_bytes(), Expiry::At(at_ms))?;
-    i64::try_from(until).map_err(|_| args_error(&"the block's end is past 2^63 µs"))
+    Ok((until, at_ms))
 }

@@ -47,9 +47,13 @@ pub(crate) fn read_check(packed_check: &[u8]) -> Result<(Header, Rc<PackedRules>
     Ok((header, rules))
 }
 
-/// The rules of a packed check, from the cache or built and cached.
+/// The rules of a packed check, from the cache or built and cached; either way checked
+/// against `header` ([`PackedRules::check_header`]): the cache is keyed by the rules'
+/// bytes alone, and the state width, log limit and log period the header carries size
+/// what a check allocates.
 pub(crate) fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>, String> {
     if let Some(rules) = RULES.with(|cache| cache.borrow().get(bytes).cloned()) {
+        rules.check_header(header).map_err(|e| args_error(&e))?;
         return Ok(rules);
     }
     let rules = Rc::new(PackedRules::parse(bytes, header).map_err(|e| args_error(&e))?);
@@ -372,7 +376,7 @@ pub(crate) fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<L
         other => return Err(format!("RLSTATE LRANGE of the sliding log: {other:?}")),
     };
     let mut log = VecDeque::with_capacity(entries.len());
-    for (i, item) in entries.iter().enumerate() {
+    for item in &entries {
         let stamp = match item {
             redis_module::RedisValue::BulkRedisString(s) => s.as_slice().to_vec(),
             redis_module::RedisValue::StringBuffer(b) => b.clone(),
@@ -384,18 +388,13 @@ pub(crate) fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<L
         match std::str::from_utf8(&stamp)
             .ok()
             .and_then(|s| s.parse::<u64>().ok())
+            .filter(|&ts| ts <= packed::MAX_EXACT)
         {
             Some(ts) => log.push_back(ts),
-            // The newest entry is not a timestamp: the log is no one's.
-            None if i == 0 => return Ok(Log::Foreign),
-            None => {
-                replicated(ctx, "DEL", &[key.as_slice()])?;
-                return Err(
-                    "RLSTATE the sliding log held a value this store did not write; \
-                            it was deleted"
-                        .to_owned(),
-                );
-            }
+            // An entry that is not a timestamp: the log is no one's. Read as empty and
+            // replaced, as any foreign value, rather than answered with an error after
+            // the log was dropped (a command that answers an error writes nothing).
+            None => return Ok(Log::Foreign),
         }
     }
     Ok(Log::Entries(log, len))

@@ -11,31 +11,72 @@ use crate::check::{args_error, check_one, decide_one, read_check, server_now_us,
 use crate::keyspace::{hash_tag, served, StableSlots};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
-/// take the server down.
+/// take the server down. The message is [`ascii`]: it becomes an error reply or a batch
+/// entry's message either way.
 fn guarded(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let what = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_default();
-        // An error reply is one line.
-        let what = what.replace(['\r', '\n'], " ");
-        Err(format!(
-            "RLPANIC the rate-limit module failed on this check: {what}"
-        ))
-    })
+    catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|panic| Err(panic_message(&*panic)))
+        .map_err(|message| ascii(&message))
 }
 
+/// The error of a panic, for the reply.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    format!("RLPANIC the rate-limit module failed on this check: {what}")
+}
+
+/// A command's whole run, its panics caught: no panic may unwind into Redis (an
+/// `extern "C"` boundary, where an unwind aborts the server), whatever the arguments.
+/// An error reply is [`ascii`].
+pub(crate) fn boundary(f: impl FnOnce() -> RedisResult) -> RedisResult {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Err(RedisError::String(message))) => Err(RedisError::String(ascii(&message))),
+        Ok(reply) => reply,
+        Err(panic) => Err(RedisError::String(ascii(&panic_message(&*panic)))),
+    }
+}
+
+/// `message` as one line of printable ASCII, at most [`MAX_MESSAGE`] bytes: what every
+/// client parses as an error reply. The redis-module crate writes each `char` of an
+/// error as one byte (a "µ" would arrive as a lone 0xB5, which clients refuse as
+/// UTF-8), and a message may quote a client's bytes; so "µs" becomes "us", line breaks
+/// become spaces, and any other character outside printable ASCII is escaped (`\x..`,
+/// `\u{..}`).
+pub(crate) fn ascii(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE));
+    for c in message.chars() {
+        if out.len() >= MAX_MESSAGE {
+            out.push_str("...");
+            break;
+        }
+        match c {
+            ' '..='~' => out.push(c),
+            '\u{b5}' | '\u{3bc}' => out.push('u'),
+            '\r' | '\n' | '\t' => out.push(' '),
+            c if (c as u32) < 0x100 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+        }
+    }
+    out
+}
+
+/// The longest error message the module answers, in bytes: a message quoting a
+/// client's argument is cut.
+const MAX_MESSAGE: usize = 512;
+
 fn arity(what: &str) -> RedisError {
-    RedisError::String(format!(
+    RedisError::String(ascii(&format!(
         "RLARGS {what}; the store and the module are from different versions"
-    ))
+    )))
 }
 
 /// `RATELIMIT.CHECK block state [log] packed`: one check, its reply or its error.
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn check(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn check_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     let keys = match &args[..] {
         [_, block, state, _] => Keys {
             block,
@@ -91,10 +132,12 @@ fn key_counts(counts: &[u8], shared_allowed: bool) -> Result<Vec<usize>, RedisEr
 /// `RATELIMIT.CHECK_MANY numkeys key.. counts packed..`: the checks in order, their
 /// replies one after the other.
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn check_many(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn check_many_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     let numkeys = args
         .get(1)
         .and_then(|n| n.try_as_str().ok()?.parse::<usize>().ok())
+        // More keys than arguments is refused below; this keeps `2 + numkeys` in range.
+        .map(|n| n.min(args.len()))
         .ok_or_else(|| arity("ratelimit.check_many takes numkeys first"))?;
     let keys = args
         .get(2..2 + numkeys)
@@ -129,7 +172,7 @@ pub(crate) fn check_many(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
 /// `RATELIMIT.CHECK_LOCAL 0 counts packed.. key..`: the checks in order on one Cluster
 /// node; a check whose keys the node does not serve is answered `RLMOVED`, untouched.
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn check_local(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn check_local_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     let Some(counts) = args.get(2) else {
         return Err(arity(
             "ratelimit.check_local takes 0 and the key counts first",
@@ -281,11 +324,13 @@ fn compact_checks(
 /// log's names follow from it) and the distinct packed values once, each check's
 /// referred to by `refs` (see [`REF_LEN`]).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn check_states(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn check_states_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     const NAME: &str = "ratelimit.check_states";
     let numkeys = args
         .get(1)
         .and_then(|n| n.try_as_str().ok()?.parse::<usize>().ok())
+        // More keys than arguments is refused below; this keeps `2 + numkeys` in range.
+        .map(|n| n.min(args.len()))
         .ok_or_else(|| arity(&format!("{NAME} takes numkeys first")))?;
     let states = args
         .get(2..2 + numkeys)
@@ -304,7 +349,7 @@ pub(crate) fn check_states(ctx: &Context, args: Vec<RedisString>) -> RedisResult
 /// node does not serve is answered `RLMOVED`, untouched. The number of checks is the
 /// length of `refs` over [`REF_LEN`]; the state keys are the last arguments.
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn check_local_states(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn check_local_states_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     const NAME: &str = "ratelimit.check_local_states";
     let Some(refs) = args.get(2) else {
         return Err(arity(&format!("{NAME} takes 0 and the refs first")));
@@ -349,27 +394,27 @@ fn integer_command(
 /// `RATELIMIT.REFUND state now units start granted (id code limit period window)..`:
 /// a lease's unspent units given back (`check.lua`'s `refund`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn refund(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn refund_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     integer_command(&args, |args| crate::refund::lease_refund(ctx, args))
 }
 
 /// `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
 /// (`check.lua`'s `give_back`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn give_back(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn give_back_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     integer_command(&args, |args| crate::refund::give_back(ctx, args))
 }
 
 /// `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn block(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+fn block_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     integer_command(&args, |args| crate::block::block(ctx, args))
 }
 
 /// `RATELIMIT.VERSION`: the module's version, its state format, and the batch protocol
 /// it serves (see [`crate::PROTOCOL`]).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
-pub(crate) fn version(_: &Context, _: Vec<RedisString>) -> RedisResult {
+fn version_unguarded(_: &Context, _: Vec<RedisString>) -> RedisResult {
     let mut reply = vec![
         RedisValue::SimpleString(env!("CARGO_PKG_VERSION").to_owned()),
         RedisValue::Integer(i64::try_from(crate::STATE_FORMAT).unwrap_or(i64::MAX)),
@@ -381,4 +426,27 @@ pub(crate) fn version(_: &Context, _: Vec<RedisString>) -> RedisResult {
         reply.push(RedisValue::Integer(i64::from(protocol)));
     }
     Ok(RedisValue::Array(reply))
+}
+
+/// The commands as Redis calls them: each the function of the same name with
+/// `_unguarded`, run inside [`boundary`].
+macro_rules! at_the_boundary {
+    ($($name:ident => $inner:ident),* $(,)?) => {$(
+        #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+        pub(crate) fn $name(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+            boundary(|| $inner(ctx, args))
+        }
+    )*};
+}
+
+at_the_boundary! {
+    check => check_unguarded,
+    check_many => check_many_unguarded,
+    check_local => check_local_unguarded,
+    check_states => check_states_unguarded,
+    check_local_states => check_local_states_unguarded,
+    refund => refund_unguarded,
+    give_back => give_back_unguarded,
+    block => block_unguarded,
+    version => version_unguarded,
 }

@@ -18,16 +18,26 @@ pub(crate) fn number(arg: &RedisString, what: &str) -> Result<u64, String> {
     arg.try_as_str()
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
-        .ok_or_else(|| args_error(&format_args!("{what} is an integer, got {arg}")))
+        .ok_or_else(|| {
+            let bytes = arg.as_slice();
+            args_error(&format_args!(
+                "{what} is an integer, got {:?}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(32)])
+            ))
+        })
 }
 
-/// `now` as the store sends it: empty for the server's clock.
+/// `now` as the store sends it: empty for the server's clock; a time below 2^53 µs
+/// (as every time of the encoding) otherwise.
 pub(crate) fn now_arg(arg: &RedisString) -> Result<u64, String> {
     if arg.as_slice().is_empty() {
-        Ok(crate::check::server_now_us())
-    } else {
-        number(arg, "now")
+        return Ok(crate::check::server_now_us());
     }
+    let now = number(arg, "now")?;
+    if now > packed::MAX_EXACT {
+        return Err(args_error(&format_args!("now is below 2^53 us, got {now}")));
+    }
+    Ok(now)
 }
 
 /// One rule of a lease refund, as the store sends it.
@@ -50,9 +60,10 @@ pub(crate) fn lease_refund(ctx: &Context, args: &[RedisString]) -> Result<i64, S
             args.len()
         )));
     };
-    if rest.len() % 5 != 0 {
+    if rest.len() % 5 != 0 || rest.len() > 5 * ratelimit_core::MAX_RULES {
         return Err(args_error(&format_args!(
-            "ratelimit.refund takes 5 values per rule, got {}",
+            "ratelimit.refund takes 5 values per rule, for at most {} rules, got {}",
+            ratelimit_core::MAX_RULES,
             rest.len()
         )));
     }
@@ -155,7 +166,8 @@ pub(crate) fn lease_refund(ctx: &Context, args: &[RedisString]) -> Result<i64, S
 /// Where each entry's values start in a state, by identity, in order (a later entry of
 /// one identity wins, as in check.lua); `None` when the state is not a list of entries.
 fn entries(raw: &[u8]) -> Option<Vec<(u64, usize)>> {
-    if raw.is_empty() || !raw.len().is_multiple_of(8) {
+    // A value longer than any state is no one's: never walked (as a check reads it).
+    if raw.is_empty() || !raw.len().is_multiple_of(8) || raw.len() > packed::MAX_STATE_BYTES {
         return None;
     }
     let len = raw.len() / 8;
@@ -198,9 +210,7 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     let (header, rule_bytes) =
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
     let rules = rules_of(rule_bytes, &header)?;
-    let Ok(charged) = number(charged, "the charge's time") else {
-        return Ok(0);
-    };
+    let charged = number(charged, "the charge's time")?;
     if header.cost < 1 {
         return Ok(0);
     }

@@ -16,8 +16,9 @@
 -- `CheckReply` in src/script/reply.rs; change them and this file together. The store
 -- puts one line before this file (src/script/load.rs) defining the constants it shares
 -- with them and with the core: HEADER and PER_RULE (the values of the header and of
--- each rule in ARGV[1]), MAX_RULES (the most rules a rule set has), and HEADER_FORMAT and
--- RULE_FORMAT (the struct formats of the header and of one rule).
+-- each rule in ARGV[1]), MAX_RULES (the most rules a rule set has), MAX_STATE (the most
+-- values a state holds: a longer value is no state), and HEADER_FORMAT and RULE_FORMAT
+-- (the struct formats of the header and of one rule).
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
 -- KEYS[2]  rule state of the client key: string of little-endian doubles, every one an
@@ -525,7 +526,9 @@ end
 -- entry.
 local function carry(raw, v, n, now)
   local len = #raw / 8
-  if len % 1 ~= 0 or len < 1 then
+  -- Longer than the widest state (MAX_STATE values): no state of this encoding, read
+  -- as fresh before anything is decoded, as the module does.
+  if len % 1 ~= 0 or len < 1 or len > MAX_STATE then
     return nil
   end
   local shape = ''
@@ -1324,7 +1327,11 @@ local function give_back(KEYS, ARGV)
       .. '%d rules, got %d', HEADER + PER_RULE * n, n, len / 8) .. VERSION_SKEW)
   end
   local charged = tonumber(ARGV[2])
-  if not charged or cost < 1 then
+  if not charged then
+    return redis.error_reply('RLARGS the charge\'s time is an integer; the store and the '
+      .. 'script are from different versions')
+  end
+  if cost < 1 then
     return 0
   end
   local now = injected_now

@@ -44,7 +44,8 @@ pub(super) fn commit(state: &mut RuleState, index: u64, count: u64) {
 #[inline]
 pub(super) fn expires_at(rule: &Rule, state: &RuleState) -> u64 {
     match *state {
-        RuleState::Window { index, .. } => (index + 1) * rule.period_us(),
+        // Saturating: a stored index may be anyone's.
+        RuleState::Window { index, .. } => index.saturating_add(1).saturating_mul(rule.period_us()),
         _ => 0,
     }
 }

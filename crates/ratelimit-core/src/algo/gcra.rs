@@ -36,8 +36,14 @@ pub(super) fn arrival(
     let total = base_frac + cost * period;
     let (whole, next_frac) = rule.limit_div().div_rem(total);
     let next_us = base_us + whole;
-    let ahead_before = (base_us - now) * limit + base_frac;
-    let ahead = (next_us - now) * limit + next_frac;
+    // Saturating: a stored TAT may be anyone's (a value at the store's key that fits the
+    // layout), and no TAT this crate writes is far enough ahead to come near.
+    let ahead_before = (base_us - now)
+        .saturating_mul(limit)
+        .saturating_add(base_frac);
+    let ahead = (next_us - now)
+        .saturating_mul(limit)
+        .saturating_add(next_frac);
     let max = capacity * period;
     let allowed = ahead <= max;
     let eval = Eval {
@@ -126,15 +132,17 @@ pub(super) fn refund(rule: &Rule, state: &mut RuleState, give: u64, now: u64) ->
     if !(us > now || (us == now && frac > 0)) {
         return false;
     }
-    // How far ahead of now the TAT is, in 1/limit µs: units used × period.
-    let ahead = (us - now) * rule.limit() + frac;
+    // How far ahead of now the TAT is, in 1/limit µs: units used × period. Saturating:
+    // a stored state is read from a store others can write, and no state this crate
+    // writes comes near.
+    let ahead = (us - now).saturating_mul(rule.limit()).saturating_add(frac);
     if give == 0 {
         return false;
     }
     let left = ahead.saturating_sub(give);
     let (whole, frac) = rule.limit_div().div_rem(left);
     *state = RuleState::Tat {
-        us: now + whole,
+        us: now.saturating_add(whole),
         frac,
     };
     true

@@ -54,8 +54,11 @@ pub(super) fn evaluate(
     let sub = rule.span_div().get();
     let (cur, elapsed) = rule.span_div().div_rem(now);
     let (old, recent) = window_sums(state, precision, cur);
-    let weighted = old * (sub - elapsed);
-    let allowed = weighted + sub * (recent + cost) <= limit * sub;
+    // Saturating: stored counts may be anyone's (a value that fits the layout); the
+    // counts this crate writes keep every product below 2^53.
+    let weighted = old.saturating_mul(sub - elapsed);
+    let allowed =
+        weighted.saturating_add(sub.saturating_mul(recent.saturating_add(cost))) <= limit * sub;
     let remaining_before = rule
         .span_div()
         .div((limit * sub).saturating_sub(weighted))
@@ -84,7 +87,7 @@ fn retry_after(rule: &Rule, precision: u64, state: &RuleState, now: u64, cost: u
     for j in 0..=precision + 1 {
         let w = cur + j;
         let (old, recent) = window_sums(state, precision, w);
-        let Some(room) = limit.checked_sub(recent + cost) else {
+        let Some(room) = limit.checked_sub(recent.saturating_add(cost)) else {
             continue;
         };
         // With no weighted sub-window left, the window's start admits.
@@ -131,7 +134,11 @@ pub(super) fn expires_at(rule: &Rule, precision: u64, state: &RuleState) -> u64 
     // The sub-window, period / precision.
     let sub = rule.span_div().get();
     match counts.iter().position(|c| *c > 0) {
-        Some(i) => (index - i as u64 + precision + 1) * sub,
+        // Saturating: a stored index may be anyone's.
+        Some(i) => index
+            .saturating_sub(i as u64)
+            .saturating_add(precision + 1)
+            .saturating_mul(sub),
         None => 0,
     }
 }

@@ -256,10 +256,11 @@ impl Script {
         // A library's top level cannot reach `string` while it loads, so the struct
         // formats come made.
         let code = format!(
-            "local HEADER, PER_RULE, MAX_RULES, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, '<{}', '<{}'\n{}",
+            "local HEADER, PER_RULE, MAX_RULES, MAX_STATE, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, {}, '<{}', '<{}'\n{}",
             CheckArgs::HEADER,
             CheckArgs::PER_RULE,
             ratelimit_core::MAX_RULES,
+            ratelimit_core::packed::MAX_STATE_VALUES,
             "d".repeat(CheckArgs::HEADER),
             "d".repeat(CheckArgs::PER_RULE),
             include_str!("../../lua/check.lua")
