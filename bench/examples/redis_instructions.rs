@@ -133,6 +133,8 @@ fn main() {
             ("check_many", Some(script.batch_function)),
             ("RATELIMIT.CHECK_MANY", None),
             ("RATELIMIT.CHECK_STATES", None),
+            // Batch protocol 2: the call carries an id, its reply kept for a resend.
+            ("RATELIMIT.CHECK_STATES with an id", None),
         ]
     } else {
         &[("check_many", Some(script.batch_function))]
@@ -167,9 +169,9 @@ fn main() {
                     cmd.arg(function);
                     cmd
                 }
-                None => redis::cmd(path),
+                None => redis::cmd(path.split(' ').next().unwrap_or(path)),
             };
-            let compact = path == "RATELIMIT.CHECK_STATES";
+            let compact = path.starts_with("RATELIMIT.CHECK_STATES");
             cmd.arg(if compact { BATCH } else { keys * BATCH });
             // Each path its own keys, so that the second does not find the first's.
             for i in 0..BATCH {
@@ -185,7 +187,13 @@ fn main() {
             }
             if compact {
                 // The compact form: the one packed value, referred to by every check.
-                cmd.arg(compact_refs()).arg(&args[0][..]);
+                let mut refs = compact_refs();
+                if path.ends_with("with an id") {
+                    // A new id per call, as a store sends them.
+                    refs.extend_from_slice(&(round as u128).to_le_bytes());
+                    refs.push(0);
+                }
+                cmd.arg(refs).arg(&args[0][..]);
             } else {
                 cmd.arg(vec![b'0' + keys as u8; BATCH]);
                 for _ in 0..BATCH {

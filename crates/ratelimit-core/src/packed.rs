@@ -66,6 +66,12 @@ pub const MAX_STATE_VALUES: usize = 1 + MAX_RULES * (4 + crate::rule::MAX_PRECIS
 /// [`MAX_STATE_VALUES`] in bytes.
 pub const MAX_STATE_BYTES: usize = 8 * MAX_STATE_VALUES;
 
+/// Bytes after a compact call's `refs` that make it a call decided once (the module's
+/// batch protocol 2): a 16-byte id its sender makes unique, then 1 when the call is
+/// sent again after its connection broke, else 0. Never a multiple of [`REF_LEN`]: a
+/// call's `refs` tell by their length whether they carry one.
+pub const CALL_ID_LEN: usize = 17;
+
 /// Bytes per check in a compact batch's `refs`: the index of its packed check among the
 /// call's distinct ones (one byte, so at most 256 per call), then its deadline in µs on
 /// the server's clock (8 bytes, little-endian, 0 for none).

@@ -69,6 +69,11 @@ pub(crate) fn rules_of(bytes: &[u8], header: &Header) -> Result<Rc<PackedRules>,
     Ok(rules)
 }
 
+/// The rule sets the cache holds (at most [`RULE_CACHE`]).
+pub(crate) fn cached_rule_sets() -> usize {
+    RULES.with(|cache| cache.borrow().len())
+}
+
 pub(crate) fn args_error(e: &dyn std::fmt::Display) -> String {
     format!("RLARGS {e}; the store and the module are from different versions")
 }

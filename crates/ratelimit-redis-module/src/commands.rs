@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 
 use crate::check::{args_error, check_one, decide_one, read_check, server_now_us, Keys};
 use crate::keyspace::{hash_tag, served, StableSlots};
+use crate::once;
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
 /// take the server down. The message is [`ascii`]: it becomes an error reply or a batch
@@ -338,10 +339,78 @@ fn check_states_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult 
     let Some((refs, packs)) = args[2 + numkeys..].split_first() else {
         return Err(arity(&format!("{NAME} takes the refs after the keys")));
     };
-    let refs = refs_of(NAME, refs.as_slice(), numkeys, packs.len())?;
-    Ok(RedisValue::StringBuffer(compact_checks(
-        ctx, states, &refs, packs, None,
-    )))
+    let (refs, id) = split_id(NAME, refs.as_slice())?;
+    let refs = refs_of(NAME, refs, numkeys, packs.len())?;
+    once(id, || compact_checks(ctx, states, &refs, packs, None))
+}
+
+/// `RATELIMIT.CHECK_STATE state refs packed`: one check in the compact form of
+/// [`check_states`] (batch protocol 2), its state key first so that a Cluster client
+/// routes it by the key and the server checks the key's slot.
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+fn check_state_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    const NAME: &str = "ratelimit.check_state";
+    let [_, state, refs, pack] = &args[..] else {
+        return Err(arity(&format!(
+            "{NAME} takes a state key, the refs and a packed check, got {} arguments",
+            args.len().saturating_sub(1)
+        )));
+    };
+    let (refs, id) = split_id(NAME, refs.as_slice())?;
+    let refs = refs_of(NAME, refs, 1, 1)?;
+    once(id, || {
+        compact_checks(
+            ctx,
+            std::slice::from_ref(state),
+            &refs,
+            std::slice::from_ref(pack),
+            None,
+        )
+    })
+}
+
+/// A call's id, and whether it is sent again.
+type CallId = ([u8; 16], bool);
+
+/// `refs` as a compact call sends it, and the call's id when it carries one (batch
+/// protocol 2: [`once::ID_LEN`] bytes after the checks' entries).
+fn split_id<'r>(command: &str, refs: &'r [u8]) -> Result<(&'r [u8], Option<CallId>), RedisError> {
+    if crate::protocol() < 2 || refs.len() % REF_LEN != once::ID_LEN % REF_LEN {
+        return Ok((refs, None));
+    }
+    let Some((refs, id)) = refs
+        .len()
+        .checked_sub(once::ID_LEN)
+        .and_then(|at| refs.split_at_checked(at))
+    else {
+        return Err(arity(&format!("{command}: the refs are cut short")));
+    };
+    match once::parse_id(id) {
+        Some(id) => Ok((refs, Some(id))),
+        None => Err(arity(&format!("{command}: the call's id ends in 0 or 1"))),
+    }
+}
+
+/// The reply of a call with the id `id` (none: the call runs as any): the reply of its
+/// run when it ran already (it was sent again after its connection broke), else the
+/// reply of `run`, recorded.
+fn once(id: Option<CallId>, run: impl FnOnce() -> Vec<u8>) -> RedisResult {
+    let Some((id, resent)) = id else {
+        return Ok(RedisValue::StringBuffer(run()));
+    };
+    let now = server_now_us();
+    match once::seen(&id, resent, now) {
+        once::Seen::Ran(reply) => Ok(RedisValue::StringBuffer(reply.to_vec())),
+        once::Seen::Unknown => Err(RedisError::Str(
+            "RLUNKNOWN the call was sent again and its first run is no longer known (the \
+             module's record of recent replies is full); nothing ran now",
+        )),
+        once::Seen::New => {
+            let reply = run();
+            once::record(id, &reply, now);
+            Ok(RedisValue::StringBuffer(reply))
+        }
+    }
 }
 
 /// `RATELIMIT.CHECK_LOCAL_STATES 0 refs packed.. state..`: `CHECK_LOCAL`'s checks in
@@ -354,7 +423,8 @@ fn check_local_states_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisR
     let Some(refs) = args.get(2) else {
         return Err(arity(&format!("{NAME} takes 0 and the refs first")));
     };
-    let checks = refs.as_slice().len() / REF_LEN;
+    let (refs, id) = split_id(NAME, refs.as_slice())?;
+    let checks = refs.len() / REF_LEN;
     let Some(packs) = args
         .len()
         .checked_sub(checks)
@@ -365,16 +435,12 @@ fn check_local_states_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisR
             args.len() - 1
         )));
     };
-    let refs = refs_of(NAME, refs.as_slice(), checks, packs.len())?;
+    let refs = refs_of(NAME, refs, checks, packs.len())?;
     let states = &args[args.len() - checks..];
-    let mut stable = StableSlots::new();
-    Ok(RedisValue::StringBuffer(compact_checks(
-        ctx,
-        states,
-        &refs,
-        packs,
-        Some(&mut stable),
-    )))
+    once(id, || {
+        let mut stable = StableSlots::new();
+        compact_checks(ctx, states, &refs, packs, Some(&mut stable))
+    })
 }
 
 /// A command on one key that answers an integer, its panics caught.
@@ -428,6 +494,22 @@ fn version_unguarded(_: &Context, _: Vec<RedisString>) -> RedisResult {
     Ok(RedisValue::Array(reply))
 }
 
+/// `RATELIMIT.STATS`: what the module keeps in memory across calls: the rule sets
+/// cached and the replies of recent calls kept (and their bytes).
+fn stats_unguarded(_: &Context, _: Vec<RedisString>) -> RedisResult {
+    let rules = crate::check::cached_rule_sets();
+    let (replies, bytes) = once::usage();
+    let int = |n: usize| RedisValue::Integer(i64::try_from(n).unwrap_or(i64::MAX));
+    Ok(RedisValue::Array(vec![
+        RedisValue::SimpleStringStatic("rule_sets"),
+        int(rules),
+        RedisValue::SimpleStringStatic("replies"),
+        int(replies),
+        RedisValue::SimpleStringStatic("reply_bytes"),
+        int(bytes),
+    ]))
+}
+
 /// The commands as Redis calls them: each the function of the same name with
 /// `_unguarded`, run inside [`boundary`].
 macro_rules! at_the_boundary {
@@ -449,4 +531,6 @@ at_the_boundary! {
     give_back => give_back_unguarded,
     block => block_unguarded,
     version => version_unguarded,
+    check_state => check_state_unguarded,
+    stats => stats_unguarded,
 }

@@ -46,14 +46,23 @@
 //! - `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
 //!   (`give_back`), by [`ratelimit_core::algo::refund`].
 //! - `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
+//! - `RATELIMIT.CHECK_STATE state refs packed`: one check in compact form (batch
+//!   protocol 2), its state key first so that a Cluster client routes it by the key.
+//!   The compact calls of protocol 2 may carry a call id after their `refs`
+//!   ([`ratelimit_core::packed::CALL_ID_LEN`] bytes): the module keeps the reply a few
+//!   seconds, and a call sent again after a lost connection gets its first run's reply,
+//!   or runs if there was none (see the README, "Calls decided once").
+//! - `RATELIMIT.STATS`: what the module keeps across calls (rule sets cached, replies
+//!   kept and their bytes).
 //! - `RATELIMIT.VERSION`: the module's version, the state format it reads and writes
 //!   ([`STATE_FORMAT`]) and its batch protocol ([`PROTOCOL`]; modules before the
 //!   compact form answer without it); a store uses the module only when the format is
 //!   its own, and the compact form only when every module master reports it.
 //!
-//! Loaded with the arguments `protocol 0` (`--loadmodule <path> protocol 0`), the
-//! module serves and reports only what a module before the compact form does: for tests
-//! of a rollout across module versions. Other load arguments refuse the load.
+//! Loaded with the arguments `protocol 0` or `protocol 1` (`--loadmodule <path>
+//! protocol 0`), the module serves and reports only what a module of that protocol
+//! does: for tests of a rollout across module versions. Other load arguments refuse the
+//! load.
 //!
 //! # What it does like the Lua functions, and how
 //!
@@ -63,12 +72,16 @@
 //! commands are flagged `write deny-oom`, so a server at `maxmemory` refuses them as it
 //! refuses the Lua functions. The clock is the server's: the realtime clock Redis's
 //! `TIME` reads. A panic in a check is caught at the boundary and answered as that
-//! check's error (`RLPANIC`), never an abort of the server.
+//! check's error (`RLPANIC`), never an abort of the server; every command runs inside
+//! such a boundary, validates every argument and stored value before it writes, and
+//! answers errors in printable ASCII. The bounds on what a client can make it do are
+//! in the README ("Limits").
 
 mod block;
 mod check;
 mod commands;
 mod keyspace;
+mod once;
 mod refund;
 
 /// The message of the panic the `test-panic` feature puts in the module (see
@@ -82,11 +95,14 @@ pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 
 /// The batch protocol this build serves, reported as `RATELIMIT.VERSION`'s third
 /// element: 1, the compact batches (`RATELIMIT.CHECK_STATES`,
-/// `RATELIMIT.CHECK_LOCAL_STATES`) besides the older ones. A module before them answers
-/// `RATELIMIT.VERSION` with two elements (protocol 0).
-pub const PROTOCOL: u8 = 1;
+/// `RATELIMIT.CHECK_LOCAL_STATES`) besides the older ones; 2, calls decided once: a
+/// compact call may carry an id after its `refs` (see the `once` module), whose reply
+/// the module keeps a few seconds for a resend after a lost connection, and one check
+/// goes as `RATELIMIT.CHECK_STATE state refs packed`. A module before the compact
+/// batches answers `RATELIMIT.VERSION` with two elements (protocol 0).
+pub const PROTOCOL: u8 = 2;
 
-/// The protocol served, [`PROTOCOL`] unless the module was loaded with `protocol 0`.
+/// The protocol served, [`PROTOCOL`] unless the module was loaded with a lower one.
 static SERVED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(PROTOCOL);
 
 /// The batch protocol the module serves, as loaded.
@@ -94,8 +110,8 @@ pub(crate) fn protocol() -> u8 {
     SERVED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The module's load arguments: none, or `protocol 0` (the module then serves and
-/// reports only what a module before the compact batches does: a Cluster's masters
+/// The module's load arguments: none, or `protocol 0` or `protocol 1` (the module then
+/// serves and reports only what a module of that protocol does: a Cluster's masters
 /// with modules of two versions during a rollout, as tests build them). Anything else
 /// refuses the load with a message saying what is accepted.
 fn protocol_arg(args: &[String]) -> Result<u8, String> {
@@ -109,8 +125,8 @@ fn protocol_arg(args: &[String]) -> Result<u8, String> {
         },
         _ => Err(format!(
             "ratelimit: unknown load arguments {args:?}; the module takes none, or \
-             `protocol 0` to serve only the batch commands of modules before the compact \
-             form"
+             `protocol 0` or `protocol 1` to serve only the commands of modules of that \
+             protocol"
         )),
     }
 }
@@ -125,12 +141,13 @@ mod registration {
     use redis_module::{raw, redis_command, redis_module, Context, RedisString, Status};
 
     use crate::commands::{
-        block, check, check_local, check_local_states, check_many, check_states, give_back, refund,
-        version,
+        block, check, check_local, check_local_states, check_many, check_state, check_states,
+        give_back, refund, stats, version,
     };
 
     /// Reads the load arguments; registers the compact batch commands unless loaded with
-    /// `protocol 0` (a module of that protocol does not know them).
+    /// `protocol 0`, and the single compact check unless loaded with a protocol below 2
+    /// (a module of that protocol does not know them).
     fn init(ctx: &Context, args: &[RedisString]) -> Status {
         let args: Vec<String> = args.iter().map(ToString::to_string).collect();
         let protocol = match super::protocol_arg(&args) {
@@ -142,6 +159,9 @@ mod registration {
         };
         super::SERVED.store(protocol, std::sync::atomic::Ordering::Relaxed);
         if protocol >= 1 && register_compact(ctx.ctx) != raw::Status::Ok as c_int {
+            return Status::Err;
+        }
+        if protocol >= 2 && register_once(ctx.ctx) != raw::Status::Ok as c_int {
             return Status::Err;
         }
         Status::Ok
@@ -176,6 +196,23 @@ mod registration {
         raw::Status::Ok as c_int
     }
 
+    fn register_once(ctx: *mut raw::RedisModuleCtx) -> c_int {
+        // SAFETY: as in `register_compact`.
+        unsafe {
+            redis_command!(
+                ctx,
+                "ratelimit.check_state",
+                check_state,
+                "write deny-oom",
+                1,
+                1,
+                1,
+                ""
+            );
+        }
+        raw::Status::Ok as c_int
+    }
+
     redis_module! {
         name: "ratelimit",
         version: 1,
@@ -192,6 +229,7 @@ mod registration {
             ["ratelimit.give_back", give_back, "write deny-oom", 1, -3, 1, ""],
             ["ratelimit.block", block, "write deny-oom", 1, 1, 1, ""],
             ["ratelimit.version", version, "readonly fast", 0, 0, 0, ""],
+            ["ratelimit.stats", stats, "readonly fast", 0, 0, 0, ""],
         ],
     }
 }

@@ -18,7 +18,7 @@ use futures::future::join_all;
 use redis::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::error::{classify, RedisStoreError};
+use crate::error::{classify, ran_nothing, RedisStoreError};
 use crate::script::{
     batch_call, function_missing, node_batch_call, unknown_command, CheckJob, CheckReply, Request,
 };
@@ -243,7 +243,13 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
         // The node has no functions (before Redis 7), or the function was missing even
         // after loading the library (removed again in between): each check alone falls
         // back to the script form.
-        Err(RedisStoreError::Script(e)) => function_missing(e) || unknown_command(e),
+        Err(RedisStoreError::Script(e)) if function_missing(e) || unknown_command(e) => true,
+        // The node no longer serves the slots, or the Cluster is amid a failover: each
+        // check alone goes where its key is served now, once the slots are read again.
+        Err(RedisStoreError::Script(e) | RedisStoreError::Connection(e)) if ran_nothing(e) => {
+            transport.nodes_stale();
+            true
+        }
         _ => false,
     };
     if ran_nothing {

@@ -56,6 +56,31 @@ pub(crate) fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
 }
 
+/// Whether `e` proves the call ran nowhere, and may be sent again as it is once the
+/// topology has settled: a primary demoted (`READONLY`) or not yet serving (`LOADING`,
+/// `MASTERDOWN`), a Cluster down, moving a slot or redirecting it, a Cluster node the
+/// client has no connection to (nothing was sent).
+pub(crate) fn ran_nothing(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::ReadOnly
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+        ) | ErrorKind::ClusterConnectionNotFound
+    )
+}
+
+/// Whether the module refused a call sent again because it can no longer tell whether
+/// its first run happened (`RLUNKNOWN`): nothing ran now; the first run may have.
+pub(crate) fn run_unknown(e: &RedisError) -> bool {
+    e.code() == Some("RLUNKNOWN")
+}
+
 /// Whether `e` says the server, or the node serving the keys, cannot take the call now:
 /// a lost connection, a Cluster redirect or outage, a primary demoted or loading.
 pub(crate) fn is_unreachable(e: &RedisError) -> bool {
@@ -89,7 +114,7 @@ pub(crate) fn classify(e: RedisError, timeout: Duration) -> RedisStoreError {
         };
         return RedisStoreError::WrongType(what);
     }
-    if is_unreachable(&e) {
+    if is_unreachable(&e) || run_unknown(&e) {
         return RedisStoreError::Connection(e);
     }
     if e.kind() == ErrorKind::UnexpectedReturnType {

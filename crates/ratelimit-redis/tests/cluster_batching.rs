@@ -38,6 +38,7 @@ fn fcalls(cons: &mut [redis::Connection]) -> u64 {
             [
                 "fcall",
                 "ratelimit.check",
+                "ratelimit.check_state",
                 "ratelimit.check_local",
                 "ratelimit.check_local_states",
             ]
@@ -124,6 +125,7 @@ fn each_master_on_its_path(cons: &mut [redis::Connection]) {
         let lua = count(&["fcall", "evalsha", "eval"]);
         let module = count(&[
             "ratelimit.check",
+            "ratelimit.check_state",
             "ratelimit.check_local",
             "ratelimit.check_local_states",
         ]);
@@ -471,8 +473,8 @@ async fn slot_moved_since_the_map_was_read(cluster: RedisCluster, path: Path, du
         if i == 0 && module && !during {
             // The first round after the move resent the moved checks alone, by key, to
             // the node the store's stale map named: the server redirected them.
-            let moved = rejected(&mut cons[0], "ratelimit.check");
-            assert!(moved > 0, "no RATELIMIT.CHECK was redirected");
+            let moved = rejected(&mut cons[0], "ratelimit.check_state");
+            assert!(moved > 0, "no RATELIMIT.CHECK_STATE was redirected");
         }
     }
     if module {

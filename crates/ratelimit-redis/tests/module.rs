@@ -40,8 +40,8 @@ fn the_module_reports_its_version_and_state_format() {
         items[1],
         Value::Int(ratelimit_core::packed::STATE_FORMAT as i64)
     );
-    // The batch protocol: 1, the compact batches.
-    assert_eq!(items[2], Value::Int(1));
+    // The batch protocol: 2, the compact batches and calls decided once.
+    assert_eq!(items[2], Value::Int(2));
 }
 
 /// Loaded with `protocol 0`, the module answers as the modules before the compact form:
@@ -71,7 +71,7 @@ fn a_module_loaded_with_protocol_0_is_one_before_the_compact_form() {
     }
     // A server refusing the module aborts at startup: with no TCP port, nothing else
     // can go wrong with it.
-    for args in [&["protocol", "2"][..], &["protocol"], &["compact", "0"]] {
+    for args in [&["protocol", "3"][..], &["protocol"], &["compact", "0"]] {
         let mut server = std::process::Command::new(ServerKind::Redis.program().unwrap())
             .args(["--port", "0", "--save", "", "--loadmodule"])
             .arg(&module)
@@ -1213,7 +1213,76 @@ async fn a_batch_of_more_than_256_distinct_checks_goes_in_the_older_form() {
     let stats = common::commandstats(&mut con);
     let calls = |command: &str| stats.get(command).map_or(0, |s| s.0);
     // The first check alone, the 299 queued behind it in one call.
-    assert_eq!(calls("ratelimit.check"), 1);
+    assert_eq!(calls("ratelimit.check_state"), 1);
     assert_eq!(calls("ratelimit.check_many"), 1);
     assert_eq!(calls("ratelimit.check_states"), 0);
+}
+
+/// Batch protocol 2: a compact call with an id is decided once. Sent again (after a lost
+/// connection), it answers its first run's reply and charges nothing more; a resend
+/// whose first run never happened runs; `RATELIMIT.STATS` counts the replies kept.
+#[test]
+fn a_call_with_an_id_is_decided_once() {
+    use ratelimit_core::packed::{self, CALL_ID_LEN, REF_LEN};
+    let server = RedisServer::start_with_module();
+    let mut con = common::conn(&server.url());
+    let rules: RuleSet = "100/h fixed-window".parse().unwrap();
+    let pack = packed::pack_check(&rules, Some(1_700_000_000_000_000), 7, 1_000, None);
+    let refs = |id: u8, resent: bool| {
+        let mut refs = Vec::with_capacity(REF_LEN + CALL_ID_LEN);
+        packed::write_ref(&mut refs, 0, None);
+        refs.extend_from_slice(&[id; 16]);
+        refs.push(u8::from(resent));
+        refs
+    };
+    let check = |con: &mut redis::Connection, id: u8, resent: bool| -> Vec<u8> {
+        redis::cmd("RATELIMIT.CHECK_STATE")
+            .arg("once:{a}:s")
+            .arg(refs(id, resent))
+            .arg(&pack)
+            .query(con)
+            .expect("a decision")
+    };
+    let remaining = |reply: &[u8]| f64::from_le_bytes(reply[24..32].try_into().unwrap());
+    // `remaining` after the charge of 7.
+    let first = check(&mut con, 1, false);
+    assert_eq!(remaining(&first), 93.0);
+    // The same call again, as a resend and as a first send: the first run's reply, and
+    // nothing charged.
+    assert_eq!(check(&mut con, 1, true), first);
+    assert_eq!(check(&mut con, 1, false), first);
+    // A resend whose first run never reached the server runs now.
+    let second = check(&mut con, 2, true);
+    assert_eq!(remaining(&second), 86.0);
+    // The batch forms take an id too.
+    let batch: Vec<u8> = redis::cmd("RATELIMIT.CHECK_STATES")
+        .arg(1)
+        .arg("once:{a}:s")
+        .arg(refs(3, false))
+        .arg(&pack)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(remaining(&batch), 79.0);
+    let again: Vec<u8> = redis::cmd("RATELIMIT.CHECK_STATES")
+        .arg(1)
+        .arg("once:{a}:s")
+        .arg(refs(3, true))
+        .arg(&pack)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(again, batch);
+    let stats: Vec<Value> = redis::cmd("RATELIMIT.STATS").query(&mut con).unwrap();
+    assert_eq!(stats[2], Value::SimpleString("replies".into()));
+    assert_eq!(stats[3], Value::Int(3));
+    // A flag other than 0 or 1 is refused, nothing run.
+    let mut bad = refs(4, false);
+    *bad.last_mut().unwrap() = 7;
+    let err = redis::cmd("RATELIMIT.CHECK_STATE")
+        .arg("once:{a}:s")
+        .arg(bad)
+        .arg(&pack)
+        .query::<Value>(&mut con)
+        .unwrap_err();
+    assert!(err.to_string().contains("RLARGS"), "{err}");
+    assert_eq!(remaining(&check(&mut con, 5, false)), 72.0);
 }

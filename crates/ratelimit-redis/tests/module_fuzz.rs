@@ -12,7 +12,7 @@
 
 mod common;
 
-use ratelimit_core::packed::{self, REF_LEN};
+use ratelimit_core::packed;
 use ratelimit_core::RuleSet;
 use ratelimit_redis::redis::{self, Connection, ErrorKind, Value};
 use ratelimit_redis::testing::RedisServer;
@@ -77,7 +77,14 @@ fn seed_command(rng: &mut Rng) -> Vec<Vec<u8>> {
     }
     let mut refs = Vec::new();
     packed::write_ref(&mut refs, 0, None);
-    match rng.below(9) {
+    // Half the compact calls carry a call id (protocol 2), some of them as resends, of
+    // ids seen before or not.
+    if rng.below(2) == 0 {
+        refs.extend_from_slice(&(rng.below(64) as u128).to_le_bytes());
+        refs.push(u8::from(rng.below(4) == 0));
+    }
+    match rng.below(10) {
+        9 => vec![s("RATELIMIT.CHECK_STATE"), name(tag, 's'), refs, p],
         0 => [vec![s("RATELIMIT.CHECK")], keys, vec![p]].concat(),
         1 => [
             vec![
@@ -132,7 +139,11 @@ fn seed_command(rng: &mut Rng) -> Vec<Vec<u8>> {
             s(if rng.below(4) == 0 { "" } else { "5000000" }),
             s("1000"),
         ],
-        _ => vec![s("RATELIMIT.VERSION")],
+        _ => vec![s(if rng.below(2) == 0 {
+            "RATELIMIT.VERSION"
+        } else {
+            "RATELIMIT.STATS"
+        })],
     }
 }
 
@@ -203,7 +214,9 @@ fn mutate(rng: &mut Rng, mut command: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
         let i = 1 + rng.below(command.len() - 1);
         match rng.below(7) {
             0 => command[i] = hostile(rng),
-            1 | 2 if command[i].len() >= 8 * packed::HEADER && command[i].len() % 8 == 0 => {
+            1 | 2
+                if command[i].len() >= 8 * packed::HEADER && command[i].len().is_multiple_of(8) =>
+            {
                 let at = rng.below(command[i].len() / 8);
                 let v = hostile_double(rng);
                 command[i][8 * at..8 * at + 8].copy_from_slice(&v);

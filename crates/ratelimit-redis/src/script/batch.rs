@@ -4,6 +4,7 @@
 //! of a job, by which a Cluster's batch is divided between nodes. The queue that forms
 //! the batches is the crate's `batch` module.
 
+use ratelimit_core::packed::{self, REF_LEN};
 use ratelimit_core::RuleSet;
 
 use super::args::{CheckArgs, Time};
@@ -81,6 +82,17 @@ impl CheckJob {
 
     /// The call that decides this check alone: the call of an unbatched check.
     pub(crate) fn single_call<'a>(&self, paths: &'a Paths) -> Call<'a> {
+        // Where the module decides calls once (protocol 2): `state refs packed`, which
+        // a lost connection does not fail.
+        if let Some(mut call) = CHECK.compact_call(paths, self.block_name(), 1, 3) {
+            call.cmd.arg(self.state_name());
+            let mut refs = Vec::with_capacity(REF_LEN + packed::CALL_ID_LEN);
+            let deadline = packed::value(&self.packed, packed::HEADER - 1).filter(|&d| d > 0);
+            packed::write_ref(&mut refs, 0, deadline);
+            call.arg_refs_once(refs);
+            call.cmd.arg(&self.packed[..]);
+            return call;
+        }
         let mut call = CHECK.call(paths, self.block_name(), self.keys, self.keys + 1);
         for name in self.key_names() {
             call.cmd.arg(name);
@@ -179,7 +191,11 @@ fn compact_call<'a, 'j>(
             call.cmd.arg(job.state_name());
         }
     }
-    call.cmd.arg(refs);
+    if paths.once.load(std::sync::atomic::Ordering::Relaxed) {
+        call.arg_refs_once(refs);
+    } else {
+        call.cmd.arg(refs);
+    }
     for pack in packs {
         call.cmd.arg(pack);
     }

@@ -100,7 +100,7 @@ pub(crate) fn key_counts<'n>(
 /// call's arguments after its name; `None` when they are not a compact call's.
 pub(crate) fn expand(args: &[&[u8]], local: bool) -> Option<Vec<Vec<u8>>> {
     let (states, refs, packs) = if local {
-        let refs = *args.get(1)?;
+        let refs = without_id(args.get(1)?);
         let n = refs.len() / REF_LEN;
         let packs_end = args.len().checked_sub(n)?;
         (&args[packs_end..], refs, args.get(2..packs_end)?)
@@ -108,7 +108,7 @@ pub(crate) fn expand(args: &[&[u8]], local: bool) -> Option<Vec<Vec<u8>>> {
         let n: usize = std::str::from_utf8(args.first()?).ok()?.parse().ok()?;
         let states = args.get(1..1 + n)?;
         let (refs, packs) = args.get(1 + n..)?.split_first()?;
-        (states, *refs, packs)
+        (states, without_id(refs), packs)
     };
     if refs.len() != states.len() * REF_LEN {
         return None;
@@ -148,6 +148,55 @@ pub(crate) fn expand(args: &[&[u8]], local: bool) -> Option<Vec<Vec<u8>>> {
         out.extend(own_packs);
     }
     Some(out)
+}
+
+/// A compact call's `refs` without the call's id, if they carry one.
+fn without_id(refs: &[u8]) -> &[u8] {
+    if refs.len() % REF_LEN == packed::CALL_ID_LEN % REF_LEN {
+        refs.get(..refs.len() - packed::CALL_ID_LEN).unwrap_or(refs)
+    } else {
+        refs
+    }
+}
+
+/// The arguments after the command's name of the module's older single check
+/// (`block state [log] packed`) of a single compact check's (`state refs packed`);
+/// `None` when they are not one's.
+pub(crate) fn expand_single(args: &[&[u8]]) -> Option<Vec<Vec<u8>>> {
+    let [state, refs, pack] = args else {
+        return None;
+    };
+    let expanded = expand(&[b"1", state, refs, pack], false)?;
+    // `numkeys key.. counts packed`: the keys and the packed check.
+    let n: usize = std::str::from_utf8(expanded.first()?).ok()?.parse().ok()?;
+    let mut out: Vec<Vec<u8>> = expanded.get(1..1 + n)?.to_vec();
+    out.push(expanded.get(2 + n)?.clone());
+    Some(out)
+}
+
+/// A call id: 8 bytes random per process, 8 of a counter, then the flag byte (0: a
+/// first send). Unique across a fleet but for a chance of 2^-64 per pair of processes.
+pub(crate) fn call_id() -> [u8; packed::CALL_ID_LEN] {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::LazyLock;
+    // RandomState seeds from the OS's random source once per process.
+    static PROCESS: LazyLock<u64> = LazyLock::new(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut id = [0; packed::CALL_ID_LEN];
+    id[..8].copy_from_slice(&PROCESS.to_le_bytes());
+    id[8..16].copy_from_slice(&COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    id
 }
 
 #[cfg(test)]

@@ -69,6 +69,10 @@ pub(crate) struct Paths {
     /// in compact form (`RATELIMIT.CHECK_STATES`, `RATELIMIT.CHECK_LOCAL_STATES`), else
     /// in the older form, which every version of the module takes.
     pub(crate) compact: AtomicBool,
+    /// Every primary found with the module serves its batch protocol 2: compact calls
+    /// carry an id, so that a call lost with its connection is sent again and decided
+    /// once, and a check alone goes as `RATELIMIT.CHECK_STATE`.
+    pub(crate) once: AtomicBool,
     /// On a Cluster where only some primaries have the module: the slots whose node has
     /// it, one bit each, as of the last node map; a call on a key of such a slot goes as
     /// the module's command, any other as Lua. `None` otherwise.
@@ -93,6 +97,7 @@ impl Paths {
             // Until a server says it has the module.
             module: AtomicBool::new(false),
             compact: AtomicBool::new(false),
+            once: AtomicBool::new(false),
             module_slots: RwLock::new(None),
             module_nodes: RwLock::new(Vec::new()),
             remap: AtomicBool::new(false),
@@ -154,6 +159,7 @@ impl Paths {
     /// batch, all report the compact form; on one server, until a reconnection finds it.
     fn compact_missing(&self) {
         self.compact.store(false, Ordering::Relaxed);
+        self.once.store(false, Ordering::Relaxed);
         let cluster = !self
             .module_nodes
             .read()
@@ -288,6 +294,10 @@ impl Script {
                 _ => None,
             },
             compact: match name {
+                "check" => Some(ModuleCommand {
+                    compact: true,
+                    ..ModuleCommand::new("RATELIMIT.CHECK_STATE", false)
+                }),
                 "batch" => Some(ModuleCommand {
                     compact: true,
                     ..ModuleCommand::new("RATELIMIT.CHECK_STATES", true)
@@ -346,9 +356,12 @@ impl Script {
         keys: usize,
         capacity: usize,
     ) -> Option<Call<'a>> {
-        let compact = self
-            .compact
-            .filter(|_| paths.compact.load(Ordering::Relaxed) && paths.module_for(first_key))?;
+        let compact = self.compact.filter(|c| {
+            paths.compact.load(Ordering::Relaxed)
+                // A check alone in compact form is of protocol 2.
+                && (c.numkeys || paths.once.load(Ordering::Relaxed))
+                && paths.module_for(first_key)
+        })?;
         Some(self.call_as(paths, keys, capacity, Some(compact)))
     }
 
@@ -372,6 +385,7 @@ impl Script {
                 module: Some(command),
                 keys,
                 paths,
+                once: None,
             };
         }
         let fcall = match &self.function {
@@ -392,6 +406,7 @@ impl Script {
             module: None,
             keys,
             paths,
+            once: None,
         }
     }
 }
@@ -549,7 +564,7 @@ pub(crate) fn already_loaded(e: &RedisError) -> bool {
 
 /// One script call: `FCALL` of the decision function or `EVALSHA` of a script, resent
 /// after loading what the server lacks.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Call<'a> {
     script: &'static Script,
     pub(crate) cmd: Cmd,
@@ -561,6 +576,9 @@ pub(crate) struct Call<'a> {
     /// Its `functions` cleared, for every later call of the store, when the server has
     /// no FCALL; its `module` when the server has no module.
     paths: &'a Paths,
+    /// A call decided once (module protocol 2): the position among the command's
+    /// arguments of its `refs`, which end with the call's id.
+    once: Option<usize>,
 }
 
 impl<'a> Call<'a> {
@@ -569,6 +587,44 @@ impl<'a> Call<'a> {
     /// flight. A check charges, a refund gives back: neither is.
     pub(crate) fn repeatable(&self) -> bool {
         std::ptr::eq(self.script, &*BLOCK)
+    }
+
+    /// Appends `refs` with a new call id, making this compact call one the module
+    /// decides once: sent again after a lost connection, it answers the first run's
+    /// reply, or runs if there was none.
+    pub(crate) fn arg_refs_once(&mut self, mut refs: Vec<u8>) {
+        refs.extend_from_slice(&super::compact::call_id());
+        self.once = Some(self.cmd.args_iter().count());
+        self.cmd.arg(refs);
+    }
+
+    /// This call as sent again after its connection broke with it in flight, when it
+    /// is a call decided once; `None` otherwise (it may have run: it must not be sent
+    /// again).
+    pub(crate) fn resent(&self) -> Option<Call<'a>> {
+        let at = self.once?;
+        let mut cmd = Cmd::with_capacity(self.cmd.args_iter().count(), 0);
+        for (i, arg) in self.cmd.args_iter().enumerate() {
+            let redis::Arg::Simple(bytes) = arg else {
+                return None;
+            };
+            if i == at {
+                let mut refs = bytes.to_vec();
+                *refs.last_mut()? = 1;
+                cmd.arg(refs);
+            } else {
+                cmd.arg(bytes);
+            }
+        }
+        Some(Call {
+            script: self.script,
+            cmd,
+            fcall: self.fcall,
+            module: self.module,
+            keys: self.keys,
+            paths: self.paths,
+            once: self.once,
+        })
     }
 
     /// This compact batch as the module's batch of the older form, which a module of every
@@ -587,10 +643,17 @@ impl<'a> Call<'a> {
             })
             .collect();
         let local = std::ptr::eq(self.script, *LOCAL);
-        let expanded = super::compact::expand(&args, local)?;
+        let single = !older.numkeys;
+        let expanded = if single {
+            super::compact::expand_single(&args)?
+        } else {
+            super::compact::expand(&args, local)?
+        };
         self.paths.compact_missing();
         let keys = if local {
             0
+        } else if single {
+            expanded.len() - 1
         } else {
             std::str::from_utf8(expanded.first()?).ok()?.parse().ok()?
         };
@@ -796,7 +859,7 @@ pub(crate) enum Request<'a> {
     Cmd(Cmd),
 }
 
-impl Request<'_> {
+impl<'a> Request<'a> {
     /// Whether the request may be sent again after its connection broke with it in
     /// flight, when it may have run already: plain commands (`DEL`, `TIME`, `CONFIG
     /// GET`, ...) and the block script may; a check or a refund must not, or it would
@@ -805,6 +868,17 @@ impl Request<'_> {
         match self {
             Request::Call(call) => call.repeatable(),
             Request::Cmd(_) => true,
+        }
+    }
+
+    /// The request to send again after its connection broke with it in flight: itself
+    /// when running it twice does no harm, the resend of a call decided once; `None`
+    /// when it may have run and must not run again.
+    pub(crate) fn resent(&self) -> Option<Request<'a>> {
+        match self {
+            Request::Call(call) if call.repeatable() => Some(Request::Call(call.clone())),
+            Request::Call(call) => call.resent().map(Request::Call),
+            Request::Cmd(cmd) => Some(Request::Cmd(cmd.clone())),
         }
     }
 

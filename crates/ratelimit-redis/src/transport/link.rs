@@ -11,7 +11,7 @@ use redis::{AsyncConnectionConfig, ErrorKind, RedisError, ServerErrorKind, Value
 
 use ratelimit_core::util::BoundedLog;
 
-use crate::error::{classify, is_connection_error, is_unreachable, RedisStoreError};
+use crate::error::{classify, is_connection_error, is_unreachable, ran_nothing, RedisStoreError};
 use crate::script::Request;
 use crate::shared::Shared;
 
@@ -24,6 +24,16 @@ pub(super) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
 /// The longest pause between reconnection attempts.
 pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// The first pause before a Cluster call that ran nowhere goes again; it doubles up to
+/// [`MAX_RETRY_PAUSE`], within the caller's timeout.
+pub(super) const RETRY_PAUSE: Duration = Duration::from_millis(2);
+
+/// The longest pause between two sends of a Cluster call that ran nowhere.
+pub(super) const MAX_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// How long after losing its connection a link makes calls wait for the reconnection.
+const LOST_LATELY: Duration = Duration::from_secs(1);
 
 /// Where a [`Link`] gets its connections.
 pub(crate) enum Source {
@@ -148,7 +158,7 @@ impl Link {
     }
 
     /// Notes that a slot was not where the node map said.
-    pub(super) fn nodes_stale(&self) {
+    pub(crate) fn nodes_stale(&self) {
         self.nodes.mark_stale();
     }
 
@@ -386,19 +396,36 @@ impl Link {
         self.reconnect_in_background(false);
     }
 
+    /// Sends `request`; the caller's timeout bounds everything here. A request whose
+    /// connection broke with it in flight goes again, once, on the next connection, when
+    /// that cannot decide it twice ([`Request::resent`]): a call the module decides
+    /// once is sent as its resend, which answers the first run's reply if there was
+    /// one. Errors that prove nothing ran (a demoted primary, a Cluster redirect, down or
+    /// without a connection to the node) are sent again after a short pause, the slot
+    /// map read again; a link without a connection, lost under a second ago, waits for
+    /// the reconnection's next attempt rather than fail at once.
     pub(super) async fn send(self: &Arc<Self>, request: &Request<'_>) -> Result<Value, Failure> {
         self.set_up().await?;
         let mut attempts = self.attempts.subscribe();
-        let (mut conn, generation) = self.conn()?;
+        let (mut conn, generation) = match self.conn() {
+            Ok(conn) => conn,
+            Err(e) if self.lost_lately() => {
+                // Nothing was sent: wait for the reconnection under way.
+                let _ = attempts.changed().await;
+                self.conn().map_err(|_| e)?
+            }
+            Err(e) => return Err(e.into()),
+        };
         match conn.send(request).await {
             Err(e) if self.breaks(&e) => {
                 // Redis restarted, failed over or the network dropped the socket: the
                 // first reconnection starts at once; send once more if it works (the
-                // caller's timeout bounds the wait) and the request may run twice.
+                // caller's timeout bounds the wait). A demoted server answered without
+                // running the call; a lost connection tells nothing, so only a request
+                // that cannot be decided twice goes again.
                 self.broken(generation, &e);
-                // A demoted server answered without running the call; a lost
-                // connection tells nothing.
-                if is_connection_error(&e) && !request.repeatable() {
+                let again = request.resent();
+                if is_connection_error(&e) && again.is_none() {
                     return Err(in_flight(&e).into());
                 }
                 if !self.is_connected() {
@@ -407,18 +434,101 @@ impl Link {
                 let Ok((mut conn, _)) = self.conn() else {
                     return Err(e.into());
                 };
-                Ok(conn.send(request).await?)
+                Ok(conn.send(again.as_ref().unwrap_or(request)).await?)
             }
             Err(e) if moved(&e) || migrating(&e) => match conn {
                 Conn::Cluster(mut conn) => Ok(follow_slot(&mut conn, request, e).await?),
                 Conn::Multiplexed(_) => Err(e.into()),
             },
+            Err(e) if self.is_cluster() => {
+                self.node_lost(&e);
+                let Conn::Cluster(mut conn) = conn else {
+                    return Err(e.into());
+                };
+                self.cluster_retry(&mut conn, request, e).await
+            }
             Err(e) => {
                 self.node_lost(&e);
                 Err(e.into())
             }
             Ok(reply) => Ok(reply),
         }
+    }
+
+    /// On a Cluster, `request` failed with `e`: when `e` proves nothing ran, or the
+    /// connection to its node broke and the request cannot be decided twice, it is sent
+    /// again after a pause (doubling from [`RETRY_PAUSE`]; the cluster connection
+    /// reconnects to the node or reads the slots again meanwhile) until it gets an
+    /// answer of another kind or the caller's timeout ends the wait.
+    pub(super) async fn cluster_retry(
+        &self,
+        conn: &mut ClusterConnection,
+        request: &Request<'_>,
+        mut e: RedisError,
+    ) -> Result<Value, Failure> {
+        let again = if is_connection_error(&e) {
+            match request.resent() {
+                Some(again) => again,
+                None => return Err(in_flight(&e).into()),
+            }
+        } else if ran_nothing(&e) {
+            match request.resent() {
+                Some(again) => again,
+                // Nothing ran: the very request goes again.
+                None => return self.cluster_retry_same(conn, request, e).await,
+            }
+        } else {
+            return Err(e.into());
+        };
+        let mut pause = RETRY_PAUSE;
+        loop {
+            self.nodes_stale();
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+            match again.send(conn).await {
+                Err(next) if is_connection_error(&next) || ran_nothing(&next) => e = next,
+                Err(next) => return Err(next.into()),
+                Ok(reply) => return Ok(reply),
+            }
+            tracing::debug!(error = %e, "Cluster call sent again");
+        }
+    }
+
+    /// [`cluster_retry`](Self::cluster_retry) for a request that ran nowhere and is not
+    /// a call decided once: sent again as it is while the answers prove nothing ran.
+    async fn cluster_retry_same(
+        &self,
+        conn: &mut ClusterConnection,
+        request: &Request<'_>,
+        mut e: RedisError,
+    ) -> Result<Value, Failure> {
+        let mut pause = RETRY_PAUSE;
+        while ran_nothing(&e) {
+            self.nodes_stale();
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+            match request.send(conn).await {
+                Ok(reply) => return Ok(reply),
+                Err(next) => e = next,
+            }
+        }
+        if is_connection_error(&e) && !request.repeatable() {
+            return Err(in_flight(&e).into());
+        }
+        Err(e.into())
+    }
+
+    /// Whether the link lost its connection under a second ago and its first
+    /// reconnection attempt, which starts at once, is under way: a call then waits for
+    /// it instead of failing at once (a connection cut under load is back within
+    /// milliseconds). Once an attempt failed, the server is down: calls fail fast.
+    fn lost_lately(&self) -> bool {
+        let health = self.lock_health();
+        health.reconnecting
+            && health.failures == 0
+            && health
+                .down_since
+                .is_some_and(|since| since.elapsed() < LOST_LATELY)
     }
 
     /// On a Cluster, after a failure that makes the cluster connection reconnect to a

@@ -15,7 +15,7 @@ use std::time::Duration;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Value};
 
-use crate::error::{classify, RedisStoreError};
+use crate::error::{classify, is_connection_error, RedisStoreError};
 use crate::script::{Call, Request};
 
 use cluster::on_masters;
@@ -121,7 +121,22 @@ impl Transport {
         let send = async {
             link.set_up().await?;
             let reply = match link.conn()? {
-                (Conn::Cluster(mut conn), _) => call.invoke_routed(&mut conn, &routing).await,
+                (Conn::Cluster(mut conn), _) => {
+                    match call.invoke_routed(&mut conn, &routing).await {
+                        // The connection to the node broke with the call in flight: a
+                        // call the module decides once goes again (as its resend, to
+                        // the node serving the slot by then) until it is answered or
+                        // the caller's timeout ends the wait; any other fails.
+                        Err(e) if is_connection_error(&e) => match call.resent() {
+                            Some(again) => {
+                                link.node_lost(&e);
+                                resend_routed(link, &mut conn, &again, &routing, e).await
+                            }
+                            None => Err(e),
+                        },
+                        other => other,
+                    }
+                }
                 (Conn::Multiplexed(mut conn), _) => call.invoke(&mut conn).await,
             };
             Ok::<_, Failure>(reply.inspect_err(|e| link.node_lost(e))?)
@@ -202,4 +217,27 @@ impl Transport {
             link.connected().await;
         }
     }
+}
+
+/// Sends `again`, the resend of a call decided once whose connection broke, to the node
+/// `routing` names, pausing between sends (the cluster connection reconnects to the
+/// node meanwhile), while the connection breaks again; the caller's timeout bounds it.
+async fn resend_routed(
+    link: &Link,
+    conn: &mut redis::cluster_async::ClusterConnection,
+    again: &Call<'_>,
+    routing: &RoutingInfo,
+    mut e: redis::RedisError,
+) -> redis::RedisResult<Value> {
+    let mut pause = link::RETRY_PAUSE;
+    while is_connection_error(&e) {
+        link.nodes_stale();
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(link::MAX_RETRY_PAUSE);
+        match again.invoke_routed(conn, routing).await {
+            Err(next) => e = next,
+            Ok(reply) => return Ok(reply),
+        }
+    }
+    Err(e)
 }

@@ -152,6 +152,14 @@ pub(super) async fn detect_module(
             .filter(|(_, f)| has(f))
             .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 1));
     shared.paths.compact.store(compact, Ordering::Relaxed);
+    // Calls decided once (protocol 2) likewise: only where every module primary keeps
+    // the replies of recent calls, so that a resend finds the first run wherever it goes.
+    let once = compact
+        && found
+            .iter()
+            .filter(|(_, f)| has(f))
+            .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 2));
+    shared.paths.once.store(once, Ordering::Relaxed);
     shared.paths.module.store(all, Ordering::Relaxed);
     shared.paths.set_module_nodes(with.clone());
     let mixed = !all && !with.is_empty();
