@@ -609,7 +609,7 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis Cluster of 3 masters (no replicas) on free ports, made with
+/// A Redis Cluster of 3 masters (no replicas, or one each) on free ports, made with
 /// `redis-server --cluster-enabled yes` (or `valkey-server`, see [`ServerKind`]) and
 /// `redis-cli --cluster create`; killed on drop.
 #[derive(Debug)]
@@ -743,14 +743,94 @@ impl RedisCluster {
         Self::try_start_kind_each(kind, |_| options.iter().map(|s| (*s).to_owned()).collect())
     }
 
+    /// Starts a cluster of three masters with a replica each (six nodes, the first
+    /// three the masters as `redis-cli --cluster create` assigns them), every node
+    /// loading the native module: for failovers under load ([`RedisCluster::failover`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`start_with_module`](Self::start_with_module).
+    pub fn start_with_module_and_replicas() -> Self {
+        let module = module_file();
+        let module = module.to_string_lossy().into_owned();
+        Self::try_start_nodes(ServerKind::Redis, 1, |_| {
+            vec!["--loadmodule".to_owned(), module.clone()]
+        })
+        .unwrap_or_else(|e| panic!("cannot start a Redis Cluster with replicas: {e}"))
+    }
+
+    /// Promotes the replica of the master at `nodes()[master]` with `CLUSTER FAILOVER`
+    /// (the coordinated kind: the master stops taking writes, the replica catches up
+    /// and takes over), and waits until the replica reports itself a master.
+    ///
+    /// # Panics
+    ///
+    /// When the cluster has no replica of that master, or the failover does not end
+    /// within the startup time.
+    pub fn failover(&self, master: usize) {
+        // A bulk reply: `$40`, then the id.
+        let id = self.nodes[master]
+            .command("CLUSTER MYID")
+            .unwrap_or_default()
+            .lines()
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        let replica = self
+            .nodes
+            .iter()
+            .find(|n| {
+                n.command("CLUSTER NODES").is_ok_and(|nodes| {
+                    nodes
+                        .lines()
+                        .any(|l| l.contains("myself,slave") && l.contains(&id))
+                })
+            })
+            .unwrap_or_else(|| panic!("no replica of node {master}"));
+        // A replica promotes itself only once it follows its master.
+        let deadline = Instant::now() + STARTUP;
+        while !replica
+            .command("INFO replication")
+            .is_ok_and(|info| info.contains("master_link_status:up"))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the replica does not follow its master"
+            );
+            sleep(Duration::from_millis(10));
+        }
+        let reply = replica
+            .command("CLUSTER FAILOVER")
+            .unwrap_or_else(|e| panic!("CLUSTER FAILOVER: {e}"));
+        assert!(reply.starts_with('+'), "CLUSTER FAILOVER: {reply}");
+        let deadline = Instant::now() + STARTUP;
+        while !replica
+            .command("INFO replication")
+            .is_ok_and(|info| info.contains("role:master"))
+        {
+            assert!(Instant::now() < deadline, "the failover did not end");
+            sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Starts a cluster of `kind`'s nodes whose node `i` gets the extra options
     /// `extra(i)`.
     fn try_start_kind_each(
         kind: ServerKind,
         extra: impl Fn(usize) -> Vec<String>,
     ) -> io::Result<Self> {
-        let mut nodes = Vec::with_capacity(3);
-        for i in 0..3 {
+        Self::try_start_nodes(kind, 0, extra)
+    }
+
+    /// Starts a cluster of three masters with `replicas` replicas each.
+    fn try_start_nodes(
+        kind: ServerKind,
+        replicas: usize,
+        extra: impl Fn(usize) -> Vec<String>,
+    ) -> io::Result<Self> {
+        let count = 3 * (1 + replicas);
+        let mut nodes = Vec::with_capacity(count);
+        for i in 0..count {
             let extra = extra(i);
             let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
             nodes.push(RedisServer::try_start_with(
@@ -783,7 +863,7 @@ impl RedisCluster {
                     .iter()
                     .map(|n| format!("127.0.0.1:{}", n.port)),
             )
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .map_err(|e| io::Error::new(e.kind(), format!("cannot run redis-cli: {e}")))?;
@@ -799,7 +879,9 @@ impl RedisCluster {
         for node in &cluster.nodes {
             loop {
                 let info = node.command("CLUSTER INFO").unwrap_or_default();
-                if info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3") {
+                if info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_known_nodes:{count}"))
+                {
                     break;
                 }
                 if Instant::now() > deadline {

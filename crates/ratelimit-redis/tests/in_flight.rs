@@ -280,3 +280,83 @@ async fn client_kills_every_100ms_on_lua_fail_what_was_in_flight() {
     assert!(!store.uses_module());
     back_to_back_under_kills(store, server.port()).await;
 }
+
+/// A 3+3 Cluster on the module fails a master over (`CLUSTER FAILOVER`) while 32 tasks
+/// check keys of every slot back to back: never more admitted than the limit per key,
+/// nothing charged twice, and the checks failed meanwhile counted (errors that prove
+/// nothing ran are sent again within the timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_failover_under_load_over_admits_nothing() {
+    const TASKS: usize = 32;
+    const PER_KEY: u64 = 300;
+    let cluster = RedisCluster::start_with_module_and_replicas();
+    let store = RedisStore::builder()
+        .prefix("failover")
+        .clock(ManualClock::new(T0_US))
+        .timeout(Duration::from_millis(500))
+        .build_cluster(cluster.urls()[..3].to_vec())
+        .await
+        .expect("store");
+    wait_connected(&store).await;
+    assert!(store.uses_module());
+    // A limit the load goes past: over-admission would show.
+    let rules: RuleSet = format!("{PER_KEY}/h fixed-window").parse().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let (store, stop, rules) = (store.clone(), stop.clone(), rules.clone());
+            tokio::spawn(async move {
+                let mut tally = Tally::new();
+                let (mut failed, mut i) = (0u64, t);
+                while !stop.load(Ordering::Relaxed) {
+                    i += 7;
+                    let k = i % KEYS;
+                    let entry = tally.entry(k).or_default();
+                    match store.check(&key(k), &rules, 1).await {
+                        Ok(d) if d.is_allowed() => entry.0 += 1,
+                        Ok(_) => {}
+                        Err(e) => {
+                            assert!(e.is_unavailable(), "{e}");
+                            entry.1 += 1;
+                            failed += 1;
+                        }
+                    }
+                }
+                (tally, failed)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let promote = tokio::task::spawn_blocking(move || {
+        cluster.failover(0);
+        cluster
+    });
+    let cluster = promote.await.expect("failover");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut tally = Tally::new();
+    let mut failed = 0;
+    for task in tasks {
+        let (t, f) = task.await.expect("no panic in a checking task");
+        failed += f;
+        for (k, (admitted, lost)) in t {
+            let entry = tally.entry(k).or_default();
+            entry.0 += admitted;
+            entry.1 += lost;
+        }
+    }
+    for (k, (admitted, lost)) in &tally {
+        assert!(
+            *admitted <= PER_KEY,
+            "key {k}: {admitted} admitted over {PER_KEY}"
+        );
+        let d = store.check(&key(*k), &rules, 0).await.expect("peek");
+        let charged = PER_KEY - d.rules()[0].remaining;
+        assert!(
+            *admitted <= charged && charged <= (admitted + lost).min(PER_KEY),
+            "key {k}: {charged} charged, {admitted} admitted, {lost} failed"
+        );
+    }
+    eprintln!("a failover under load: {failed} checks failed");
+    drop(cluster);
+}
