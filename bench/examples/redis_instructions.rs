@@ -190,7 +190,10 @@ fn main() {
                 let mut refs = compact_refs();
                 if path.ends_with("with an id") {
                     // A new id per call, as a store sends them.
-                    refs.extend_from_slice(&(round as u128).to_le_bytes());
+                    static CALLS: std::sync::atomic::AtomicU64 =
+                        std::sync::atomic::AtomicU64::new(0);
+                    let id = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    refs.extend_from_slice(&u128::from(id).to_le_bytes());
                     refs.push(0);
                 }
                 cmd.arg(refs).arg(&args[0][..]);

@@ -332,10 +332,12 @@ fn write_carried(
     Ok(())
 }
 
-/// Deletes an open key, replicated as `DEL`.
+/// Deletes an open key, replicated as `DEL` when it was deleted (a replica is sent only
+/// the writes that happened).
 fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &RedisString) {
-    let _ = key.delete();
-    ctx.replicate("DEL", &[name][..]);
+    if key.delete().is_ok() {
+        ctx.replicate("DEL", &[name][..]);
+    }
 }
 
 /// Runs a write command whose effect is replicated (the `!` flag of `RM_Call`).
