@@ -320,7 +320,9 @@
 //! does the same without tower. With a shaping rule (`leaky-bucket mode=shaper`) a wait
 //! is one store call and one sleep: the store hands each caller its own slot, fleet-wide
 //! through Redis, with no retry loop and no thundering herd; with other rules the caller
-//! sleeps until the units fit (with a jitter) and asks again. A call whose turn is further
+//! sleeps until the units fit (with a jitter) and asks again. Whatever the algorithm, no
+//! window of a rule's period sees more calls than its limit (a partner's count), unless
+//! the rule asks for a burst above it. A call whose turn is further
 //! away than the maximum wait fails with [`ThrottleError::TooLong`], saying how long it
 //! would have waited, and is not charged. See the [`throttle`] module and the `outbound`
 //! example (two processes sharing a Redis store).
