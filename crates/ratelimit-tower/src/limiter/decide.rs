@@ -86,7 +86,8 @@ where
             let TierRef::Index(index) = check.tier else {
                 unreachable!("prepare gives one of the version's tiers")
             };
-            match customers.lookup(tier.generation, index, tier.client_key(&check.key)) {
+            let now_us = this.store.now_us();
+            match customers.lookup(tier.generation, index, tier.client_key(&check.key), now_us) {
                 Lookup::Known(own) => {
                     if let Err(verdict) = this.own_tier(&mut check, &version, own) {
                         return Begin::Now(this.finish(verdict));
@@ -95,13 +96,15 @@ where
                 Lookup::Unknown => {
                     let prefix = tier.prefix.len();
                     let version = arc_swap::Guard::into_inner(version);
+                    let client = &check.key[prefix..];
                     let resolve = customers.resolve(
                         &version,
                         index,
                         Arc::clone(&this.namespace_arc),
                         this.failure_policy,
-                        &check.key[prefix..],
-                        this.store.now_us(),
+                        client,
+                        || this.key.source(client),
+                        now_us,
                     );
                     return Begin::Later(Self::check_later(
                         this,
