@@ -309,7 +309,9 @@
 //! The answers are cached (100,000 customers for 60 s of the store's clock by default,
 //! [`customer_cache`](RateLimitLayerBuilder::customer_cache)): a cached customer costs
 //! the hot path one lock-free lookup, the resolver runs at most once per key per time to
-//! live, and concurrent requests of an unknown key wait for one shared call. A customer
+//! live, and concurrent requests of an unknown key wait for one shared call. Every
+//! refusal carries the fields of the rules that refused, a customer's own included,
+//! also when the deny cache answers it. A customer
 //! decides on its client's state in the tier it stands in, so its usage carries when its
 //! contract changes; metrics keep the tier's labels, whatever the number of customers. A
 //! resolver that fails or panics gives the tier's rules and a `WARN` (at most every 10 s).

@@ -214,6 +214,109 @@ async fn a_failing_or_panicking_resolver_gives_the_tiers_rules() {
     }
 }
 
+/// A store that can be taken down: checks fail while `down` is set.
+struct Flaky<S> {
+    inner: S,
+    down: std::sync::atomic::AtomicBool,
+    calls: AtomicUsize,
+}
+
+impl<S: ratelimit_core::Store> ratelimit_core::Store for Flaky<S> {
+    type Error = std::io::Error;
+    fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl std::future::Future<Output = Result<ratelimit_core::Decision, Self::Error>> + Send
+    {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let down = self.down.load(Ordering::SeqCst);
+        let check = self.inner.check(key, rules, cost);
+        async move {
+            if down {
+                return Err(std::io::Error::other("connection refused"));
+            }
+            check
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))
+        }
+    }
+    fn block(
+        &self,
+        _: &[u8],
+        _: Option<Duration>,
+    ) -> impl std::future::Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+    fn unblock(
+        &self,
+        _: &[u8],
+    ) -> impl std::future::Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+    fn reset(
+        &self,
+        _: &[u8],
+        _: &RuleSet,
+    ) -> impl std::future::Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+    fn now_us(&self) -> u64 {
+        self.inner.now_us()
+    }
+}
+
+/// Every refusal carries the fields of the rules that refused: a customer's, also when
+/// the refusal comes from the deny cache, and also while the store is down.
+#[tokio::test]
+async fn refusals_from_the_deny_cache_carry_the_customers_fields() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(Flaky {
+        inner: MemoryStore::builder().clock(clock.clone()).build(),
+        down: false.into(),
+        calls: AtomicUsize::new(0),
+    });
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-key"))
+        .rules("2/min fixed-window name=default")
+        .unwrap()
+        .namespace("contracts")
+        .limits_for(|client: ClientKey| async move {
+            let own = (client.as_bytes() == b"acme")
+                .then(|| "5/min fixed-window name=acme".parse().unwrap());
+            Ok::<_, Infallible>(own)
+        })
+        .build()
+        .unwrap();
+    let svc = layer.layer(ok_service());
+    let send = || svc.clone().oneshot(req("acme"));
+    for i in 0..5 {
+        assert_eq!(send().await.unwrap().status(), StatusCode::OK, "{i}");
+    }
+    let refusals = [send().await.unwrap(), send().await.unwrap()];
+    assert_eq!(
+        store.calls.load(Ordering::SeqCst),
+        6,
+        "the 7th from the cache"
+    );
+    store.down.store(true, Ordering::SeqCst);
+    let during_outage = send().await.unwrap();
+    assert_eq!(store.calls.load(Ordering::SeqCst), 6, "from the cache");
+    for (i, res) in refusals.iter().chain([&during_outage]).enumerate() {
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "refusal {i}");
+        assert_eq!(
+            res.headers()["ratelimit-policy"],
+            r#""acme";q=5;w=60"#,
+            "refusal {i}"
+        );
+        let field = res.headers()["ratelimit"].to_str().unwrap();
+        assert!(
+            field.starts_with(r#""acme";r=0;t="#),
+            "refusal {i}: {field}"
+        );
+    }
+}
+
 /// The customer cache expires on the store's clock: a test on a `ManualClock` that moves
 /// past the time to live gets the resolver's new answer, and not before.
 #[tokio::test]
