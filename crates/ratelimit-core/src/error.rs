@@ -35,7 +35,8 @@ pub enum ConfigError {
     /// The sliding window precision was 0, too large, or does not divide the period.
     #[error(
         "`precision` {precision} must be between 1 and {max} and divide the period ({period_us} µs) \
-         into whole microseconds; pick a divisor of the period such as 1, 2, 4, 6, 10 or 60"
+         into whole microseconds; pick one such as {}",
+        PrecisionsNear { precision: *precision, period_us: *period_us, max: *max }
     )]
     BadPrecision {
         /// The precision asked for.
@@ -134,4 +135,32 @@ pub struct CapacityError {
     pub capacity: u64,
     /// Index of the rule in its rule set.
     pub rule: usize,
+}
+
+/// The precisions nearest to `precision` that a rule of `period_us` accepts, as a list
+/// for an error message: only values that pass, so an operator who copies one is done.
+struct PrecisionsNear {
+    precision: u64,
+    period_us: u64,
+    max: u64,
+}
+
+impl std::fmt::Display for PrecisionsNear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // At most `max` (1,000) candidates, and only on the error path.
+        let mut valid: Vec<u64> = (1..=self.max.min(self.period_us))
+            .filter(|d| self.period_us % d == 0)
+            .collect();
+        valid.sort_by_key(|d| (d.abs_diff(self.precision), *d));
+        valid.truncate(6);
+        valid.sort_unstable();
+        for (i, d) in valid.iter().enumerate() {
+            match i {
+                0 => write!(f, "{d}")?,
+                _ if i + 1 == valid.len() => write!(f, " or {d}")?,
+                _ => write!(f, ", {d}")?,
+            }
+        }
+        Ok(())
+    }
 }

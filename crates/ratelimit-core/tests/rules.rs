@@ -229,3 +229,36 @@ fn the_syntax_help_appears_once_per_error() {
     assert!(!invalid.contains(help), "{invalid}");
     assert!(invalid.contains("`limit` must be at least 1"), "{invalid}");
 }
+
+/// The precisions a refusal suggests are ones the rule accepts: an operator who copies
+/// one is done.
+#[test]
+fn a_refused_precision_suggests_only_precisions_that_pass() {
+    for (limit_period, precision) in [
+        ("10/s", 7),
+        ("10/s", 6),
+        ("10/s", 60),
+        ("10/s", 0),
+        ("10/s", 5_000),
+        ("10/1500ms", 7),
+        ("5/7us", 3),
+        ("100/min", 7),
+    ] {
+        let text = format!("{limit_period} sliding-window precision={precision}");
+        let message = text.parse::<Rule>().unwrap_err().to_string();
+        let (_, suggested) = message
+            .split_once("such as ")
+            .unwrap_or_else(|| panic!("{text}: {message}"));
+        let values: Vec<u64> = suggested
+            .split([',', ' '])
+            .filter_map(|word| word.parse().ok())
+            .collect();
+        assert!(!values.is_empty(), "{text}: {message}");
+        for value in values {
+            let fixed = format!("{limit_period} sliding-window precision={value}");
+            fixed
+                .parse::<Rule>()
+                .unwrap_or_else(|e| panic!("{text} suggests {value}, refused: {e}"));
+        }
+    }
+}

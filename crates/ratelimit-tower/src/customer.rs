@@ -4,6 +4,11 @@
 //! The hot path reads the cache without a lock ([`moka`]'s concurrent cache); a miss
 //! calls the resolver once for every request waiting on that key (concurrent misses
 //! share one call, through a map of calls in flight that only a miss touches).
+//!
+//! Answers expire on the store's clock, passed in by the caller, not on moka's time to
+//! live (the wall clock): a test on a manual clock sees a contract change when it moves
+//! the clock past the time to live, as production does when the time passes. moka only
+//! bounds the number of entries.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -18,7 +23,7 @@ use ratelimit_core::key::{digest, MAX_INLINE_KEY_LEN};
 use ratelimit_core::util::BoundedLog;
 use ratelimit_core::RuleSet;
 
-use crate::key::KeyDigest;
+use crate::key::{ClientKey, KeyDigest};
 use crate::limits::{Clip, Version};
 use crate::policy::FailurePolicy;
 use crate::tier::Tier;
@@ -32,16 +37,16 @@ pub const DEFAULT_CUSTOMER_TTL: Duration = Duration::from_secs(60);
 /// default limits, or the resolver's error as text.
 pub(crate) type Resolved = Result<Option<RuleSet>, String>;
 type ResolveFuture = Pin<Box<dyn Future<Output = Resolved> + Send>>;
-pub(crate) type Resolver = Arc<dyn Fn(&[u8]) -> ResolveFuture + Send + Sync>;
+pub(crate) type Resolver = Arc<dyn Fn(ClientKey) -> ResolveFuture + Send + Sync>;
 
 /// Wraps a user's resolver.
 pub(crate) fn resolver<F, Fut, E>(resolve: F) -> Resolver
 where
-    F: Fn(&[u8]) -> Fut + Send + Sync + 'static,
+    F: Fn(ClientKey) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Option<RuleSet>, E>> + Send + 'static,
     E: fmt::Display,
 {
-    Arc::new(move |key: &[u8]| {
+    Arc::new(move |key: ClientKey| {
         let answer = resolve(key);
         Box::pin(async move { answer.await.map_err(|e| e.to_string()) })
     })
@@ -70,10 +75,18 @@ pub(crate) type Own = Option<Arc<Tier>>;
 
 type InFlight = Shared<Pin<Box<dyn Future<Output = Own> + Send>>>;
 
+/// A cached answer and when it expires, in microseconds on the store's clock.
+#[derive(Clone)]
+struct Entry {
+    own: Own,
+    expires_us: u64,
+}
+
 /// The layer's customers: the resolver, its cached answers and the calls in flight.
 pub(crate) struct Customers {
     resolve: Resolver,
-    cache: moka::sync::Cache<(u64, usize, CacheKey), Own>,
+    cache: moka::sync::Cache<(u64, usize, CacheKey), Entry>,
+    ttl_us: u64,
     in_flight: Mutex<HashMap<(u64, usize, CacheKey), InFlight>>,
     errors: Arc<BoundedLog>,
 }
@@ -99,26 +112,44 @@ impl Customers {
             resolve,
             cache: moka::sync::Cache::builder()
                 .max_capacity(max_entries)
-                .time_to_live(ttl)
                 .build(),
+            ttl_us: u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX),
             in_flight: Mutex::new(HashMap::new()),
             errors: Arc::new(BoundedLog::new()),
         }
     }
 
     /// The cached answer for `client` in the tier at `tier` of the limits of
-    /// `generation` (limits replaced meanwhile make every answer stale).
-    pub(crate) fn lookup(&self, generation: u64, tier: usize, client: &[u8]) -> Lookup {
-        match self.cache.get(&(generation, tier, cache_key(client))) {
+    /// `generation` (limits replaced meanwhile make every answer stale), unless it has
+    /// expired by `now_us`.
+    pub(crate) fn lookup(
+        &self,
+        generation: u64,
+        tier: usize,
+        client: &[u8],
+        now_us: u64,
+    ) -> Lookup {
+        match self.fresh(&(generation, tier, cache_key(client)), now_us) {
             Some(own) => Lookup::Known(own),
             None => Lookup::Unknown,
         }
     }
 
-    /// Asks the resolver about `client`, once for every request waiting on it, and
-    /// caches the answer. A resolver that fails, panics or answers rules that cannot
-    /// serve (none of them at all) gives the tier's default rules, with a WARN at a
-    /// bounded rate.
+    /// The answer cached under `key`, unless it has expired by `now_us`. An expired one
+    /// stays until the next answer replaces it (or the cache's bound evicts it).
+    fn fresh(&self, key: &(u64, usize, CacheKey), now_us: u64) -> Option<Own> {
+        self.cache
+            .get(key)
+            .filter(|entry| now_us < entry.expires_us)
+            .map(|entry| entry.own)
+    }
+
+    /// Asks the resolver about `client` (the resolver is handed `ask()`: the key as the
+    /// client sent it, and its source), once for every request waiting on it, and
+    /// caches the answer until `now_us` plus the time to live. A resolver that fails,
+    /// panics or answers rules that cannot serve (none of them at all) gives the tier's
+    /// default rules, with a WARN at a bounded rate.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn resolve(
         self: &Arc<Self>,
         version: &Arc<Version>,
@@ -126,6 +157,7 @@ impl Customers {
         namespace: Arc<str>,
         failure_policy: FailurePolicy,
         client: &[u8],
+        ask: impl FnOnce() -> ClientKey,
         now_us: u64,
     ) -> impl Future<Output = Own> + Send + 'static {
         let key = (version.tiers[tier].generation, tier, cache_key(client));
@@ -133,7 +165,7 @@ impl Customers {
             let mut in_flight = self.in_flight.lock();
             if let Some(call) = in_flight.get(&key) {
                 call.clone()
-            } else if let Some(own) = self.cache.get(&key) {
+            } else if let Some(own) = self.fresh(&key, now_us) {
                 // A call that ended between the caller's lookup and this lock: its answer
                 // is cached (a call caches before it leaves the map), and asking again
                 // would call the resolver twice for one miss.
@@ -142,9 +174,11 @@ impl Customers {
                 ready.shared()
             } else {
                 let this = Arc::clone(self);
-                let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    (self.resolve)(client)
-                }));
+                let answer =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                        || (self.resolve)(ask()),
+                    ));
+                let expires_us = now_us.saturating_add(self.ttl_us);
                 let version = Arc::clone(version);
                 let client_shown = KeyDigest(client).to_string();
                 let key2 = key.clone();
@@ -178,7 +212,13 @@ impl Customers {
                             None
                         }
                     };
-                    this.cache.insert(key2.clone(), own.clone());
+                    this.cache.insert(
+                        key2.clone(),
+                        Entry {
+                            own: own.clone(),
+                            expires_us,
+                        },
+                    );
                     this.in_flight.lock().remove(&key2);
                     own
                 });
@@ -204,7 +244,7 @@ mod tests {
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&calls);
         let customers = Arc::new(Customers::new(
-            resolver(move |_: &[u8]| {
+            resolver(move |_: ClientKey| {
                 counted.fetch_add(1, Ordering::SeqCst);
                 async { Ok::<_, String>("7/h".parse().ok()) }
             }),
@@ -231,16 +271,17 @@ mod tests {
                 "ns".into(),
                 FailurePolicy::FailOpen,
                 b"acme",
+                || ClientKey::new(crate::key::KeySource::Other, &b"acme"[..]),
                 0,
             )
         };
         // Two requests miss at once; the first one's call ends before the second asks.
         assert!(matches!(
-            customers.lookup(generation, 0, b"acme"),
+            customers.lookup(generation, 0, b"acme", 0),
             Lookup::Unknown
         ));
         assert!(matches!(
-            customers.lookup(generation, 0, b"acme"),
+            customers.lookup(generation, 0, b"acme", 0),
             Lookup::Unknown
         ));
         let first = resolve().await.expect("acme's own rules");

@@ -7,10 +7,13 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use ratelimit_core::Decision;
+
+use crate::tier::Tier;
 
 /// Settings of the local deny cache; see
 /// [`RateLimitLayerBuilder::deny_cache`](crate::RateLimitLayerBuilder::deny_cache).
@@ -54,6 +57,9 @@ struct Denial {
     until_us: u64,
     cost: u64,
     decision: Decision,
+    /// The customer's own tier when its rules refused (`None`: the selected tier's): a
+    /// refusal from the cache carries the fields of the rules that refused.
+    own: Option<Arc<Tier>>,
 }
 
 type Shard = HashMap<Box<[u8]>, Denial, foldhash::fast::RandomState>;
@@ -75,6 +81,8 @@ pub(crate) struct Hit {
     /// The decision's retry time, counted down (not the cache entry's lifetime, which
     /// may be shorter).
     pub(crate) retry_after: Option<Duration>,
+    /// The customer's own tier, when its rules refused.
+    pub(crate) own: Option<Arc<Tier>>,
 }
 
 impl DenyCache {
@@ -132,17 +140,20 @@ impl DenyCache {
                 .decision
                 .retry_after()
                 .map(|r| r.saturating_sub(elapsed)),
+            own: denial.own.clone(),
         })
     }
 
     /// Remembers a denial of a request of `cost` for `key` under the limits of
-    /// `generation`, until its retry time (at most the configured maximum).
+    /// `generation` (by the customer's tier `own`, when its rules refused), until its
+    /// retry time (at most the configured maximum).
     pub(crate) fn insert(
         &self,
         key: &[u8],
         generation: u64,
         cost: u64,
         decision: &Decision,
+        own: Option<&Arc<Tier>>,
         now: u64,
     ) {
         if cost == 0 {
@@ -169,6 +180,7 @@ impl DenyCache {
             until_us: now.saturating_add(ttl),
             cost,
             decision: decision.clone(),
+            own: own.cloned(),
         };
         if shard.insert(key.into(), denial).is_none() {
             self.len.fetch_add(1, Ordering::Relaxed);
@@ -208,7 +220,7 @@ mod tests {
     #[test]
     fn expires_and_respects_cost() {
         let cache = DenyCache::new(DenyCacheConfig::default());
-        cache.insert(b"k", 0, 2, &denial(Duration::from_secs(3)), T);
+        cache.insert(b"k", 0, 2, &denial(Duration::from_secs(3)), None, T);
         assert!(
             cache.get(b"k", 0, 1, || T).is_none(),
             "cheaper request may pass"
@@ -229,7 +241,7 @@ mod tests {
     #[test]
     fn denials_under_other_limits_do_not_answer() {
         let cache = DenyCache::new(DenyCacheConfig::default());
-        cache.insert(b"k", 3, 1, &denial(Duration::from_secs(3)), T);
+        cache.insert(b"k", 3, 1, &denial(Duration::from_secs(3)), None, T);
         assert!(cache.get(b"k", 3, 1, || T).is_some());
         assert!(cache.get(b"k", 4, 1, || T).is_none(), "replaced limits");
         assert_eq!(cache.len(), 0, "an entry of replaced limits is dropped");
@@ -243,7 +255,14 @@ mod tests {
                 .max_ttl(Duration::from_secs(1)),
         );
         for i in 0..1000u32 {
-            cache.insert(&i.to_be_bytes(), 0, 1, &denial(Duration::from_secs(60)), T);
+            cache.insert(
+                &i.to_be_bytes(),
+                0,
+                1,
+                &denial(Duration::from_secs(60)),
+                None,
+                T,
+            );
         }
         assert!(cache.len() <= 32, "{}", cache.len());
         let key = 0u32.to_be_bytes();
@@ -263,6 +282,7 @@ mod tests {
             0,
             1,
             &denial(Duration::from_secs(60)),
+            None,
             T + 1_000_000,
         );
         assert!(cache.get(b"new", 0, 1, || T + 1_000_000).is_some());

@@ -253,18 +253,20 @@ impl Policy {
             rest = rest.strip_prefix(&*item.prefix)?;
             let end = rest.iter().position(|&b| b == b';')?;
             let remaining: u64 = std::str::from_utf8(&rest[..end]).ok()?.parse().ok()?;
+            let remaining = remaining.saturating_add(cost).min(item.quota);
             out.extend_from_slice(&item.prefix);
-            out.extend_from_slice(
-                digits
-                    .format(remaining.saturating_add(cost).min(item.quota))
-                    .as_bytes(),
-            );
+            out.extend_from_slice(digits.format(remaining).as_bytes());
             rest = &rest[end..];
             let next = rest
                 .windows(2)
                 .position(|w| w == b", ")
                 .unwrap_or(rest.len());
-            out.extend_from_slice(&rest[..next]);
+            if remaining == item.quota {
+                // The quota is whole again: nothing to wait for.
+                out.extend_from_slice(b";t=0");
+            } else {
+                out.extend_from_slice(&rest[..next]);
+            }
             rest = &rest[next..];
         }
         HeaderValue::from_bytes(&out).ok()
@@ -282,12 +284,18 @@ impl Policy {
             if i > 0 {
                 put(b", ");
             }
+            let remaining = o.remaining.min(item.quota);
+            // A whole quota has nothing to wait for, whatever time the store's state
+            // still keeps (a sliding window's sub-windows, a refunded charge's window).
+            let reset = if remaining == item.quota {
+                0
+            } else {
+                ceil_secs(o.reset_after.saturating_sub(elapsed))
+            };
             put(&item.prefix);
-            put(digits.format(o.remaining.min(item.quota)).as_bytes());
+            put(digits.format(remaining).as_bytes());
             put(b";t=");
-            put(digits
-                .format(ceil_secs(o.reset_after.saturating_sub(elapsed)))
-                .as_bytes());
+            put(digits.format(reset).as_bytes());
         }
         len
     }
@@ -363,7 +371,8 @@ mod tests {
             .map(|r| RuleOutcome {
                 allowed: true,
                 limit: r.limit(),
-                remaining: u64::MAX,
+                // Below the quota: a whole quota announces `t=0`, the shorter value.
+                remaining: r.limit() - 1,
                 reset_after: Duration::from_secs(u64::MAX / 2),
                 retry_after: None,
             })
@@ -372,7 +381,7 @@ mod tests {
         let value = value.to_str().unwrap();
         assert_eq!(value.matches(";r=").count(), 8, "{value}");
         assert!(
-            value.ends_with(&format!("\";r=8;t={}", u64::MAX / 2)),
+            value.ends_with(&format!("\";r=7;t={}", u64::MAX / 2)),
             "{value}"
         );
     }
@@ -394,12 +403,20 @@ mod tests {
             policy.ratelimit_of(&outcomes, Duration::ZERO).unwrap()
         };
         let want = |remaining: u64| {
+            // A whole quota has nothing to wait for.
+            let t = |r: u64, quota: u64| {
+                if r == quota {
+                    0
+                } else {
+                    (remaining * 10).div_ceil(1000)
+                }
+            };
             format!(
                 "\"a\";r={};t={}, \"b\";r={};t={}",
                 remaining % 101,
-                (remaining * 10).div_ceil(1000),
+                t(remaining % 101, 100),
                 remaining % 8,
-                (remaining * 10).div_ceil(1000),
+                t(remaining % 8, 7),
             )
         };
         // Many alive at once, over several of the buffer's chunks, some dropped between.

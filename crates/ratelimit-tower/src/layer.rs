@@ -562,7 +562,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     ///
     /// Answers are cached per client key and tier, at most
     /// [`customer_cache`](Self::customer_cache) of them (100,000 by default), each for its
-    /// time to live (60 s by default): the hot path reads the cache without a lock, and
+    /// time to live (60 s by default, on the store's clock, as everything the layer keeps
+    /// in time): the hot path reads the cache without a lock, and
     /// the resolver runs at most once per key per time to live, concurrent requests of an
     /// unknown key sharing one call. A customer's rules decide on the client's state in
     /// the tier it stands in (the same store keys), so usage carries when the customer's
@@ -575,29 +576,47 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// live). A rule set it answers has passed [`RuleSet`]'s validation, as any rule text
     /// must: parse the customer's rule text in the resolver and answer the parse error as
     /// its error, which gives the tier's rules. A store outage falls back on the tier's
-    /// fallback rules. The key is the client's, as the key extractor gives it: put the
-    /// resolver behind authentication, or every unknown key costs a resolver call.
+    /// fallback rules. Put the resolver behind authentication, or every unknown key
+    /// costs a resolver call.
+    ///
+    /// The resolver is handed a [`ClientKey`](crate::key::ClientKey), owned (its future
+    /// may keep it): the key as the client sent it and the extractor that found it
+    /// ([`KeySource`](crate::key::KeySource)). Behind a fallback,
+    /// `HeaderKey::new("x-api-key").or(PeerIp::new())`, an API key comes as the header's
+    /// value (not the tagged bytes the store counts against) and an address as an
+    /// address, so [`header`](crate::key::ClientKey::header) never looks an address up as
+    /// an API key.
     ///
     /// ```
     /// use ratelimit_core::{MemoryStore, RuleSet};
-    /// use ratelimit_tower::{HeaderKey, RateLimitLayer};
+    /// use ratelimit_tower::key::ClientKey;
+    /// use ratelimit_tower::{HeaderKey, PeerIp, RateLimitLayer};
     ///
-    /// let layer = RateLimitLayer::builder(MemoryStore::new(), HeaderKey::new("x-api-key"))
+    /// # async fn contract_of(api_key: &[u8]) -> Result<Option<String>, std::io::Error> {
+    /// #     Ok((api_key == b"acme").then(|| "1000/min name=plan".to_owned()))
+    /// # }
+    /// let key = HeaderKey::new("x-api-key").or(PeerIp::new());
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), key)
     ///     .rules("100/min name=plan")?
     ///     .namespace("api")
-    ///     .limits_for(|key: &[u8]| {
-    ///         let contract = match key {
-    ///             b"acme" => Some("1000/min name=plan"),
-    ///             _ => None,
+    ///     .limits_for(|client: ClientKey| async move {
+    ///         // Addresses (the fallback) have no contract.
+    ///         let Some(api_key) = client.header("x-api-key") else {
+    ///             return Ok(None);
     ///         };
-    ///         async move { contract.map(str::parse::<RuleSet>).transpose() }
+    ///         // A database, a config service: `contract_of` is the application's.
+    ///         let rules = match contract_of(api_key).await? {
+    ///             Some(text) => Some(text.parse::<RuleSet>()?),
+    ///             None => None,
+    ///         };
+    ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(rules)
     ///     })
     ///     .build()?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn limits_for<F, Fut, E>(mut self, resolve: F) -> Self
     where
-        F: Fn(&[u8]) -> Fut + Send + Sync + 'static,
+        F: Fn(crate::key::ClientKey) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Option<RuleSet>, E>> + Send + 'static,
         E: fmt::Display,
     {
@@ -606,7 +625,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     }
 
     /// The size and time to live of the cache of [`limits_for`](Self::limits_for)'s
-    /// answers (100,000 and 60 s by default).
+    /// answers (100,000 and 60 s by default). The time to live runs on the store's clock:
+    /// a store on a [`ManualClock`](ratelimit_core::ManualClock) expires the answers as
+    /// the test moves it.
     pub fn customer_cache(mut self, max_entries: u64, ttl: Duration) -> Self {
         self.customer_cache = (max_entries, ttl);
         self

@@ -303,10 +303,15 @@
 //! Tiers cover plans; a customer with a contract of its own (A 1,000/min, B 50/min,
 //! thousands of them, edited in a database) is a resolver:
 //! [`limits_for`](RateLimitLayerBuilder::limits_for) answers a client key's own rules, or
-//! `None` for its tier's. The answers are cached (100,000 customers for 60 s by default,
+//! `None` for its tier's. It is handed the key as the client sent it and the extractor
+//! that found it ([`ClientKey`]): behind `HeaderKey::new("x-api-key").or(PeerIp::new())`
+//! an API key comes as the header's value and an address is never taken for an API key.
+//! The answers are cached (100,000 customers for 60 s of the store's clock by default,
 //! [`customer_cache`](RateLimitLayerBuilder::customer_cache)): a cached customer costs
 //! the hot path one lock-free lookup, the resolver runs at most once per key per time to
-//! live, and concurrent requests of an unknown key wait for one shared call. A customer
+//! live, and concurrent requests of an unknown key wait for one shared call. Every
+//! refusal carries the fields of the rules that refused, a customer's own included,
+//! also when the deny cache answers it. A customer
 //! decides on its client's state in the tier it stands in, so its usage carries when its
 //! contract changes; metrics keep the tier's labels, whatever the number of customers. A
 //! resolver that fails or panics gives the tier's rules and a `WARN` (at most every 10 s).
@@ -320,7 +325,9 @@
 //! does the same without tower. With a shaping rule (`leaky-bucket mode=shaper`) a wait
 //! is one store call and one sleep: the store hands each caller its own slot, fleet-wide
 //! through Redis, with no retry loop and no thundering herd; with other rules the caller
-//! sleeps until the units fit (with a jitter) and asks again. A call whose turn is further
+//! sleeps until the units fit (with a jitter) and asks again. Whatever the algorithm, no
+//! window of a rule's period sees more calls than its limit (a partner's count), unless
+//! the rule asks for a burst above it. A call whose turn is further
 //! away than the maximum wait fails with [`ThrottleError::TooLong`], saying how long it
 //! would have waited, and is not charged. See the [`throttle`] module and the `outbound`
 //! example (two processes sharing a Redis store).
@@ -411,8 +418,8 @@
 //!
 //! # Testing your app
 //!
-//! Everything the layer keeps in time (its deny cache, the fallback store) runs on the
-//! store's clock, so a [`MemoryStore`](ratelimit_core::MemoryStore) on a
+//! Everything the layer keeps in time (its deny cache, the fallback store, the cache of
+//! limits per customer) runs on the store's clock, so a [`MemoryStore`](ratelimit_core::MemoryStore) on a
 //! [`ManualClock`](ratelimit_core::ManualClock) tests the app with the default settings:
 //! no paused tokio time, nothing turned off. Build the app in a function generic over the
 //! store: `main` passes the store it runs with (`Arc<MemoryStore>`, a `RedisStore`), a
@@ -573,8 +580,8 @@ pub use deny_cache::DenyCacheConfig;
 pub use error::BuildError;
 pub use future::ResponseFuture;
 pub use key::{
-    ClientIp, Extraction, ForwardedHeader, GlobalKey, HeaderKey, Key, KeyConfigError, KeyExtractor,
-    KeyExtractorExt, PeerIp,
+    ClientIp, ClientKey, Extraction, ForwardedHeader, GlobalKey, HeaderKey, Key, KeyConfigError,
+    KeyExtractor, KeyExtractorExt, KeySource, PeerIp,
 };
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
 pub use limits::{Change, Changes, Limits, LimitsFile, LimitsHandle, LoadError};

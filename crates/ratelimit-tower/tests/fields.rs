@@ -180,3 +180,49 @@ async fn sliding_windows_reset_within_the_documented_bound() {
         clock.advance(Duration::from_secs(3));
     }
 }
+
+/// A response whose units went back shows its quota whole, and a whole quota has nothing
+/// to wait for: `t` is 0, for every algorithm.
+#[tokio::test(start_paused = true)]
+async fn a_refunded_response_shows_a_whole_quota_with_nothing_to_wait_for() {
+    for algorithm in [
+        "fixed-window",
+        "sliding-window precision=3",
+        "sliding-log",
+        "gcra",
+        "token-bucket",
+        "leaky-bucket",
+    ] {
+        let (_, store) = store();
+        let app = Router::new()
+            .route("/ok", get(|| async { "welcome" }))
+            .route("/fail", get(|| async { StatusCode::UNAUTHORIZED }))
+            .layer(
+                RateLimitLayer::builder(store, GlobalKey)
+                    .rules(&format!("5/15min {algorithm} name=failed-logins"))
+                    .unwrap()
+                    // Only failed logins count.
+                    .charge_when(|res: &http::response::Parts| !res.status.is_success())
+                    .build()
+                    .unwrap(),
+            );
+        let get = |path: &'static str| {
+            app.clone()
+                .oneshot(Request::get(path).body(Body::empty()).unwrap())
+        };
+        let ok = get("/ok").await.unwrap();
+        let (_, limits) = check(ok.headers());
+        assert_eq!(
+            limits,
+            [(
+                "failed-logins".to_owned(),
+                [("r".to_owned(), 5), ("t".to_owned(), 0)].into()
+            )],
+            "{algorithm}: the unit went back"
+        );
+        let failed = get("/fail").await.unwrap();
+        let (_, limits) = check(failed.headers());
+        assert_eq!(limits[0].1["r"], 4, "{algorithm}: a failure counts");
+        assert!(limits[0].1["t"] > 0, "{algorithm}: {limits:?}");
+    }
+}

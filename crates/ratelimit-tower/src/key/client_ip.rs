@@ -7,7 +7,7 @@ use http::Request;
 
 use super::forwarded::{forwarded_hop, xff_hop, RevElements};
 use super::ip::{ip_key_options, peer_ip, KeyConfigError, Keying, Networks};
-use super::{Extraction, Key, KeyExtractor};
+use super::{ClientKey, Extraction, Key, KeyExtractor, KeySource};
 
 /// Which header trusted proxies write the client chain into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -126,6 +126,10 @@ impl<B> KeyExtractor<B> for ClientIp {
 
     fn extract(&self, req: &Request<B>) -> Extraction<Key> {
         self.keying.extraction(self.client_ip(req))
+    }
+
+    fn source(&self, key: &[u8]) -> ClientKey {
+        ClientKey::new(KeySource::ClientIp, key)
     }
 }
 

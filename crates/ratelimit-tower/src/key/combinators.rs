@@ -4,7 +4,7 @@
 use http::Request;
 use smallvec::SmallVec;
 
-use super::{Extraction, Key, KeyExtractor};
+use super::{ClientKey, Extraction, Key, KeyExtractor};
 
 /// Combinators on every [`KeyExtractor`].
 pub trait KeyExtractorExt<B>: KeyExtractor<B> + Sized {
@@ -93,6 +93,10 @@ where
         }
         self.inner.extract(req)
     }
+
+    fn source(&self, key: &[u8]) -> ClientKey {
+        self.inner.source(key)
+    }
 }
 
 /// An extractor with a fallback; made by [`KeyExtractorExt::or`].
@@ -146,6 +150,15 @@ where
                 Extraction::Omitted(why) => Extraction::Omitted(why),
                 Extraction::Missing(why) => Extraction::Missing(why),
             },
+        }
+    }
+
+    fn source(&self, key: &[u8]) -> ClientKey {
+        match key.split_first() {
+            Some((0, key)) => self.first.source(key),
+            Some((1, key)) => self.fallback.source(key),
+            // Not a key of this extractor's: as it is.
+            _ => ClientKey::new(super::KeySource::Other, key),
         }
     }
 }

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use http::header::HeaderName;
 use http::Request;
 
-use super::{Extraction, Key, KeyExtractor};
+use super::{ClientKey, Extraction, Key, KeyExtractor, KeySource};
 
 /// Keys requests by the value of a header, such as an API key. A request without the
 /// header (or with an empty one) is the client's omission ([`Extraction::Omitted`]):
@@ -60,6 +60,10 @@ impl<B> KeyExtractor<B> for HeaderKey {
             _ => Extraction::Omitted(self.missing.clone()),
         }
     }
+
+    fn source(&self, key: &[u8]) -> ClientKey {
+        ClientKey::new(KeySource::Header(self.name.clone()), key)
+    }
 }
 
 /// One key for every request: a limit on the service as a whole.
@@ -79,5 +83,9 @@ impl<B> KeyExtractor<B> for GlobalKey {
 
     fn extract(&self, _: &Request<B>) -> Extraction<&'static str> {
         Extraction::Key("global")
+    }
+
+    fn source(&self, key: &[u8]) -> ClientKey {
+        ClientKey::new(KeySource::Global, key)
     }
 }

@@ -9,7 +9,7 @@ use http::Request;
 use ipnet::IpNet;
 use smallvec::SmallVec;
 
-use super::{Extraction, Key, KeyExtractor};
+use super::{ClientKey, Extraction, Key, KeyExtractor, KeySource};
 
 /// An extractor, trusted-proxy list or exempt-network list that cannot be built, with
 /// what to change.
@@ -308,6 +308,10 @@ impl<B> KeyExtractor<B> for PeerIp {
 
     fn extract(&self, req: &Request<B>) -> Extraction<Key> {
         self.keying.extraction(peer_ip(req))
+    }
+
+    fn source(&self, key: &[u8]) -> ClientKey {
+        ClientKey::new(KeySource::PeerIp, key)
     }
 }
 

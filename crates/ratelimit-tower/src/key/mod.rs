@@ -22,11 +22,13 @@ mod combinators;
 mod forwarded;
 mod header;
 mod ip;
+mod source;
 
 pub use client_ip::{ClientIp, ForwardedHeader};
 pub use combinators::{ExemptIf, KeyExtractorExt, Or};
 pub use header::{GlobalKey, HeaderKey};
 pub use ip::{KeyConfigError, PeerIp};
+pub use source::{ClientKey, KeySource};
 
 /// What a [`KeyExtractor`] found in a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,6 +77,17 @@ pub trait KeyExtractor<B>: Send + Sync + 'static {
 
     /// The key for `req`, an exemption, or what is missing.
     fn extract(&self, req: &Request<B>) -> Extraction<Self::Key>;
+
+    /// Which extractor found `key`, a key this extractor answered, and the key as that
+    /// extractor found it: what a resolver of [limits per
+    /// customer](crate::RateLimitLayerBuilder::limits_for) is handed. A combinator that
+    /// tags its keys ([`or`](KeyExtractorExt::or)) takes its tag off here.
+    ///
+    /// [`KeySource::Other`] and the key as it is by default; an extractor of the
+    /// application's may say more.
+    fn source(&self, key: &[u8]) -> ClientKey {
+        ClientKey::new(KeySource::Other, key)
+    }
 }
 
 /// What a key-extracting closure may return: `Option<K>` (`None` is "no key found") or

@@ -86,7 +86,8 @@ where
             let TierRef::Index(index) = check.tier else {
                 unreachable!("prepare gives one of the version's tiers")
             };
-            match customers.lookup(tier.generation, index, tier.client_key(&check.key)) {
+            let now_us = this.store.now_us();
+            match customers.lookup(tier.generation, index, tier.client_key(&check.key), now_us) {
                 Lookup::Known(own) => {
                     if let Err(verdict) = this.own_tier(&mut check, &version, own) {
                         return Begin::Now(this.finish(verdict));
@@ -95,13 +96,15 @@ where
                 Lookup::Unknown => {
                     let prefix = tier.prefix.len();
                     let version = arc_swap::Guard::into_inner(version);
+                    let client = &check.key[prefix..];
                     let resolve = customers.resolve(
                         &version,
                         index,
                         Arc::clone(&this.namespace_arc),
                         this.failure_policy,
-                        &check.key[prefix..],
-                        this.store.now_us(),
+                        client,
+                        || this.key.source(client),
+                        now_us,
                     );
                     return Begin::Later(Self::check_later(
                         this,
@@ -297,13 +300,14 @@ where
         match result {
             Ok(decision) => self.plan(
                 tier,
+                own(&check.tier),
                 &check.key,
                 check.cost,
                 decision,
                 AdmittedBy::Store,
                 extensions,
             ),
-            Err(error) => self.store_failed(tier, &check.key, check.cost, error, extensions),
+            Err(error) => self.store_failed(tier, check, error, extensions),
         }
     }
 
@@ -315,6 +319,8 @@ where
             .get(key, tier.generation, cost, || self.store.now_us())?;
         let client = tier.client_key(key);
         tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: denied from the local deny cache");
+        // The fields of the rules that refused: a customer's own, when they did.
+        let tier = hit.own.as_deref().unwrap_or(tier);
         #[cfg(feature = "metrics")]
         tier.metrics.decision(&hit.decision);
         let ratelimit = tier.policy.ratelimit_of(hit.decision.rules(), hit.elapsed);
@@ -335,10 +341,12 @@ where
 
     /// Turns the decision of the store `by` names into a verdict. An admitted request's
     /// admission (and the decision, when kept for handlers) goes into `extensions` when
-    /// given, else into the verdict.
+    /// given, else into the verdict. `own` is `tier` when it is a customer's.
+    #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
         tier: &Tier,
+        own: Option<&Arc<Tier>>,
         key: &[u8],
         cost: u64,
         decision: &Decision,
@@ -351,7 +359,14 @@ where
             return self.admitted(tier, key, decision, by, extensions);
         }
         if let Some(cache) = &self.deny_cache {
-            cache.insert(key, tier.generation, cost, decision, self.store.now_us());
+            cache.insert(
+                key,
+                tier.generation,
+                cost,
+                decision,
+                own,
+                self.store.now_us(),
+            );
         }
         let ratelimit = tier.policy.ratelimit(decision);
         let retry_after = decision.retry_after();
@@ -417,11 +432,11 @@ where
     fn store_failed(
         &self,
         tier: &Tier,
-        key: &StoreKey,
-        cost: u64,
+        check: &Check,
         error: &dyn fmt::Display,
         extensions: Option<&mut Extensions>,
     ) -> Verdict {
+        let (key, cost) = (&check.key, check.cost);
         self.report_store_failure(tier, key, error);
         match self.failure_policy {
             FailurePolicy::FailOpen => {
@@ -438,9 +453,15 @@ where
                     .as_ref()
                     .expect("built with the fallback policy");
                 match fallback.check_now(key, rules, cost) {
-                    Ok(decision) => {
-                        self.plan(tier, key, cost, &decision, AdmittedBy::Fallback, extensions)
-                    }
+                    Ok(decision) => self.plan(
+                        tier,
+                        own(&check.tier),
+                        key,
+                        cost,
+                        &decision,
+                        AdmittedBy::Fallback,
+                        extensions,
+                    ),
                     Err(e) => self.cost_exceeded(tier, key, &e),
                 }
             }
@@ -556,5 +577,13 @@ where
                 Admitted::Inserted
             },
         })
+    }
+}
+
+/// The customer's own tier a check is decided under, if any.
+fn own(tier: &TierRef) -> Option<&Arc<Tier>> {
+    match tier {
+        TierRef::Own(own) => Some(own),
+        TierRef::Index(_) => None,
     }
 }

@@ -5,31 +5,28 @@ use std::time::Duration;
 use ratelimit_core::{RuleSet, Store};
 use tower_layer::Layer;
 
-use super::service::Throttle;
+use super::rules::as_partners_count;
+use super::service::{Shared, Throttle};
 
 /// Puts a client service behind a store's limits: each call waits for its turn, at most
 /// `max_wait` (see the [module docs](crate::throttle)).
 pub struct ThrottleLayer<S> {
-    pub(crate) shared: Arc<Shared<S>>,
-}
-
-/// What a layer's services share.
-pub(crate) struct Shared<S> {
-    pub(crate) store: S,
-    pub(crate) key: Box<[u8]>,
-    pub(crate) rules: RuleSet,
-    pub(crate) max_wait: Duration,
+    shared: Arc<Shared<S>>,
 }
 
 impl<S: Store> ThrottleLayer<S> {
     /// Every call through the layer's services waits for a turn of `rules` under `key`
     /// in `store` (one budget for every instance sharing the store), at most `max_wait`.
+    ///
+    /// Whatever the rules' algorithm, no window of a rule's period sees more calls than
+    /// its limit, as a partner enforcing that limit counts them, unless the rule asks for
+    /// a burst above it (`burst=`, `capacity=`): then no more than the burst.
     pub fn new(store: S, key: impl AsRef<[u8]>, rules: RuleSet, max_wait: Duration) -> Self {
         Self {
             shared: Arc::new(Shared {
                 store,
                 key: key.as_ref().into(),
-                rules,
+                rules: as_partners_count(rules),
                 max_wait,
             }),
         }
@@ -57,9 +54,6 @@ impl<S, Svc> Layer<Svc> for ThrottleLayer<S> {
     type Service = Throttle<Svc, S>;
 
     fn layer(&self, inner: Svc) -> Self::Service {
-        Throttle {
-            inner,
-            shared: Arc::clone(&self.shared),
-        }
+        Throttle::new(inner, Arc::clone(&self.shared))
     }
 }

@@ -3,6 +3,13 @@
 //! limits, so that every instance of an app together calls a partner at most as often
 //! as the partner allows, and a caller waits for its slot instead of failing.
 //!
+//! A throttle counts as a partner does: no window of a rule's period sees more calls
+//! than the rule's limit, whatever its algorithm (a fixed window alone lets twice the
+//! limit through across a boundary, a GCRA or token bucket a full burst and then its
+//! refill), unless the rule asks for a burst above the limit (`burst=`, `capacity=`),
+//! which is then the most in any window. Rules that could exceed it are checked beside
+//! an exact sliding log of that many calls per period, in the same store call.
+//!
 //! Each call waits with [`StoreExt::until_ready`](ratelimit_core::StoreExt::until_ready):
 //! with a shaping rule (`leaky-bucket mode=shaper`) one store call hands out the call's
 //! slot and the caller sleeps until it (no retry loop, no thundering herd); with other
@@ -33,6 +40,7 @@
 //! ```
 
 mod layer;
+mod rules;
 mod service;
 
 pub use layer::ThrottleLayer;

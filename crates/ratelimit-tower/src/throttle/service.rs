@@ -8,12 +8,27 @@ use std::time::Duration;
 use ratelimit_core::{Store, StoreExt, WaitError};
 use tower_service::Service;
 
-use super::layer::Shared;
+use ratelimit_core::RuleSet;
+
+/// What a layer's services share.
+pub(super) struct Shared<S> {
+    pub(super) store: S,
+    pub(super) key: Box<[u8]>,
+    /// The rules as the throttle waits under them, bounds per period included.
+    pub(super) rules: RuleSet,
+    pub(super) max_wait: Duration,
+}
 
 /// The service made by [`ThrottleLayer`](super::ThrottleLayer).
 pub struct Throttle<Svc, S> {
-    pub(super) inner: Svc,
-    pub(super) shared: Arc<Shared<S>>,
+    inner: Svc,
+    shared: Arc<Shared<S>>,
+}
+
+impl<Svc, S> Throttle<Svc, S> {
+    pub(super) fn new(inner: Svc, shared: Arc<Shared<S>>) -> Self {
+        Self { inner, shared }
+    }
 }
 
 impl<Svc: Clone, S> Clone for Throttle<Svc, S> {
