@@ -358,6 +358,19 @@ mod tests {
     }
 
     #[test]
+    fn command_info_tells_a_known_command_from_an_unknown_one() {
+        let name = Value::BulkString(b"ratelimit.version".to_vec());
+        assert!(command_known(&Value::Array(vec![Value::Array(vec![
+            name,
+            Value::Int(1)
+        ])])));
+        // An unknown command is a nil entry; a reply of another shape is no answer.
+        assert!(!command_known(&Value::Array(vec![Value::Nil])));
+        assert!(!command_known(&Value::Array(vec![])));
+        assert!(!command_known(&Value::Nil));
+    }
+
+    #[test]
     fn eviction_policies() {
         assert_eq!(eviction_risk("noeviction"), None);
         for evicting in [
