@@ -6,7 +6,8 @@ use bb8_redis::RedisConnectionManager;
 use ratelimit_core::{Clock, Decision, RuleSet, Store};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{IntoConnectionInfo, RedisConnectionInfo, RedisError};
 
 use crate::batch::{self, Batcher};
 use crate::error::RedisStoreError;
@@ -215,11 +216,14 @@ impl RedisStoreBuilder {
     /// `maxmemory-policy`.
     pub async fn build(self, url: &str) -> Result<RedisStore, RedisStoreError> {
         let shared = self.options.shared()?;
-        let client = redis::Client::open(url).map_err(|e| {
+        let invalid = |e: RedisError| {
             RedisStoreError::InvalidConfig(format!(
                 "invalid Redis URL: {e}; expected redis://host:port/db"
             ))
-        })?;
+        };
+        let info = url.into_connection_info().map_err(invalid)?;
+        let quiet = info.redis_settings().clone().set_skip_set_lib_name();
+        let client = redis::Client::open(info.set_redis_settings(quiet)).map_err(invalid)?;
         let lanes = usize::try_from(self.pool_size).unwrap_or(1);
         self.start(Source::Server { client, lanes }, shared).await
     }
@@ -282,10 +286,11 @@ impl RedisStoreBuilder {
                 "no Sentinel URL given; pass at least one redis://host:26379/".into(),
             ));
         }
+        let quiet = RedisConnectionInfo::default().set_skip_set_lib_name();
         let client = SentinelClient::build(
             urls,
             service_name.to_owned(),
-            None,
+            Some(SentinelNodeConnectionInfo::default().set_redis_connection_info(quiet)),
             SentinelServerType::Master,
         )
         .map_err(|e| {

