@@ -244,6 +244,9 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     algo::refund(rules.rules(), &mut states, header.cost, charged, now);
     let mut changed = false;
     if let (Some(slot), Some(log_name), Some(old)) = (log_slot, log_name, logged) {
+        // `logged` is set only where the slot was given the log just above, and
+        // `algo::refund` drains a log in place, never replacing it: no argument or
+        // stored value can reach the panic.
         let RuleState::Log(new) = &states[slot] else {
             unreachable!("the log's slot holds the log")
         };

@@ -35,6 +35,15 @@ fn key(i: usize) -> Vec<u8> {
 /// Per key: (units admitted, units of checks that failed).
 type Tally = HashMap<usize, (u64, u64)>;
 
+/// Adds one task's tally to the whole.
+fn add(tally: &mut Tally, task: Tally) {
+    for (k, (admitted, failed)) in task {
+        let entry = tally.entry(k).or_default();
+        entry.0 += admitted;
+        entry.1 += failed;
+    }
+}
+
 /// `TASKS` tasks check keys at random while `kill` cuts the store's connections `KILLS`
 /// times; then each key's charge must lie between what was admitted and that plus what
 /// failed.
@@ -90,11 +99,7 @@ async fn kills_charge_nothing_unreported(
     let mut errors = Vec::new();
     for task in tasks {
         let (t, e) = task.await.expect("no panic in a checking task");
-        for (k, (admitted, failed)) in t {
-            let entry = tally.entry(k).or_default();
-            entry.0 += admitted;
-            entry.1 += failed;
-        }
+        add(&mut tally, t);
         errors.extend(e);
     }
     wait_connected(&store).await;
@@ -220,11 +225,7 @@ async fn back_to_back_under_kills(store: RedisStore, port: u16) -> (u64, u64) {
     for task in tasks {
         let (t, f) = task.await.expect("no panic in a checking task");
         failed += f;
-        for (k, (admitted, lost)) in t {
-            let entry = tally.entry(k).or_default();
-            entry.0 += admitted;
-            entry.1 += lost;
-        }
+        add(&mut tally, t);
     }
     done.store(true, Ordering::Relaxed);
     let kills = killer.join().expect("killer");
@@ -339,11 +340,7 @@ async fn a_cluster_failover_under_load_over_admits_nothing() {
     for task in tasks {
         let (t, f) = task.await.expect("no panic in a checking task");
         failed += f;
-        for (k, (admitted, lost)) in t {
-            let entry = tally.entry(k).or_default();
-            entry.0 += admitted;
-            entry.1 += lost;
-        }
+        add(&mut tally, t);
     }
     for (k, (admitted, lost)) in &tally {
         assert!(

@@ -456,63 +456,34 @@ impl Link {
     }
 
     /// On a Cluster, `request` failed with `e`: when `e` proves nothing ran, or the
-    /// connection to its node broke and the request cannot be decided twice, it is sent
-    /// again after a pause (doubling from [`RETRY_PAUSE`]; the cluster connection
-    /// reconnects to the node or reads the slots again meanwhile) until it gets an
-    /// answer of another kind or the caller's timeout ends the wait.
+    /// connection to its node broke and the request cannot be decided twice (its resend,
+    /// [`Request::resent`]), it is sent again after a pause (doubling from
+    /// [`RETRY_PAUSE`]; the cluster connection reconnects to the node or reads the slots
+    /// again meanwhile) until it gets an answer of another kind or the caller's timeout
+    /// ends the wait.
     pub(super) async fn cluster_retry(
         &self,
         conn: &mut ClusterConnection,
         request: &Request<'_>,
         mut e: RedisError,
     ) -> Result<Value, Failure> {
-        let again = if is_connection_error(&e) {
-            match request.resent() {
-                Some(again) => again,
-                None => return Err(in_flight(&e).into()),
-            }
-        } else if ran_nothing(&e) {
-            match request.resent() {
-                Some(again) => again,
-                // Nothing ran: the very request goes again.
-                None => return self.cluster_retry_same(conn, request, e).await,
-            }
-        } else {
-            return Err(e.into());
-        };
+        let resent = request.resent();
+        let again = resent.as_ref().unwrap_or(request);
+        let retry = |e: &RedisError| ran_nothing(e) || (resent.is_some() && is_connection_error(e));
         let mut pause = RETRY_PAUSE;
-        loop {
+        while retry(&e) {
             self.nodes_stale();
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(MAX_RETRY_PAUSE);
-            match again.send(conn).await {
-                Err(next) if is_connection_error(&next) || ran_nothing(&next) => e = next,
-                Err(next) => return Err(next.into()),
-                Ok(reply) => return Ok(reply),
-            }
             tracing::debug!(error = %e, "Cluster call sent again");
-        }
-    }
-
-    /// [`cluster_retry`](Self::cluster_retry) for a request that ran nowhere and is not
-    /// a call decided once: sent again as it is while the answers prove nothing ran.
-    async fn cluster_retry_same(
-        &self,
-        conn: &mut ClusterConnection,
-        request: &Request<'_>,
-        mut e: RedisError,
-    ) -> Result<Value, Failure> {
-        let mut pause = RETRY_PAUSE;
-        while ran_nothing(&e) {
-            self.nodes_stale();
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(MAX_RETRY_PAUSE);
-            match request.send(conn).await {
+            e = match again.send(conn).await {
                 Ok(reply) => return Ok(reply),
-                Err(next) => e = next,
-            }
+                Err(next) => next,
+            };
         }
-        if is_connection_error(&e) && !request.repeatable() {
+        // A lost connection tells nothing: a request that may have run must not run
+        // again.
+        if resent.is_none() && is_connection_error(&e) {
             return Err(in_flight(&e).into());
         }
         Err(e.into())
