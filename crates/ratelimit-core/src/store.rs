@@ -99,6 +99,55 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Settles a charge of `charged` units that a check of `key` under `rules` made at
+    /// `charged_at` (a reading of [`Store::now_us`] taken before that check) to the
+    /// request's `actual` cost, known only once it has been served (tokens an LLM
+    /// answered with, bytes sent), in one atomic step:
+    ///
+    /// * `actual < charged`: the difference goes back, as [`Store::refund`] gives it;
+    /// * `actual > charged`: the excess is charged **unconditionally**, as debt the key
+    ///   repays before it is admitted again, as [`algo`](crate::algo#settling-a-charge)
+    ///   says per algorithm; one settle adds at most one period's limit of each rule;
+    /// * `actual == charged`: nothing to do (and no call to make).
+    ///
+    /// A key whose state was since written under other rules keeps what it was charged.
+    /// Answers whether any state changed.
+    ///
+    /// The default gives back a smaller actual through [`Store::refund`] and charges no
+    /// excess (answering `false`): a store that cannot hold debt limits metered costs
+    /// by their estimates alone.
+    fn settle(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        let refund = (actual < charged)
+            .then(|| self.refund(key, rules, charged - actual, charged_at));
+        async move {
+            match refund {
+                Some(refund) => refund.await,
+                None => Ok(false),
+            }
+        }
+    }
+
+    /// Settles at once, without a future, when the store can (an in-process store);
+    /// `None` means "call [`Store::settle`]". The default answers `None`.
+    fn settle_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        let _ = (key, rules, charged, actual, charged_at);
+        None
+    }
+
     /// The time on this store's clock, in microseconds since the Unix epoch.
     ///
     /// Whatever keeps time beside a store (a middleware's cache of recent denials, say)
@@ -179,6 +228,28 @@ impl<S: Store> Store for Arc<S> {
         charged_at: u64,
     ) -> Option<Result<bool, Self::Error>> {
         (**self).refund_sync(key, rules, cost, charged_at)
+    }
+
+    fn settle(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        (**self).settle(key, rules, charged, actual, charged_at)
+    }
+
+    fn settle_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        (**self).settle_sync(key, rules, charged, actual, charged_at)
     }
 
     fn now_us(&self) -> u64 {
