@@ -2,11 +2,13 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+
+use crate::meter::Meter;
 
 pin_project! {
     /// The body of a [`RateLimit`](crate::RateLimit) response: the inner service's body
@@ -25,6 +27,10 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        // A metered response's charge, settled when the body ends.
+        meter: Option<Box<Meter>>,
+        // The body's last frame (`None`: its end), held while the settle is on its way.
+        held: Option<Option<Frame<Bytes>>>,
     }
 }
 
@@ -41,6 +47,17 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            meter: None,
+            held: None,
+        }
+    }
+
+    /// The inner service's body, whose end settles `meter`.
+    pub(crate) fn metered(body: B, meter: Box<Meter>) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+            meter: Some(meter),
+            held: None,
         }
     }
 
@@ -49,6 +66,8 @@ impl<B> ResponseBody<B> {
             kind: Kind::Own {
                 data: (!data.is_empty()).then_some(data),
             },
+            meter: None,
+            held: None,
         }
     }
 }
@@ -64,13 +83,53 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
-            KindProj::Own { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        let this = self.project();
+        if let Some(pending) = this.meter.as_mut().and_then(|m| m.pending()) {
+            ready!(pending.as_mut().poll(cx));
+            *this.meter = None;
+            return Poll::Ready(this.held.take().flatten().map(Ok));
         }
+        let (frame, end) = match this.kind.project() {
+            KindProj::Inner { mut body } => {
+                let frame = ready!(body.as_mut().poll_frame(cx));
+                let end = body.is_end_stream();
+                (frame, end)
+            }
+            KindProj::Own { data } => return Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        };
+        let Some(meter) = this.meter.as_mut() else {
+            return Poll::Ready(frame);
+        };
+        let last = match frame {
+            Some(Ok(frame)) if end => Some(frame),
+            None => None,
+            // An error ends the body as a drop does: what was reported is settled (by
+            // the meter's drop, in the background); a frame before the end goes out.
+            Some(Err(_)) => {
+                *this.meter = None;
+                return Poll::Ready(frame);
+            }
+            Some(Ok(_)) => return Poll::Ready(frame),
+        };
+        // The end goes out once the settle is in the store: a client that waits for it
+        // before its next request finds the settle made.
+        let settled = match meter.finish() {
+            None => true,
+            Some(pending) => pending.as_mut().poll(cx).is_ready(),
+        };
+        if settled {
+            *this.meter = None;
+            return Poll::Ready(last.map(Ok));
+        }
+        *this.held = Some(last);
+        Poll::Pending
     }
 
     fn is_end_stream(&self) -> bool {
+        // A metered body ends through `poll_frame`, which settles it first.
+        if self.meter.is_some() {
+            return false;
+        }
         match &self.kind {
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Own { data } => data.is_none(),

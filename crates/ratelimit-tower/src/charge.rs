@@ -15,6 +15,7 @@ use http::response::Parts;
 use http::HeaderValue;
 
 use crate::limits::{TierRef, Version};
+use crate::usage::Usage;
 
 /// Marks a response refused by a [`RateLimitLayer`](crate::RateLimitLayer) (a 429, a
 /// block, a store outage failing closed, any refusal): the layers around it give back
@@ -42,8 +43,12 @@ pub(crate) struct Charge {
     pub(crate) charged_at: u64,
     /// Charged by the local fallback store (the store had failed), under its rules.
     pub(crate) by_fallback: bool,
-    /// The layer judges responses (`charge_when`): every response is settled on its head.
+    /// The layer judges responses (`charge_when`) or meters them (`settle_with`,
+    /// `usage_extension`): every response is settled on its head.
     pub(crate) judged: bool,
+    /// Where the handler reports the actual cost, when the layer puts a [`Usage`] in
+    /// its requests.
+    pub(crate) usage: Option<Usage>,
 }
 
 impl std::fmt::Debug for Charge {
@@ -68,6 +73,11 @@ pub(crate) trait Settle: Send + Sync + 'static {
     fn refund(&self, charge: Charge) -> Option<Refund>;
     /// The `RateLimit` field of the charge's tier with `cost` more units left.
     fn refunded_field(&self, charge: &Charge, value: &HeaderValue) -> Option<HeaderValue>;
+    /// The actual cost the response head shows (`settle_with`), if the layer reads one.
+    fn actual_from_head(&self, parts: &Parts) -> Option<u64>;
+    /// Settles the charge to `actual`: at once for a store that answers in process
+    /// (`None`), else the store call to wait for.
+    fn settle_actual(&self, charge: Charge, actual: u64) -> Option<Refund>;
 }
 
 /// A refund on its way to the store.
@@ -81,6 +91,10 @@ pub(crate) enum Settled {
     Refunded(Option<Refund>),
     /// The predicate panicked: the request fails with 500; its units are given back.
     Panicked(Option<Refund>),
+    /// Settled to the actual cost the head shows, or on its way.
+    Metered(Option<Refund>),
+    /// To be settled to what its [`Usage`] reports when the response body ends.
+    AtBodyEnd(Charge, Usage),
 }
 
 impl Charge {
@@ -90,6 +104,18 @@ impl Charge {
     #[inline]
     pub(crate) fn may_refund(&self, extensions: &http::Extensions) -> bool {
         self.judged || extensions.get::<Refused>().is_some()
+    }
+
+    /// A charge that counts, settled to the actual cost if the layer meters it.
+    fn meter(mut self, parts: &Parts) -> Settled {
+        if let Some(actual) = self.settle.actual_from_head(parts) {
+            let settle = Arc::clone(&self.settle);
+            return Settled::Metered(settle.settle_actual(self, actual));
+        }
+        match self.usage.take() {
+            Some(usage) => Settled::AtBodyEnd(self, usage),
+            None => Settled::Counts,
+        }
     }
 
     /// Settles the charge on `parts`: gives it back when a refusal further in marked the
@@ -103,7 +129,7 @@ impl Charge {
         let refused = parts.extensions.get::<Refused>().is_some() && self.settle.refunds_refused();
         if !refused {
             match self.settle.counts(parts) {
-                Ok(true) => return Settled::Counts,
+                Ok(true) => return self.meter(parts),
                 Ok(false) => {}
                 Err(()) => {
                     let settle = Arc::clone(&self.settle);

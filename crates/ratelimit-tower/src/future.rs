@@ -12,6 +12,7 @@ use crate::body::ResponseBody;
 use crate::charge::{Charge, Refund, Settled};
 use crate::headers::Fields;
 use crate::limiter::{CheckFuture, Pass, Verdict};
+use crate::meter::Meter;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): waits for the store (when
@@ -169,11 +170,18 @@ where
                             if let Some(fields) = this.fields.take() {
                                 fields.apply(response.headers_mut());
                             }
-                            let refund = match settled {
-                                Settled::Refunded(refund) => refund,
-                                _ => None,
-                            };
-                            (response.map(ResponseBody::inner), refund)
+                            match settled {
+                                Settled::Refunded(refund) | Settled::Metered(refund) => {
+                                    (response.map(ResponseBody::inner), refund)
+                                }
+                                Settled::AtBodyEnd(charge, usage) => {
+                                    let meter = Box::new(Meter::new(charge, usage));
+                                    (response.map(|b| ResponseBody::metered(b, meter)), None)
+                                }
+                                Settled::Counts | Settled::Panicked(_) => {
+                                    (response.map(ResponseBody::inner), None)
+                                }
+                            }
                         }
                     };
                     match refund {

@@ -18,6 +18,7 @@ use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
 use crate::limiter::{ChargeWhen, Limiter};
 use crate::limits::{Limits, LimitsHandle, Live, Settings};
+use crate::meter::Metering;
 use crate::metrics::DEFAULT_METRICS_TIER_LABELS;
 use crate::namespace;
 use crate::policy::{FailurePolicy, MissingKey};
@@ -107,6 +108,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             store_timeout: None,
             charge_when: None,
             refund_refused: true,
+            metering: Metering::default(),
             resolver: None,
             customer_cache: (DEFAULT_CUSTOMER_CACHE, DEFAULT_CUSTOMER_TTL),
             metrics_tier_labels: DEFAULT_METRICS_TIER_LABELS,
@@ -257,6 +259,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     store_timeout: Option<Duration>,
     charge_when: Option<ChargeWhen>,
     refund_refused: bool,
+    metering: Metering,
     resolver: Option<Resolver>,
     customer_cache: (u64, Duration),
     metrics_tier_labels: usize,
@@ -305,6 +308,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_timeout: self.store_timeout,
             charge_when: self.charge_when,
             refund_refused: self.refund_refused,
+            metering: self.metering,
             resolver: self.resolver,
             customer_cache: self.customer_cache,
             metrics_tier_labels: self.metrics_tier_labels,
@@ -556,6 +560,92 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         self
     }
 
+    /// Settles each admitted request's charge to its actual cost read from the response
+    /// head: `actual` answers it (from a header such as `x-usage-tokens`, or a gRPC
+    /// trailer in a trailers-only head), `None` keeps the estimate. For costs known only
+    /// as the body streams, see [`usage_extension`](Self::usage_extension); for a header
+    /// holding a decimal count, [`settle_from_header`](Self::settle_from_header).
+    ///
+    /// The check at the door charges the layer's [`cost`](Self::cost), the estimate (0 is
+    /// allowed: the request is then admitted while the key is not over its limit). Once
+    /// the actual is known the store settles in one atomic call
+    /// ([`Store::settle`](ratelimit_core::Store::settle)): an actual below the estimate
+    /// gives the difference back, as [`charge_when`](Self::charge_when) gives a whole
+    /// charge back; an actual above it charges the excess **unconditionally**, as debt
+    /// that the key repays before it is admitted again, at most
+    /// [`max_debt`](Self::max_debt) per request. The response waits for the settle (as
+    /// for a refund), so the client's next request sees it in its `RateLimit` field,
+    /// and a key in debt is refused with a `Retry-After` that covers the debt.
+    /// See [metered costs](crate#metered-costs) for the bound this keeps.
+    ///
+    /// A settle that fails is retried once, then leaves the estimate charged with a
+    /// `WARN` at most every 10 s: the key is limited by the estimate, not by nothing.
+    /// A response that does not count ([`charge_when`](Self::charge_when), or refused
+    /// further in) gives the whole charge back instead and is not settled.
+    ///
+    /// ```
+    /// use ratelimit_core::MemoryStore;
+    /// use ratelimit_tower::{HeaderKey, RateLimitLayer};
+    ///
+    /// // 40,000 tokens a minute per API key: 500 reserved at the door, settled to the
+    /// // count the upstream reports in `x-usage-tokens`.
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), HeaderKey::new("x-api-key"))
+    ///     .rules("40000/min fixed-window name=tokens")?
+    ///     .namespace("tokens")
+    ///     .cost(|_: &http::Request<axum::body::Body>| 500)
+    ///     .settle_with(|res: &http::response::Parts| {
+    ///         res.headers.get("x-usage-tokens")?.to_str().ok()?.parse().ok()
+    ///     })
+    ///     .build()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn settle_with(
+        mut self,
+        actual: impl Fn(&http::response::Parts) -> Option<u64> + Send + Sync + 'static,
+    ) -> Self {
+        self.metering.settle_with = Some(Arc::new(actual));
+        self
+    }
+
+    /// [`settle_with`](Self::settle_with) the decimal count in the response header
+    /// `name`. A response without the header keeps its estimate; a value that is not a
+    /// decimal count (negative, fractional, text) keeps it too, with a `WARN` at most
+    /// every 10 s, since it means the upstream and the layer disagree on the header.
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name: it is a constant of the program.
+    pub fn settle_from_header(mut self, name: &str) -> Self {
+        self.metering.settle_with = Some(crate::meter::from_header(name));
+        self
+    }
+
+    /// Puts a [`Usage`](crate::Usage) into every admitted request, for the handler or its
+    /// streaming body to report the actual cost with, and settles each request's charge
+    /// when its response body ends, as [`settle_with`](Self::settle_with) settles on the
+    /// head. Off by default.
+    ///
+    /// The last frame of the body (its end, its trailers) is held until the settle is
+    /// in the store, so a client that waits for the end of a response before its next
+    /// request finds the settle made. A body dropped before its end (the client went
+    /// away) settles what was reported by then, in the background; nothing reported,
+    /// the estimate stands. With both, a value from [`settle_with`](Self::settle_with)
+    /// settles on the head and the body's report is not consulted.
+    pub fn usage_extension(mut self, enabled: bool) -> Self {
+        self.metering.usage_extension = enabled;
+        self
+    }
+
+    /// The most one settle charges beyond the request's estimate, in the rules' units:
+    /// a larger actual is cut to the estimate plus this, with a `WARN` at most every
+    /// 10 s. By default one period's limit of the tier's largest rule. Whatever this
+    /// says, the store never adds more than one period's limit of a rule in one settle,
+    /// so a hostile actual (`u64::MAX`) cannot lock a key out for years.
+    pub fn max_debt(mut self, units: u64) -> Self {
+        self.metering.max_debt = Some(units);
+        self
+    }
+
     /// Limits per customer: `resolve` answers a client key's own rules (from a database,
     /// a config service), `None` for the tier's rules. A customer with a contract of its
     /// own (A 1,000/min, B 50/min, thousands of them) needs no rebuild of the limits.
@@ -702,7 +792,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             store_timeout: self.store_timeout,
             charge_when: self.charge_when,
             refund_refused: self.refund_refused,
+            metering: self.metering,
             refund_log: Arc::new(BoundedLog::new()),
+            metering_log: BoundedLog::new(),
             customers: self.resolver.map(|r| {
                 Arc::new(Customers::new(
                     r,

@@ -298,6 +298,72 @@
 //! in the head the predicate sees (`res.headers.get("grpc-status")`); a streamed call's
 //! status comes in the trailers, after the predicate has run, and such a call counts.
 //!
+//! # Metered costs
+//!
+//! An LLM endpoint limits tokens per minute per API key, and a request's token count is
+//! known only once the model has answered, often in the last event of a stream. The
+//! layer reserves an estimate at the door (its [`cost`](RateLimitLayerBuilder::cost);
+//! 0 is allowed: admitted while the key is not over its limit) and settles the charge
+//! to the actual cost once it is known, in one atomic store call
+//! ([`Store::settle`](ratelimit_core::Store::settle)): an actual below the estimate gives
+//! the difference back; an actual above it charges the excess **unconditionally**, as
+//! debt the key repays before it is admitted again (its next refusal's `Retry-After`
+//! covers it). The actual comes from the response head,
+//! [`settle_with`](RateLimitLayerBuilder::settle_with) (or
+//! [`settle_from_header`](RateLimitLayerBuilder::settle_from_header)), or from a
+//! [`Usage`] in the request's extensions that the handler or its streaming body
+//! reports to before the body ends ([`usage_extension`](RateLimitLayerBuilder::usage_extension)).
+//!
+//! ```
+//! use axum::{body::Body, routing::post, Extension, Router};
+//! use ratelimit_core::MemoryStore;
+//! use ratelimit_tower::{HeaderKey, RateLimitLayer, Usage};
+//!
+//! let tokens = RateLimitLayer::builder(MemoryStore::new(), HeaderKey::new("x-api-key"))
+//!     .rules("40000/min gcra name=tokens")?
+//!     .namespace("tokens")
+//!     .cost(|_: &http::Request<Body>| 500) // reserved at the door
+//!     .usage_extension(true)
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route(
+//!         "/v1/chat/completions",
+//!         post(|Extension(usage): Extension<Usage>| async move {
+//!             // ... call the model, count what it answered ...
+//!             usage.report(1_234);
+//!             "answer"
+//!         }),
+//!     )
+//!     .layer(tokens);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! **The bound.** With at most C requests of one key in flight, each costing at most A
+//! and reserving an estimate E, the units charged in any window exceed the limit by at
+//! most C × (A − E), and by nothing when E ≥ A: a request is admitted only while what
+//! the key has been charged, settled requests at their actual and requests in flight at
+//! their estimate, leaves room for its estimate, so the overshoot is what the requests
+//! in flight at the last admission turn out to owe beyond their estimates. Debt then
+//! holds the key back until it is repaid:
+//!
+//! * GCRA, the leaky bucket and the token bucket repay debt by time alone: over a long
+//!   horizon the units charged never exceed the rate (plus the burst), however large
+//!   the estimate errors. Prefer them for token budgets.
+//! * The window algorithms (fixed window, sliding window counter, sliding log) hold debt
+//!   within their window: what a window has not repaid when it ends is forgiven with it.
+//!   Each window keeps the bound above, so over a long horizon the average exceeds the
+//!   rate by at most C × (A − E) per period.
+//!
+//! One settle adds at most one period's limit of each rule (and no more than
+//! [`max_debt`](RateLimitLayerBuilder::max_debt)), so a hostile actual (`u64::MAX`)
+//! locks a key out for about one period, not for years. A settle makes one store call
+//! per request whose actual differs from its estimate, none otherwise; the response (or
+//! the last frame of a streamed body) waits for it, so a client's next request sees the
+//! settled state in its `RateLimit` field. A settle that fails is retried once, then
+//! leaves the estimate charged with a `WARN` (at most every 10 s). The `llm_gateway`
+//! example is a whole proxy: requests per minute, tokens per minute settled from the
+//! model's JSON answer and from the last event of its streams.
+//!
 //! # Limits per customer
 //!
 //! Tiers cover plans; a customer with a contract of its own (A 1,000/min, B 50/min,
@@ -561,6 +627,7 @@ pub mod key;
 mod layer;
 mod limiter;
 mod limits;
+mod meter;
 mod metrics;
 mod namespace;
 mod policy;
@@ -568,6 +635,7 @@ mod rejection;
 mod service;
 pub mod throttle;
 mod tier;
+mod usage;
 
 #[cfg(feature = "axum")]
 pub use admission::MissingAdmission;
@@ -591,3 +659,4 @@ pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectRe
 pub use service::RateLimit;
 pub use throttle::{Throttle, ThrottleError, ThrottleLayer};
 pub use tier::{OneTier, SelectTier};
+pub use usage::Usage;

@@ -22,12 +22,15 @@ use crate::limits::{TierRef, Version};
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
 use crate::tier::{SelectTier, StoreKey, Tier};
+use crate::usage::Usage;
 
 /// A request ready for the store: its tier, its store key and its cost.
 struct Check {
     tier: TierRef,
     key: StoreKey,
     cost: u64,
+    /// Where the handler reports the actual cost, when the layer meters by reports.
+    usage: Option<Usage>,
 }
 
 // Statics, so that the fields of a verdict hold a pointer rather than a header value.
@@ -71,9 +74,13 @@ where
             tier: TierRef::Index(0),
             key: StoreKey::new(),
             cost: 0,
+            usage: None,
         };
         if let Err(verdict) = this.prepare(&version, req, &mut check) {
             return Begin::Now(this.finish(verdict));
+        }
+        if this.metering.usage_extension {
+            check.usage = Some(crate::usage::shared(req.extensions_mut()));
         }
         // Read before the check, so that it is at or before the moment the store decides.
         let charged_at = if this.settles() {
@@ -170,7 +177,9 @@ where
         charged_at: u64,
         version: impl FnOnce() -> Arc<Version>,
     ) -> Option<Charge> {
-        (charged != Charged::No && this.settles() && check.cost > 0).then(|| Charge {
+        // A metered request is settled even from an estimate of 0.
+        let priced = check.cost > 0 || this.metering.is_on();
+        (charged != Charged::No && this.settles() && priced).then(|| Charge {
             settle: Arc::clone(this) as Arc<dyn Settle>,
             version: version(),
             tier: check.tier.clone(),
@@ -178,7 +187,8 @@ where
             cost: check.cost,
             charged_at,
             by_fallback: charged == Charged::Fallback,
-            judged: this.charge_when.is_some(),
+            judged: this.charge_when.is_some() || this.metering.is_on(),
+            usage: check.usage.clone(),
         })
     }
 

@@ -76,9 +76,119 @@ where
         let tier = charge.tier.get(&charge.version);
         tier.policy.refunded(value, charge.cost)
     }
+
+    fn actual_from_head(&self, parts: &Parts) -> Option<u64> {
+        let read = self.metering.settle_with.as_ref()?;
+        catch_unwind(AssertUnwindSafe(|| read(parts))).unwrap_or_else(|_| {
+            tracing::error!(
+                namespace = &*self.namespace,
+                "rate limit: the settle_with function panicked; the request's estimate stands"
+            );
+            None
+        })
+    }
+
+    fn settle_actual(&self, charge: Charge, actual: u64) -> Option<Refund> {
+        let tier = charge.tier.get(&charge.version);
+        let actual = self.capped(&charge, actual);
+        if actual == charge.cost {
+            return None;
+        }
+        if charge.by_fallback {
+            if let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) {
+                let _ = fallback.settle_sync(
+                    &charge.key,
+                    rules,
+                    charge.cost,
+                    actual,
+                    charge.charged_at,
+                );
+            }
+            return None;
+        }
+        if let Some(result) = self.store.settle_sync(
+            &charge.key,
+            &tier.rules,
+            charge.cost,
+            actual,
+            charge.charged_at,
+        ) {
+            if let Err(e) = result {
+                self.report_settle_failure(&charge, actual, &e.to_string());
+            }
+            return None;
+        }
+        let store = std::sync::Arc::clone(&self.store);
+        let timeout = self.store_timeout;
+        let report = std::sync::Arc::clone(&self.refund_log);
+        Some(Box::pin(async move {
+            let tier = charge.tier.get(&charge.version);
+            // Retried once: a settle lost to a broken connection would leave the
+            // estimate charged, and the store makes a call that never ran safe to send
+            // again.
+            let mut error = None;
+            for _ in 0..2 {
+                let call = store.settle(
+                    &charge.key,
+                    &tier.rules,
+                    charge.cost,
+                    actual,
+                    charge.charged_at,
+                );
+                error = match timeout {
+                    None => call.await.err().map(|e| e.to_string()),
+                    Some(t) => match tokio::time::timeout(t, call).await {
+                        Ok(r) => r.err().map(|e| e.to_string()),
+                        Err(_) => Some(format!("no answer within the store timeout of {t:?}")),
+                    },
+                };
+                if error.is_none() {
+                    return;
+                }
+            }
+            if let Some(error) = error {
+                if let Some(count) = report.hit(store.now_us()) {
+                    settle_failed(&charge, tier.client_key(&charge.key), actual, &error, count);
+                }
+            }
+        }))
+    }
 }
 
 impl<S: Store, K, C, T> Limiter<S, K, C, T> {
+    /// `actual`, cut to the charge's estimate plus the most one settle may add.
+    fn capped(&self, charge: &Charge, actual: u64) -> u64 {
+        let tier = charge.tier.get(&charge.version);
+        let most = self.metering.max_debt.unwrap_or_else(|| {
+            (tier.rules.rules().iter())
+                .map(|r| r.limit())
+                .max()
+                .unwrap_or(0)
+        });
+        let cap = charge.cost.saturating_add(most);
+        if actual > cap {
+            if let Some(count) = self.metering_log.hit(self.store.now_us()) {
+                tracing::warn!(
+                    key = %KeyDigest(tier.client_key(&charge.key)),
+                    actual,
+                    estimate = charge.cost,
+                    charged = cap,
+                    requests = count,
+                    "rate limit: a request's actual cost is more than one settle may charge                      beyond its estimate (max_debt); the excess is cut (reported at most every                      10 s, with the requests since the last report)"
+                );
+            }
+            return cap;
+        }
+        actual
+    }
+
+    fn report_settle_failure(&self, charge: &Charge, actual: u64, error: &str) {
+        if let Some(count) = self.refund_log.hit(self.store.now_us()) {
+            let tier = charge.tier.get(&charge.version);
+            settle_failed(charge, tier.client_key(&charge.key), actual, error, count);
+        }
+    }
+
     fn report_refund_failure(&self, charge: &Charge, error: &str) {
         if let Some(count) = self.refund_log.hit(self.store.now_us()) {
             let tier = charge.tier.get(&charge.version);
@@ -97,5 +207,19 @@ fn refund_failed(charge: &Charge, client: &[u8], error: &str, count: u64) {
         requests = count,
         "rate limit: giving back a request's units failed; they stay charged \
          (reported at most every 10 s, with the refunds since the last report)"
+    );
+}
+
+/// A settle that failed leaves the estimate charged: the key is limited by its
+/// estimates, not by nothing.
+fn settle_failed(charge: &Charge, client: &[u8], actual: u64, error: &str, count: u64) {
+    tracing::warn!(
+        key = %KeyDigest(client),
+        estimate = charge.cost,
+        actual,
+        error,
+        requests = count,
+        "rate limit: settling a request's actual cost failed twice; its estimate stays \
+         charged (reported at most every 10 s, with the failures since the last report)"
     );
 }

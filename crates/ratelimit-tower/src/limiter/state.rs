@@ -9,6 +9,7 @@ use crate::customer::Customers;
 use crate::deny_cache::DenyCache;
 use crate::fallback::FallbackStore;
 use crate::limits::Live;
+use crate::meter::Metering;
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::{BlockedStatus, OnRejection};
 
@@ -47,8 +48,12 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) charge_when: Option<ChargeWhen>,
     /// Whether a refusal by a rate-limit layer further in gives this layer's units back.
     pub(crate) refund_refused: bool,
-    /// Refunds that failed.
+    /// Settling charges to their actual costs.
+    pub(crate) metering: Metering,
+    /// Refunds and settles that failed.
     pub(crate) refund_log: Arc<BoundedLog>,
+    /// Actual costs cut to `max_debt`.
+    pub(crate) metering_log: BoundedLog,
     /// Limits per customer, when the layer has a resolver.
     pub(crate) customers: Option<Arc<Customers>>,
     /// The namespace, shared with the customers' tiers built later.
@@ -63,6 +68,6 @@ pub(crate) type ChargeWhen = Arc<dyn Fn(&http::response::Parts) -> bool + Send +
 impl<S, K, C, T> Limiter<S, K, C, T> {
     /// Whether an admitted request's charge is kept until its response.
     pub(crate) fn settles(&self) -> bool {
-        self.charge_when.is_some() || self.refund_refused
+        self.charge_when.is_some() || self.refund_refused || self.metering.is_on()
     }
 }

@@ -1,0 +1,573 @@
+//! Metered costs: charges settled to the actual cost read from the response head
+//! (`settle_with`) or reported through `Usage` before the response body ends.
+#![cfg(feature = "axum")]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Extension;
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use ratelimit_core::{CapacityError, Decision, ManualClock, MemoryStore, RuleSet, Store};
+use ratelimit_tower::{FailurePolicy, HeaderKey, RateLimitLayer, Usage};
+use tower::ServiceExt;
+
+mod common;
+
+// Aligned to the hour, so fixed windows start at T0.
+const T0: u64 = 1_699_999_200_000_000;
+
+/// A memory store that answers through futures (as a remote store does) and counts the
+/// settles it is asked for.
+struct Remote {
+    inner: MemoryStore<ManualClock>,
+    settles: AtomicUsize,
+    /// The `(charged, actual)` of each settle.
+    seen: Mutex<Vec<(u64, u64)>>,
+}
+
+impl Remote {
+    fn new(clock: &ManualClock) -> Arc<Self> {
+        Arc::new(Self {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            settles: AtomicUsize::new(0),
+            seen: Mutex::new(Vec::new()),
+        })
+    }
+    fn settles(&self) -> usize {
+        self.settles.load(Ordering::SeqCst)
+    }
+}
+
+impl Store for Remote {
+    type Error = CapacityError;
+    fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> impl Future<Output = Result<Decision, CapacityError>> + Send {
+        let decision = self.inner.check_now(key, rules, cost);
+        async move {
+            tokio::task::yield_now().await;
+            decision
+        }
+    }
+    fn block(
+        &self,
+        key: &[u8],
+        d: Option<Duration>,
+    ) -> impl Future<Output = Result<(), CapacityError>> + Send {
+        self.inner.block(key, d)
+    }
+    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), CapacityError>> + Send {
+        self.inner.unblock(key)
+    }
+    fn reset(
+        &self,
+        key: &[u8],
+        r: &RuleSet,
+    ) -> impl Future<Output = Result<(), CapacityError>> + Send {
+        self.inner.reset(key, r)
+    }
+    fn refund(
+        &self,
+        key: &[u8],
+        r: &RuleSet,
+        cost: u64,
+        at: u64,
+    ) -> impl Future<Output = Result<bool, CapacityError>> + Send {
+        self.inner.refund(key, r, cost, at)
+    }
+    fn settle(
+        &self,
+        key: &[u8],
+        r: &RuleSet,
+        charged: u64,
+        actual: u64,
+        at: u64,
+    ) -> impl Future<Output = Result<bool, CapacityError>> + Send {
+        self.settles.fetch_add(1, Ordering::SeqCst);
+        self.seen.lock().unwrap().push((charged, actual));
+        let done = self.inner.settle_sync(key, r, charged, actual, at).unwrap();
+        async move {
+            tokio::task::yield_now().await;
+            done
+        }
+    }
+    fn now_us(&self) -> u64 {
+        self.inner.now_us()
+    }
+}
+
+fn with_key(path: &str, key: &str) -> Request<Body> {
+    Request::get(path)
+        .header("x-api-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn header<'a>(res: &'a Response<Body>, name: &str) -> Option<&'a str> {
+    res.headers().get(name).map(|v| v.to_str().unwrap())
+}
+
+/// Whether one more unit (or, `cost` 0, a peek) of `rules` is admitted for `key` now.
+async fn admits<S: Store>(store: &S, key: &[u8], rules: &str, cost: u64) -> bool {
+    let rules: RuleSet = rules.parse().unwrap();
+    store
+        .check(key, &rules, cost)
+        .await
+        .ok()
+        .unwrap()
+        .is_allowed()
+}
+
+/// The worked example, exact: `1000/h fixed-window`, an estimate of 100 and an
+/// actual of 300 admit requests 1 to 4 and refuse the 5th, with the window at 1,200.
+#[tokio::test]
+async fn sequential_settles_are_exact() {
+    let clock = ManualClock::new(T0);
+    let memory = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    sequential(Arc::clone(&memory), &memory).await;
+    let remote = Remote::new(&clock);
+    sequential(Arc::clone(&remote), &remote.inner).await;
+    assert_eq!(remote.settles(), 4, "one settle per admitted request");
+}
+
+async fn sequential<S: Store>(store: Arc<S>, held: &MemoryStore<ManualClock>) {
+    let rules = "1000/h fixed-window name=tokens";
+    let layer = RateLimitLayer::builder(store, HeaderKey::new("x-api-key"))
+        .rules(rules)
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let key = layer.store_key("", b"k").unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { ([("x-usage-tokens", "300")], "answer") }),
+        )
+        .layer(layer);
+    for n in 1..=4 {
+        let res = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "request {n}");
+        res.into_body().collect().await.unwrap();
+    }
+    let fifth = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(fifth.status(), StatusCode::TOO_MANY_REQUESTS);
+    // The debt lasts to the end of the hour's window: Retry-After covers it.
+    assert_eq!(header(&fifth, "retry-after"), Some("3600"));
+    // The window holds exactly 1,200: 200 back leaves it full (a peek passes, a unit
+    // does not), 201 back lets one unit in.
+    let rules: RuleSet = rules.parse().unwrap();
+    let admits = |cost| held.check_now(&key, &rules, cost).unwrap().is_allowed();
+    assert!(!admits(0), "1,200 of 1,000");
+    assert!(held.refund_now(&key, &rules, 200, T0));
+    assert!(admits(0));
+    assert!(!admits(1));
+    assert!(held.refund_now(&key, &rules, 1, T0));
+    assert!(admits(1));
+}
+
+/// An actual below the estimate gives the difference back before the response goes out:
+/// the next request's `RateLimit` field shows it.
+#[tokio::test]
+async fn an_actual_below_the_estimate_gives_the_rest_back() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window name=tokens")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-usage-tokens", "10")], "short") }))
+        .route("/unknown", get(|| async { "no header" }))
+        .layer(layer);
+    let first = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert!(header(&first, "ratelimit").unwrap().contains(";r=900;"));
+    let second = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    // 10 used by the first, 100 reserved by the second.
+    assert!(
+        header(&second, "ratelimit").unwrap().contains(";r=890;"),
+        "{:?}",
+        header(&second, "ratelimit")
+    );
+    // No header: the estimate stands, and no store call is made for it.
+    let settles = store.settles();
+    app.clone()
+        .oneshot(with_key("/unknown", "k"))
+        .await
+        .unwrap();
+    let fourth = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert!(
+        header(&fourth, "ratelimit").unwrap().contains(";r=690;"),
+        "{:?}",
+        header(&fourth, "ratelimit")
+    );
+    assert_eq!(store.settles(), settles + 1);
+}
+
+/// A header that is not a decimal count is ignored (the estimate stands), whatever it
+/// holds.
+#[tokio::test]
+async fn a_bad_usage_header_keeps_the_estimate() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/{value}",
+            get(
+                |axum::extract::Path(value): axum::extract::Path<String>| async move {
+                    ([("x-usage-tokens", value)], "ok")
+                },
+            ),
+        )
+        .layer(layer);
+    for value in ["-5", "12.5", "lots", " ", "+7", "99999999999999999999999"] {
+        let path = format!("/{}", urlencoding(value));
+        let res = app.clone().oneshot(with_key(&path, "k")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{value:?}");
+    }
+    assert_eq!(store.settles(), 0);
+}
+
+fn urlencoding(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'0'..=b'9' | b'.' | b'-' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A hostile actual is cut to the estimate plus `max_debt`: the key is locked out for
+/// one window, not for years.
+#[tokio::test]
+async fn a_huge_actual_is_capped() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("100/min gcra")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 1)
+        .settle_with(|_: &http::response::Parts| Some(u64::MAX))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let res = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(store.seen.lock().unwrap().as_slice(), &[(1, 101)]);
+    let refused = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = header(&refused, "retry-after").unwrap().parse().unwrap();
+    assert!(
+        retry <= 61,
+        "at most a period's debt plus the unit: {retry}"
+    );
+    clock.advance(Duration::from_secs(retry));
+    let later = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(later.status(), StatusCode::OK);
+}
+
+/// `Usage` reported by the handler settles when the body ends; reported twice, the last
+/// report counts; never reported, the estimate stands with no store call.
+#[tokio::test]
+async fn a_handler_report_settles_at_the_body_end() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .usage_extension(true)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|Extension(usage): Extension<Usage>| async move {
+                usage.report(500);
+                usage.report(40);
+                "ok"
+            }),
+        )
+        .route("/silent", get(|| async { "ok" }))
+        .layer(layer);
+    let first = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    first.into_body().collect().await.unwrap();
+    assert_eq!(store.seen.lock().unwrap().as_slice(), &[(100, 40)]);
+    let silent = app.clone().oneshot(with_key("/silent", "k")).await.unwrap();
+    silent.into_body().collect().await.unwrap();
+    let third = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    // 40 + 100 (the silent request's estimate) + 100 reserved.
+    assert!(
+        header(&third, "ratelimit").unwrap().contains(";r=760;"),
+        "{:?}",
+        header(&third, "ratelimit")
+    );
+    assert_eq!(store.settles(), 1);
+}
+
+/// A stream that reports its usage in its last event is settled once, when it ends, and
+/// before its end reaches the client; a stream dropped early settles what it reported.
+#[tokio::test]
+async fn a_streamed_report_is_settled_once_and_a_dropped_stream_settles_what_it_reported() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .usage_extension(true)
+        .build()
+        .unwrap();
+    let stream = |Extension(usage): Extension<Usage>| async move {
+        let events = futures_util::stream::iter(0..5u64).then(move |i| {
+            let usage = usage.clone();
+            async move {
+                tokio::task::yield_now().await;
+                if i == 4 {
+                    usage.report(250);
+                    Ok::<_, Infallible>(Bytes::from("data: {\"usage\": 250}\n\n"))
+                } else {
+                    Ok(Bytes::from(format!("data: {i}\n\n")))
+                }
+            }
+        });
+        Body::from_stream(events)
+    };
+    let stalls = |Extension(usage): Extension<Usage>| async move {
+        let events = futures_util::stream::iter(0..2u64).then(move |i| {
+            let usage = usage.clone();
+            async move {
+                if i == 1 {
+                    std::future::pending::<()>().await;
+                }
+                usage.report(70);
+                Ok::<_, Infallible>(Bytes::from("data: partial\n\n"))
+            }
+        });
+        Body::from_stream(events)
+    };
+    let app = Router::new()
+        .route("/stream", get(stream))
+        .route("/stalls", get(stalls))
+        .layer(layer);
+    let res = app.clone().oneshot(with_key("/stream", "k")).await.unwrap();
+    let mut body = res.into_body();
+    let mut frames = 0;
+    while let Some(frame) = body.frame().await {
+        frame.unwrap();
+        frames += 1;
+        let settled = store.settles();
+        // The last event goes out only once the settle is made.
+        if frames == 5 {
+            assert_eq!(
+                settled, 1,
+                "settled before the last event reached the client"
+            );
+        } else {
+            assert_eq!(settled, 0);
+        }
+    }
+    assert_eq!(frames, 5);
+    assert_eq!(store.settles(), 1);
+    assert_eq!(store.seen.lock().unwrap().as_slice(), &[(100, 250)]);
+
+    // The client reads one event and goes away.
+    let res = app.clone().oneshot(with_key("/stalls", "k")).await.unwrap();
+    let mut body = res.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    for _ in 0..100 {
+        if store.settles() == 2 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        store.seen.lock().unwrap().as_slice(),
+        &[(100, 250), (100, 70)]
+    );
+    let next = app.clone().oneshot(with_key("/stream", "k")).await.unwrap();
+    // 250 + 70 + 100 reserved.
+    assert!(
+        header(&next, "ratelimit").unwrap().contains(";r=580;"),
+        "{:?}",
+        header(&next, "ratelimit")
+    );
+}
+
+/// A response that does not count (`charge_when`) gives its whole charge back and is
+/// not settled; a refusal further in does the same for a metered outer layer.
+#[tokio::test]
+async fn responses_that_do_not_count_are_given_back_not_settled() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let outer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .charge_when(|res: &http::response::Parts| res.status.is_success())
+        .build()
+        .unwrap();
+    let inner = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1/h fixed-window")
+        .unwrap()
+        .namespace("requests")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/fails",
+            get(|| async { (StatusCode::BAD_GATEWAY, [("x-usage-tokens", "300")]) }),
+        )
+        .route(
+            "/",
+            get(|| async { ([("x-usage-tokens", "300")], "ok") }).route_layer(inner),
+        )
+        .layer(outer);
+    let failed = app.clone().oneshot(with_key("/fails", "k")).await.unwrap();
+    assert_eq!(failed.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(store.settles(), 0);
+    let ok = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert_eq!(store.settles(), 1);
+    // Refused by the inner layer's 1/h: the outer layer's 100 come back, unsettled.
+    let refused = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(store.settles(), 1);
+    let rules = "1000/h fixed-window";
+    let key = {
+        let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+            .rules(rules)
+            .unwrap()
+            .namespace("tokens")
+            .build()
+            .unwrap();
+        layer.store_key("", b"k").unwrap()
+    };
+    // 300 settled, nothing else: 700 left.
+    assert!(admits(&*store, &key, rules, 700).await);
+    assert!(!admits(&*store, &key, rules, 701).await);
+}
+
+/// Two metered layers around one request share its `Usage`: one report settles both.
+#[tokio::test]
+async fn stacked_metered_layers_share_one_report() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = |namespace: &str, rules: &str| {
+        RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+            .rules(rules)
+            .unwrap()
+            .namespace(namespace)
+            .cost(|_: &Request<Body>| 10)
+            .usage_extension(true)
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route(
+            "/",
+            get(|Extension(usage): Extension<Usage>| async move {
+                usage.report(30);
+                "ok"
+            }),
+        )
+        .layer(layer("per-key", "1000/h fixed-window"))
+        .layer(layer("global", "5000/h fixed-window"));
+    let res = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    res.into_body().collect().await.unwrap();
+    assert_eq!(store.seen.lock().unwrap().as_slice(), &[(10, 30), (10, 30)]);
+}
+
+/// With the store down and the fallback policy, the charge and its settle both go to the
+/// local fallback store.
+#[tokio::test]
+async fn a_fallback_charge_is_settled_in_the_fallback() {
+    let clock = ManualClock::new(T0);
+    let down = common::Down {
+        clock: Some(clock.clone()),
+        ..Default::default()
+    };
+    let layer = RateLimitLayer::builder(down, HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .failure_policy(FailurePolicy::Fallback)
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-usage-tokens", "600")], "ok") }))
+        .layer(layer);
+    let first = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let second = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    // 600 + 600: the third's 100 do not fit.
+    let third = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// An estimate of 0 admits while the key is not over its limit and charges the actual.
+#[tokio::test]
+async fn an_estimate_of_zero_admits_until_the_key_is_over() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 0)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-usage-tokens", "400")], "ok") }))
+        .layer(layer);
+    for n in 1..=3 {
+        let res = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "request {n}");
+    }
+    let res = app.clone().oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "1,200 of 1,000"
+    );
+}
+
+use futures_util::StreamExt;
