@@ -124,8 +124,8 @@ pub trait Store: Send + Sync + 'static {
         actual: u64,
         charged_at: u64,
     ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
-        let refund = (actual < charged)
-            .then(|| self.refund(key, rules, charged - actual, charged_at));
+        let refund =
+            (actual < charged).then(|| self.refund(key, rules, charged - actual, charged_at));
         async move {
             match refund {
                 Some(refund) => refund.await,
