@@ -8,7 +8,7 @@ use slab::Slab;
 use smallvec::{smallvec, SmallVec};
 
 use crate::algo::{
-    carry_converting, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
+    carry_converting, debit, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
@@ -876,6 +876,98 @@ impl<C: Clock> MemoryStore<C> {
         changed
     }
 
+    /// The synchronous form of [`Store::settle`]: settles a charge of `charged` units
+    /// that a check of `key` under `rules` made at `charged_at` to its `actual` cost,
+    /// as [`algo`](crate::algo#settling-a-charge) says: below the charge through
+    /// [`Self::refund_now`], above it the excess charged as debt, from fresh states when
+    /// the key's entry has been dropped; nothing when the key's state was since written
+    /// under other rules. Answers whether any state changed.
+    pub fn settle_now(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> bool {
+        match actual.cmp(&charged) {
+            std::cmp::Ordering::Less => self.refund_now(key, rules, charged - actual, charged_at),
+            std::cmp::Ordering::Equal => false,
+            std::cmp::Ordering::Greater => self.debit_now(key, rules, actual - charged),
+        }
+    }
+
+    /// Charges `units` to `key` under `rules` unconditionally ([`debit`]).
+    fn debit_now(&self, key: &[u8], rules: &RuleSet, units: u64) -> bool {
+        let now = self.clock.now_us();
+        let held = StoredKey::new(key);
+        let (hash, shard) = self.locate(held.as_bytes());
+        let mut shard = shard.lock();
+        let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
+            // Nothing held (never charged, expired, or evicted): a debt from fresh.
+            let mut states: SmallVec<[RuleState; 1]> =
+                (0..rules.len()).map(|_| RuleState::Fresh).collect();
+            if !debit(rules, &mut states, units, now) {
+                return false;
+            }
+            let expires = expires_at_for(rules, &states);
+            shard.make_room(self.shard_cap, now);
+            let Shard {
+                index,
+                entries,
+                long_keys,
+                spills,
+                ..
+            } = &mut *shard;
+            let key = Entry::hold(held.as_bytes(), held.is_digest(), long_keys);
+            let mut entry = Entry {
+                words: [0; 2],
+                rules: rules.clone(),
+                key: key.0,
+                // A key in debt is at its limit, or near it: the last to forget.
+                tag: Tag(key.1).with_tier(Tag::AT_LIMIT),
+            };
+            entry.set_states(spills, states, expires);
+            let at = entries.len();
+            entries.push(entry);
+            let hasher = &self.hasher;
+            index.insert(hash, at, |i| hasher.hash_one(entries[i].held(long_keys)));
+            return true;
+        };
+        let Shard {
+            entries, spills, ..
+        } = &mut *shard;
+        let entry = &mut entries[at];
+        if !entry.rules.same_as(rules) {
+            return false;
+        }
+        let changed = if entry.tag.is_spilled() {
+            let spill = &mut spills[entry.words[0] as usize];
+            let changed = debit(rules, &mut spill.states, units, now);
+            if changed {
+                // A debt lasts longer than the charge it adds to.
+                spill.expires_at = expires_at_for(rules, &spill.states);
+            }
+            changed
+        } else {
+            let rule = &rules.rules()[0];
+            let mut state = unpack(rule, entry.words);
+            let changed = debit(rules, std::slice::from_mut(&mut state), units, now);
+            match pack(rule, &state) {
+                Some(words) => entry.words = words,
+                None => {
+                    let expires = expires_at_for(rules, std::slice::from_ref(&state));
+                    entry.spill(spills, smallvec![state], expires);
+                }
+            }
+            changed
+        };
+        if changed {
+            entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
+        }
+        changed
+    }
+
     /// The synchronous form of [`Store::block`].
     pub fn block_now(&self, key: &[u8], duration: Option<Duration>) {
         let now = self.clock.now_us();
@@ -1149,6 +1241,28 @@ impl<C: Clock> Store for MemoryStore<C> {
         charged_at: u64,
     ) -> Option<Result<bool, Self::Error>> {
         Some(Ok(self.refund_now(key, rules, cost, charged_at)))
+    }
+
+    fn settle(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        ready(Ok(self.settle_now(key, rules, charged, actual, charged_at)))
+    }
+
+    fn settle_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        Some(Ok(self.settle_now(key, rules, charged, actual, charged_at)))
     }
 
     fn now_us(&self) -> u64 {

@@ -356,3 +356,50 @@ fn keys_of_every_length_under_every_rule_shape_keep_their_own_state() {
         assert_eq!(got, want, "key of {} bytes, rules {}", key.len(), sets[*s]);
     }
 }
+
+/// A settle above the charge: the example through the store, for a key held
+/// packed and for one held out of line; a key whose entry is gone is charged from
+/// fresh; a key written under other rules keeps what it was charged.
+#[test]
+fn settles_charge_debt_where_the_key_is_held() {
+    let clock = ManualClock::new(T0 / 3_600_000_000 * 3_600_000_000);
+    let store = capped(&clock, 4, 1_000);
+    for text in [
+        "1000/h fixed-window",
+        "1000/h fixed-window; 5000/d gcra burst=5000",
+    ] {
+        let rules: RuleSet = text.parse().unwrap();
+        let key = text.as_bytes();
+        for i in 0..4 {
+            let at = clock.now_us();
+            assert!(
+                store.check_now(key, &rules, 100).unwrap().is_allowed(),
+                "{text}: {i}"
+            );
+            assert!(store.settle_now(key, &rules, 100, 300, at));
+            // Nothing to do when the actual is the charge.
+            assert!(!store.settle_now(key, &rules, 100, 100, at));
+        }
+        let fifth = store.check_now(key, &rules, 100).unwrap();
+        assert!(!fifth.is_allowed(), "{text}");
+        assert_eq!(fifth.rules()[0].remaining, 0);
+        // Below the charge: the refund of the difference.
+        let at = clock.now_us();
+        assert!(store.settle_now(key, &rules, 300, 100, at));
+        assert!(store.check_now(key, &rules, 0).unwrap().rules()[0].remaining == 0);
+    }
+
+    let rules: RuleSet = "10/s gcra burst=10".parse().unwrap();
+    let at = clock.now_us();
+    assert!(store.settle_now(b"estimate 0", &rules, 0, 10, at));
+    assert!(!store
+        .check_now(b"estimate 0", &rules, 1)
+        .unwrap()
+        .is_allowed());
+
+    let other: RuleSet = "20/s gcra burst=20".parse().unwrap();
+    assert!(store.check_now(b"changed", &other, 1).unwrap().is_allowed());
+    assert!(!store.settle_now(b"changed", &rules, 1, 10, at));
+    let left = store.check_now(b"changed", &other, 0).unwrap().rules()[0].remaining;
+    assert_eq!(left, 19);
+}

@@ -1,7 +1,9 @@
 //! Invariants each algorithm promises, over random arrival traces.
 
 use proptest::prelude::*;
-use ratelimit_core::algo::{carry, carry_converting, decide, Carried, RuleState};
+use ratelimit_core::algo::{
+    carry, carry_converting, debit, debt_cap, decide, refund, settle, Carried, RuleState,
+};
 use ratelimit_core::testing::{proptest_config, strategy};
 use ratelimit_core::{Rule, RuleSet};
 use std::time::Duration;
@@ -276,5 +278,102 @@ proptest! {
                 }
             }
         }
+    }
+}
+
+/// Every value a state holds, for the bound the Redis store's Lua needs (below 2^53).
+fn values(state: &RuleState) -> Vec<u64> {
+    match state {
+        RuleState::Fresh => vec![],
+        RuleState::Window { index, count } => vec![*index, *count],
+        RuleState::Counters { index, counts } => {
+            let mut v = vec![*index];
+            v.extend(counts.iter());
+            v
+        }
+        RuleState::Log(log) => log.iter().copied().collect(),
+        RuleState::Tokens { level, last } => vec![*level, *last],
+        RuleState::Tat { us, frac } => vec![*us, *frac],
+    }
+}
+
+proptest! {
+    #![proptest_config(proptest_config(256, "proptest-regressions/properties.txt"))]
+
+    /// A settle to the charge itself changes nothing; one below it is the refund of the
+    /// difference, whatever the history.
+    #[test]
+    fn a_settle_at_or_below_the_charge_is_the_refund_of_the_difference(
+        sets in strategy::rule_set(), seed in arrivals(1_000_000, 60),
+        steps in proptest::collection::vec((1u64..4, 0u64..4, 0u64..2_000_000), 60)
+    ) {
+        let mut states = vec![RuleState::Fresh; sets.len()];
+        for (i, t) in seed.iter().enumerate() {
+            let (charged, actual, later) = steps[i % steps.len()];
+            if sets.check_cost(charged).is_err() {
+                continue;
+            }
+            if !decide(&sets, &mut states, *t, charged).committed {
+                continue;
+            }
+            let now = *t + later;
+            let mut same = states.clone();
+            prop_assert!(!settle(&sets, &mut same, charged, charged, *t, now));
+            prop_assert_eq!(&same, &states);
+            if actual < charged {
+                let mut settled = states.clone();
+                let mut refunded = states.clone();
+                let a = settle(&sets, &mut settled, charged, actual, *t, now);
+                let b = refund(&sets, &mut refunded, charged - actual, *t, now);
+                prop_assert_eq!(a, b);
+                prop_assert_eq!(&settled, &refunded);
+                states = settled;
+            }
+        }
+    }
+
+    /// Under checks and settles above their charges, a denial's retry_after holds: the
+    /// same check at that instant is admitted (a debt says how long it lasts).
+    #[test]
+    fn retry_after_holds_for_a_key_in_debt(
+        sets in strategy::rule_set(), seed in arrivals(1_000_000, 80),
+        excess in proptest::collection::vec(prop_oneof![0u64..3, 0u64..50, Just(u64::MAX)], 80)
+    ) {
+        let mut states = vec![RuleState::Fresh; sets.len()];
+        for (i, t) in seed.iter().enumerate() {
+            let tr = decide(&sets, &mut states, *t, 1);
+            if tr.committed {
+                settle(&sets, &mut states, 1, 1u64.saturating_add(excess[i % excess.len()]), *t, *t);
+            }
+            if let Some(retry) = tr.decision.retry_after() {
+                let later = *t + retry.as_micros() as u64;
+                let d = decide(&sets, &mut states.clone(), later, 1).decision;
+                prop_assert!(d.is_allowed(), "{}: denied at +{:?} ({:?}), then {:?}", sets, retry, tr.decision, d);
+            }
+        }
+    }
+
+    /// However large and however many the settles, every value stays below 2^53, one
+    /// settle charges no rule more than its cap, and the key is admitted again within
+    /// its capacity plus that cap at its rate, and a period.
+    #[test]
+    fn debt_is_bounded(sets in strategy::rule_set(), n in 1usize..6, at in 0u64..86_400_000_000) {
+        let t = 1_700_000_000_000_000u64 + at;
+        let mut states = vec![RuleState::Fresh; sets.len()];
+        for _ in 0..n {
+            debit(&sets, &mut states, u64::MAX, t);
+            for s in &states {
+                for v in values(s) {
+                    prop_assert!(v < 1 << 53, "{} holds {}", sets, v);
+                }
+            }
+        }
+        let wait = sets.rules().iter().map(|r| {
+            let cap = debt_cap(r);
+            prop_assert!(cap >= 1 && cap <= r.limit());
+            Ok(((r.capacity() + cap) as u128 * r.period_us() as u128 / r.limit() as u128) as u64 + r.period_us())
+        }).collect::<Result<Vec<u64>, TestCaseError>>()?.into_iter().max().unwrap();
+        let d = decide(&sets, &mut states.clone(), t + wait, 1).decision;
+        prop_assert!(d.is_allowed(), "{} still in debt after {} us: {:?}", sets, wait, d);
     }
 }

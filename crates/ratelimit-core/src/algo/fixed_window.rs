@@ -63,3 +63,21 @@ pub(super) fn refund(rule: &Rule, state: &mut RuleState, cost: u64, charged_at: 
         _ => false,
     }
 }
+
+/// Charges `units` (already capped at the rule's debt cap) unconditionally into the
+/// window `now` falls in, the count held at most `limit + cap`: the debt is what the
+/// count holds above the limit, and it ends with the window. Returns whether the state
+/// changed.
+pub(super) fn debit(rule: &Rule, state: &mut RuleState, units: u64, cap: u64, now: u64) -> bool {
+    let index = rule.span_div().div(now);
+    let count = match *state {
+        RuleState::Window { index: i, count } if i == index => count,
+        _ => 0,
+    };
+    let add = units.min((rule.limit() + cap).saturating_sub(count));
+    if add == 0 {
+        return false;
+    }
+    commit(state, index, count + add);
+    true
+}

@@ -147,3 +147,36 @@ pub(super) fn refund(rule: &Rule, state: &mut RuleState, give: u64, now: u64) ->
     };
     true
 }
+
+/// Moves the TAT on by `units` (already capped at the rule's debt cap) emission
+/// intervals, unconditionally, from `max(tat, now)`, while it stays at most `capacity +
+/// cap` intervals ahead of `now`: the debt is how far it lies past the capacity. Returns
+/// whether the state changed.
+pub(super) fn debit(
+    rule: &Rule,
+    capacity: u64,
+    state: &mut RuleState,
+    units: u64,
+    cap: u64,
+    now: u64,
+) -> bool {
+    let limit = rule.limit();
+    let period = rule.period_us();
+    let (base_us, base_frac) = match *state {
+        RuleState::Tat { us, frac } if us > now || (us == now && frac > 0) => (us, frac),
+        _ => (now, 0),
+    };
+    // Saturating: a stored TAT may be anyone's.
+    let ahead = (base_us - now)
+        .saturating_mul(limit)
+        .saturating_add(base_frac);
+    // Both below 2^52: capacity and cap each times the period are at most 2^51.
+    let most = (capacity + cap) * period;
+    let add = (units * period).min(most.saturating_sub(ahead));
+    if add == 0 {
+        return false;
+    }
+    let (whole, frac) = rule.limit_div().div_rem(base_frac + add);
+    commit(state, base_us.saturating_add(whole), frac);
+    true
+}

@@ -88,6 +88,50 @@
 //! it is at or before the moment the store decided: a window that has moved on since
 //! then is never mistaken for the charge's.
 //!
+//! # Settling a charge
+//!
+//! A request whose cost is known only once it has been served (the tokens an LLM
+//! answered with) is charged an estimate at the door and settled to its actual cost
+//! afterwards, with [`settle`]: an actual below the estimate gives the difference back,
+//! exactly as [`refund`] does; an actual above it charges the excess ([`debit`])
+//! **unconditionally**, at the time of the settle, as debt: the state goes past what a
+//! check would ever admit, and the key is refused until it has repaid it. Per algorithm,
+//! the debt is held as:
+//!
+//! * fixed window: the count of the current window above the limit; a debt is repaid
+//!   as the window runs, and what is left of it when the window ends goes with it;
+//! * sliding window counter: the count of the current sub-window, which the window
+//!   sees in full for a period, then weighted out as it ages;
+//! * sliding log: entries logged at the log's time; the log keeps at most the largest
+//!   sliding-log limit of its rules, so a log full of entries logged at the settle is
+//!   the most it holds, and each rule refuses for at most one of its periods;
+//! * token bucket: below empty, the level 0 as of a `last` in the future: the refill
+//!   resumes once the debt is repaid (the wait rounded up to a whole microsecond); a
+//!   refund into such a bucket shortens the wait before it fills the level;
+//! * GCRA and leaky bucket (meter and shaper): the theoretical arrival time pushed past
+//!   the burst (the capacity, or the shaper's queue), by the excess's emission
+//!   intervals.
+//!
+//! **Bounded.** One settle charges each rule at most its [`debt_cap`]: the rule's limit
+//! (one period's worth), and for the token bucket, GCRA and leaky bucket at most
+//! `2^51 / period_us` units, so that every value stays below 2^53 (a day-long period
+//! caps at 26,062 units). A state holds at most its capacity plus that cap in use, debt
+//! included (a window's counts at most twice the limit): further excess is dropped. A
+//! hostile actual (`u64::MAX`) therefore locks a key out for about one period of the
+//! rule at most. [`settle_cap`] is the largest excess every rule of a set takes whole.
+//!
+//! **Repaid.** For the token bucket, GCRA and leaky bucket, debt is repaid by time
+//! alone, so over a long horizon the units charged never exceed the rate plus the
+//! capacity. The window algorithms hold debt only within their window: a debt larger
+//! than what the rest of the window repays is forgiven with it, so they bound the
+//! excess per window (by the in-flight requests' estimate errors), not on average.
+//!
+//! A settle's excess needs no earlier state: a key whose state has expired (or was
+//! charged an estimate of 0) is charged from fresh. A key whose state was written under
+//! another rule set gets nothing, neither back nor as debt: its usage cannot be told
+//! apart from the charge's, and no rule it did not have is charged (the estimate
+//! stands).
+//!
 //! # A clock that steps back
 //!
 //! Redis `TIME` after a failover to a server with another clock, or an injected clock,
@@ -341,6 +385,7 @@ pub fn refund(
                 capacity,
                 state,
                 undrained(rule, cost, charged_at, now),
+                now,
             ),
             Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
                 gcra::refund(rule, state, undrained(rule, cost, charged_at, now), now)
@@ -348,6 +393,86 @@ pub fn refund(
         };
     }
     changed
+}
+
+/// Settles a charge of `charged` units that a check of `rules` made at `charged_at` (a
+/// reading of the store's clock taken before the check) to the request's `actual`
+/// cost, at `now`, on `states` (written under `rules`), as the [module
+/// docs](self#settling-a-charge) say: an actual below the charge gives the difference
+/// back ([`refund`]), one above it charges the excess as debt ([`debit`]). Returns
+/// whether any state changed.
+///
+/// The caller must have checked that `states` were written under `rules` (a state of
+/// other rules gets nothing: no charge into a rule it did not have).
+pub fn settle(
+    rules: &RuleSet,
+    states: &mut [RuleState],
+    charged: u64,
+    actual: u64,
+    charged_at: u64,
+    now: u64,
+) -> bool {
+    match actual.cmp(&charged) {
+        std::cmp::Ordering::Less => refund(rules, states, charged - actual, charged_at, now),
+        std::cmp::Ordering::Equal => false,
+        std::cmp::Ordering::Greater => debit(rules, states, actual - charged, now),
+    }
+}
+
+/// Charges `units` unconditionally to every rule of `rules` at `now`, as debt where a
+/// state goes past its limit: each rule takes at most its [`debt_cap`], and never
+/// more than takes its state to its capacity plus that cap in use (see the [module
+/// docs](self#settling-a-charge)). `states` are the rules' states (fresh ones
+/// included). Returns whether any state changed; a store then keeps the states until
+/// [`expires_at_for`] them.
+pub fn debit(rules: &RuleSet, states: &mut [RuleState], units: u64, now: u64) -> bool {
+    debug_assert_eq!(states.len(), rules.len());
+    let mut changed = false;
+    let mut log_done = false;
+    for (rule, state) in rules.rules().iter().zip(states.iter_mut()) {
+        let cap = debt_cap(rule);
+        let take = units.min(cap);
+        changed |= match rule.algorithm() {
+            Algorithm::FixedWindow => fixed_window::debit(rule, state, take, cap, now),
+            Algorithm::SlidingWindow { precision } => {
+                sliding_window::debit(rule, precision, state, take, cap, now)
+            }
+            // The shared log is in the first sliding-log rule's slot, and takes up to its
+            // own length (the largest sliding-log limit) whatever this rule's limit.
+            Algorithm::SlidingLog if !log_done => {
+                log_done = true;
+                sliding_log::debit(state, rules.log_limit(), units, now)
+            }
+            Algorithm::SlidingLog => false,
+            Algorithm::TokenBucket { capacity } => {
+                token_bucket::debit(rule, capacity, state, take, cap, now)
+            }
+            Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
+                gcra::debit(rule, rule.capacity(), state, take, cap, now)
+            }
+        };
+    }
+    changed
+}
+
+/// The most one settle charges `rule` as debt, in units: one period's limit, and for
+/// the token bucket, GCRA and leaky bucket at most `2^51 / period_us` (every value of
+/// their states then stays below 2^53, exact in the Redis store's Lua). At least 1.
+pub fn debt_cap(rule: &Rule) -> u64 {
+    match rule.algorithm() {
+        Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+            rule.limit()
+        }
+        Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => rule
+            .limit()
+            .min(crate::rule::MAX_EXACT_PRODUCT / rule.period_us()),
+    }
+}
+
+/// The largest excess one settle charges whole to every rule of `rules`: the least of
+/// their [`debt_cap`]s. An excess above it is capped for at least one rule.
+pub fn settle_cap(rules: &RuleSet) -> u64 {
+    rules.rules().iter().map(debt_cap).min().unwrap_or(0)
 }
 
 /// Gives back `unspent` of the `granted` units a lease reserved at `start` (one charge of
@@ -372,7 +497,9 @@ pub fn refund_unspent(
         || undrained(rule, granted, start, now).min(unspent.saturating_mul(rule.period_us()));
     match rule.algorithm() {
         Algorithm::FixedWindow => fixed_window::refund(rule, state, unspent, start),
-        Algorithm::TokenBucket { capacity } => token_bucket::refund(rule, capacity, state, give()),
+        Algorithm::TokenBucket { capacity } => {
+            token_bucket::refund(rule, capacity, state, give(), now)
+        }
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
             gcra::refund(rule, state, give(), now)
         }
@@ -738,5 +865,139 @@ mod refund_unspent_tests {
             counts: vec![5, 0, 0].into(),
         };
         assert!(!refund_unspent(&sliding, &mut counters, 3, 4, 0, 0));
+    }
+}
+
+#[cfg(test)]
+mod settle_tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// The example: `1000/h fixed-window`, an estimate of 100 and an actual of
+    /// 300 per request: four admitted, the fifth refused, the count at 1,200.
+    #[test]
+    fn an_excess_is_charged_as_debt_that_refuses_the_next_request() {
+        let rules: RuleSet = "1000/h fixed-window".parse().unwrap();
+        let mut states = vec![RuleState::Fresh];
+        let t = 1_700_000_000_000_000 / 3_600_000_000 * 3_600_000_000;
+        for i in 0..4 {
+            assert!(
+                decide(&rules, &mut states, t + i, 100).committed,
+                "request {i}"
+            );
+            assert!(settle(&rules, &mut states, 100, 300, t + i, t + i));
+        }
+        let fifth = decide(&rules, &mut states, t + 4, 100);
+        assert!(!fifth.decision.is_allowed());
+        assert_eq!(
+            fifth.decision.retry_after(),
+            Some(Duration::from_micros(3_600_000_000 - 4))
+        );
+        assert_eq!(
+            states[0],
+            RuleState::Window {
+                index: t / 3_600_000_000,
+                count: 1_200
+            }
+        );
+    }
+
+    #[test]
+    fn each_algorithm_holds_its_debt_where_the_docs_say() {
+        let t = 1_000_000_000;
+        // GCRA 10/s burst 5: 15 units from idle, capped at one period's 10, put the TAT
+        // 1 s ahead, 0.5 s past the burst; a unit waits 0.6 s.
+        let gcra: RuleSet = "10/s gcra burst=5".parse().unwrap();
+        let mut s = vec![RuleState::Fresh];
+        assert!(debit(&gcra, &mut s, 15, t));
+        assert_eq!(
+            s[0],
+            RuleState::Tat {
+                us: t + 1_000_000,
+                frac: 0
+            }
+        );
+        let d = decide(&gcra, &mut s.clone(), t, 1).decision;
+        assert_eq!(d.retry_after(), Some(Duration::from_millis(600)));
+        // At most burst + one period's limit ahead (1.5 s), whatever the excess.
+        assert!(debit(&gcra, &mut s, u64::MAX, t));
+        assert_eq!(
+            s[0],
+            RuleState::Tat {
+                us: t + 1_500_000,
+                frac: 0
+            }
+        );
+        assert!(!debit(&gcra, &mut s, 1, t));
+
+        // Token bucket 10/s capacity 5, full: 15 tokens, capped at 10, leave it 5 below
+        // empty, the refill resuming 0.5 s on.
+        let bucket: RuleSet = "10/s token-bucket capacity=5".parse().unwrap();
+        let mut s = vec![RuleState::Fresh];
+        assert!(debit(&bucket, &mut s, 15, t));
+        assert_eq!(
+            s[0],
+            RuleState::Tokens {
+                level: 0,
+                last: t + 500_000
+            }
+        );
+        let d = decide(&bucket, &mut s.clone(), t, 1).decision;
+        assert_eq!(d.retry_after(), Some(Duration::from_millis(600)));
+        // A refund repays the debt before it refills the level.
+        let mut r = s.clone();
+        assert!(refund(&bucket, &mut r, 3, t, t));
+        assert_eq!(
+            r[0],
+            RuleState::Tokens {
+                level: 0,
+                last: t + 200_000
+            }
+        );
+        assert!(refund(&bucket, &mut r, 5, t, t));
+        assert_eq!(
+            r[0],
+            RuleState::Tokens {
+                level: 3_000_000,
+                last: t
+            }
+        );
+
+        // Sliding window counter: the current sub-window above the limit.
+        let sliding: RuleSet = "10/s sliding-window precision=2".parse().unwrap();
+        let mut s = vec![RuleState::Fresh];
+        assert!(debit(&sliding, &mut s, 25, t));
+        assert_eq!(
+            s[0],
+            RuleState::Counters {
+                index: t / 500_000,
+                counts: vec![10, 0, 0].into()
+            }
+        );
+        assert!(debit(&sliding, &mut s, 25, t));
+        assert_eq!(
+            s[0],
+            RuleState::Counters {
+                index: t / 500_000,
+                counts: vec![20, 0, 0].into()
+            }
+        );
+        assert!(!debit(&sliding, &mut s, 25, t));
+
+        // Sliding log: at most a full log, logged now.
+        let log: RuleSet = "3/s sliding-log".parse().unwrap();
+        let mut s = vec![RuleState::Fresh];
+        assert!(debit(&log, &mut s, 100, t));
+        assert_eq!(s[0], RuleState::Log(Box::new([t, t, t].into())));
+    }
+
+    #[test]
+    fn the_cap_keeps_gcra_and_buckets_exact_over_long_periods() {
+        let day = Rule::gcra(1_000_000, Duration::from_secs(86_400), 1_000).unwrap();
+        assert_eq!(debt_cap(&day), (1 << 51) / 86_400_000_000);
+        let minute = Rule::gcra(40_000, Duration::from_secs(60), 40_000).unwrap();
+        assert_eq!(debt_cap(&minute), 40_000);
+        let rules = RuleSet::new(vec![day, minute]).unwrap();
+        assert_eq!(settle_cap(&rules), 26_062);
     }
 }

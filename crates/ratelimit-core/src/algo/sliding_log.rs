@@ -117,6 +117,19 @@ pub(super) fn refund(state: &mut RuleState, cost: u64, charged_at: u64) -> bool 
     take > 0
 }
 
+/// Logs `units` entries unconditionally at the log's time at `now`, at most `keep` (the
+/// log's length, the largest sliding-log limit): the log holds no more, so a full log
+/// of entries logged now is the most debt it holds, and each entry leaves with its
+/// window. Returns whether the log changed.
+pub(super) fn debit(state: &mut RuleState, keep: u64, units: u64, now: u64) -> bool {
+    let add = units.min(keep);
+    if add == 0 {
+        return false;
+    }
+    commit(state, keep, now, add);
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -166,3 +166,27 @@ pub(super) fn refund(
         _ => false,
     }
 }
+
+/// Charges `units` (already capped at the rule's debt cap) unconditionally into the
+/// sub-window `now` falls in, as a check's commit counts them, while the counts the
+/// window sees at `now` (the oldest one whole, unweighted) stay at most `limit + cap`:
+/// the debt is what they hold above the limit, and it leaves with its sub-window.
+/// Returns whether the state changed.
+pub(super) fn debit(
+    rule: &Rule,
+    precision: u64,
+    state: &mut RuleState,
+    units: u64,
+    cap: u64,
+    now: u64,
+) -> bool {
+    let cur = rule.span_div().div(now);
+    let (old, recent) = window_sums(state, precision, cur);
+    let used = old.saturating_add(recent);
+    let add = units.min((rule.limit() + cap).saturating_sub(used));
+    if add == 0 {
+        return false;
+    }
+    commit(precision, state, cur, add);
+    true
+}

@@ -1,7 +1,10 @@
 //! Token bucket: `limit` tokens per `period` refill a bucket of `capacity`, lazily.
 //!
 //! State: [`RuleState::Tokens`] `{ level, last }`, the tokens scaled by the period in
-//! microseconds (so a refill of `elapsed × limit` is exact) as of time `last`.
+//! microseconds (so a refill of `elapsed × limit` is exact) as of time `last`. A bucket
+//! below empty (in debt after a settle) is the level 0 as of a `last` in the future: the
+//! refill resumes then. A clock that went back reads the same way: no refill until
+//! `last`.
 
 use super::{Eval, Next, RuleState};
 use crate::rule::Rule;
@@ -34,10 +37,11 @@ pub(super) fn evaluate(rule: &Rule, capacity: u64, state: &RuleState, now: u64, 
     Eval {
         allowed,
         remaining_before: rule.span_div().div(level),
+        // In debt, the refill starts at `last`.
         retry_us: if allowed {
             0
         } else {
-            (need - level).div_ceil(rule.limit())
+            (last - now) + (need - level).div_ceil(rule.limit())
         },
         delay_us: 0,
         next: Next::Tokens {
@@ -116,14 +120,77 @@ pub(super) fn carry_from(
     )
 }
 
-/// Puts `give` (tokens × period) back, up to the bucket's capacity. Returns whether the
-/// state changed.
-pub(super) fn refund(rule: &Rule, capacity: u64, state: &mut RuleState, give: u64) -> bool {
-    let RuleState::Tokens { level, .. } = state else {
+/// Puts `give` (tokens × period) back, up to the bucket's capacity. A bucket whose
+/// refill resumes after `now` (in debt) first has that wait shortened, by whole
+/// microseconds of refill (a fraction of one is not given: never more than `give`), and
+/// only what is left of `give` once the refill runs from `now` goes into the level:
+/// units given back repay a debt before they can be spent. Returns whether the state
+/// changed.
+pub(super) fn refund(
+    rule: &Rule,
+    capacity: u64,
+    state: &mut RuleState,
+    give: u64,
+    now: u64,
+) -> bool {
+    let RuleState::Tokens { level, last } = state else {
         return false;
     };
+    let mut give = give;
+    let mut changed = false;
+    if *last > now && give > 0 {
+        // Saturating: a stored `last` may be anyone's.
+        let wait = (*last - now).saturating_mul(rule.limit());
+        if give < wait {
+            let back = rule.limit_div().div(give);
+            *last -= back;
+            return back > 0;
+        }
+        give -= wait;
+        *last = now;
+        changed = true;
+    }
     let full = capacity * rule.period_us();
     let before = *level;
     *level = level.saturating_add(give).min(full);
-    *level != before
+    changed || *level != before
+}
+
+/// Takes `units` (already capped at the rule's debt cap) unconditionally: from the level
+/// at `now` while it holds them, the rest as debt below empty (the level 0, the refill
+/// resuming once it has repaid it, rounded up to a whole microsecond), while what is
+/// used, debt included, stays at most `capacity + cap` tokens. Returns whether the state
+/// changed.
+pub(super) fn debit(
+    rule: &Rule,
+    capacity: u64,
+    state: &mut RuleState,
+    units: u64,
+    cap: u64,
+    now: u64,
+) -> bool {
+    let period = rule.period_us();
+    let full = capacity * period;
+    let level = level_at(rule, capacity, state, now);
+    // When the refill runs from: `last` when it lies ahead (a debt, or a clock that went
+    // back), as `evaluate` reads it.
+    let base = match *state {
+        RuleState::Tokens { last, .. } => last.max(now),
+        _ => now,
+    };
+    // Saturating: a stored `last` may be anyone's.
+    let used = (full - level).saturating_add((base - now).saturating_mul(rule.limit()));
+    // Both below 2^52: capacity and cap each times the period are at most 2^51.
+    let most = (capacity + cap) * period;
+    let take = (units * period).min(most.saturating_sub(used));
+    if take == 0 {
+        return false;
+    }
+    if level >= take {
+        commit(state, level - take, base);
+    } else {
+        let wait = rule.limit_div().div_ceil(take - level);
+        commit(state, 0, base.saturating_add(wait));
+    }
+    true
 }
