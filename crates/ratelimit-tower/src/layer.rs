@@ -567,7 +567,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// holding a decimal count, [`settle_from_header`](Self::settle_from_header).
     ///
     /// The check at the door charges the layer's [`cost`](Self::cost), the estimate (0 is
-    /// allowed: the request is then admitted while the key is not over its limit). Once
+    /// allowed: the request is then admitted while the key has a unit left, as a peek is). Once
     /// the actual is known the store settles in one atomic call
     /// ([`Store::settle`](ratelimit_core::Store::settle)): an actual below the estimate
     /// gives the difference back, as [`charge_when`](Self::charge_when) gives a whole

@@ -303,7 +303,7 @@
 //! An LLM endpoint limits tokens per minute per API key, and a request's token count is
 //! known only once the model has answered, often in the last event of a stream. The
 //! layer reserves an estimate at the door (its [`cost`](RateLimitLayerBuilder::cost);
-//! 0 is allowed: admitted while the key is not over its limit) and settles the charge
+//! 0 is allowed: admitted while the key has a unit left) and settles the charge
 //! to the actual cost once it is known, in one atomic store call
 //! ([`Store::settle`](ratelimit_core::Store::settle)): an actual below the estimate gives
 //! the difference back; an actual above it charges the excess **unconditionally**, as
