@@ -7,7 +7,10 @@
 //! for n in 2000 12000; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$n target/release/examples/layer_instructions fields $n
 //! done
-//! # (total of cg.12000 - total of cg.2000) / 10000; routers: plain, governor, quiet, fields
+//! # (total of cg.12000 - total of cg.2000) / 10000; routers: plain, governor, quiet, fields,
+//! # metered (a settle per request: 1 reserved, 2 read from the response head),
+//! # metered-even (the head's count equals the estimate: no settle), usage (the handler
+//! # reports 2 through `Usage`, settled at the body's end)
 //! ```
 
 use std::net::SocketAddr;
@@ -16,9 +19,9 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Router};
 use ratelimit_core::MemoryStore;
-use ratelimit_tower::{PeerIp, RateLimitLayer};
+use ratelimit_tower::{PeerIp, RateLimitLayer, Usage};
 use tower::ServiceExt;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::GovernorLayer;
@@ -47,6 +50,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             hello().layer(GovernorLayer::new(Arc::new(config)))
         }
         "quiet" => hello().layer(layer(false)),
+        "metered" | "metered-even" => {
+            let count = if which == "metered" { "2" } else { "1" };
+            let counted = Router::new().route(
+                "/",
+                get(move || async move { ([("x-usage", count)], "Hello, World!") }),
+            );
+            counted.layer(
+                RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
+                    .rules("100000000/s")
+                    .unwrap()
+                    .settle_from_header("x-usage")
+                    .build()
+                    .unwrap(),
+            )
+        }
+        "usage" => {
+            let reports = Router::new().route(
+                "/",
+                get(|Extension(usage): Extension<Usage>| async move {
+                    usage.report(2);
+                    "Hello, World!"
+                }),
+            );
+            reports.layer(
+                RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
+                    .rules("100000000/s")
+                    .unwrap()
+                    .usage_extension(true)
+                    .build()
+                    .unwrap(),
+            )
+        }
         "fields" => hello().layer(layer(true)),
         other => return Err(format!("no router {other:?}").into()),
     };
@@ -60,6 +95,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let res = app.clone().oneshot(req).await.unwrap();
             assert!(res.status().is_success());
             headers += res.headers().len();
+            // Read to its end: a metered body settles there.
+            http_body_util::BodyExt::collect(res.into_body())
+                .await
+                .unwrap();
         }
     });
     println!("{which}: {n} requests, {headers} response headers");

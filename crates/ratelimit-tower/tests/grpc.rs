@@ -315,3 +315,63 @@ async fn charge_when_sees_the_status_of_a_trailers_only_call() {
     assert_eq!(refused.status(), StatusCode::OK);
     assert_eq!(refused.headers()["grpc-status"], "8");
 }
+
+/// A server-streaming call reports its usage as it sends its trailers: the layer settles
+/// it once, when the stream ends, before the end reaches the client.
+#[tokio::test]
+async fn a_streamed_call_is_settled_when_its_stream_ends() {
+    use bytes::Bytes;
+    use futures_util::StreamExt;
+    use http::HeaderMap;
+    use http_body::Frame;
+    use ratelimit_tower::Usage;
+
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    let layer = RateLimitLayer::builder(Arc::clone(&store), PeerIp::new())
+        .rules("1000/h fixed-window name=tokens")
+        .unwrap()
+        .cost(|_: &Request<Body>| 100)
+        .usage_extension(true)
+        .build()
+        .unwrap();
+    let streaming = service_fn(|req: Request<Body>| async move {
+        let usage = req
+            .extensions()
+            .get::<Usage>()
+            .cloned()
+            .expect("the layer's Usage");
+        let frames = futures_util::stream::iter(0..4u8).map(move |i| {
+            Ok::<_, Infallible>(if i < 3 {
+                Frame::data(Bytes::from(vec![0, 0, 0, 0, 1, i]))
+            } else {
+                usage.report(640);
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", "0".parse().unwrap());
+                Frame::trailers(trailers)
+            })
+        });
+        let mut res = Response::new(Body::new(http_body_util::StreamBody::new(frames)));
+        res.headers_mut()
+            .insert(CONTENT_TYPE, "application/grpc".parse().unwrap());
+        Ok::<_, Infallible>(res)
+    });
+    let svc = layer.layer(streaming);
+    let res = send(&svc, call("application/grpc", Some("192.0.2.1:5000"))).await;
+    assert!(res.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .contains(";r=900;"));
+    let collected = res.into_body().collect().await.unwrap();
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
+    let next = send(&svc, call("application/grpc", Some("192.0.2.1:5000"))).await;
+    // 640 settled, 100 reserved.
+    assert!(
+        next.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .contains(";r=260;"),
+        "{:?}",
+        next.headers()["ratelimit"]
+    );
+}

@@ -563,3 +563,43 @@ async fn an_estimate_of_zero_admits_until_the_key_is_over() {
 }
 
 use futures_util::StreamExt;
+
+/// A customer's own rules (`limits_for`) are the ones its settles charge: 500/h where
+/// the tier says 1,000/h.
+#[tokio::test]
+async fn a_customer_is_settled_under_its_own_rules() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window name=tokens")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .limits_for(|client: ratelimit_tower::key::ClientKey| {
+            let own = client.as_bytes() == b"small";
+            async move {
+                Ok::<_, String>(own.then(|| "500/h fixed-window name=tokens".parse().unwrap()))
+            }
+        })
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-usage-tokens", "300")], "ok") }))
+        .layer(layer);
+    let statuses = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let mut statuses = Vec::new();
+            for _ in 0..5 {
+                let res = app.clone().oneshot(with_key("/", key)).await.unwrap();
+                statuses.push(res.status().as_u16());
+            }
+            statuses
+        }
+    };
+    // 300 + 300 of 500: the third does not fit its 100.
+    assert_eq!(statuses("small").await, [200, 200, 429, 429, 429]);
+    // 900 + 100 fit 1,000.
+    assert_eq!(statuses("large").await, [200, 200, 200, 200, 429]);
+}
