@@ -578,8 +578,11 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// and a key in debt is refused with a `Retry-After` that covers the debt.
     /// See [metered costs](crate#metered-costs) for the bound this keeps.
     ///
-    /// A settle that fails is retried once, then leaves the estimate charged with a
-    /// `WARN` at most every 10 s: the key is limited by the estimate, not by nothing.
+    /// A settle that fails leaves the estimate charged, with a `WARN` at most every
+    /// 10 s: the key is limited by the estimate, not by nothing. A debt that fails is
+    /// retried once first (should the first call have run after all, its answer lost
+    /// with the connection, the key is charged twice: limited more, never less); a
+    /// give-back is not, as a refund is not.
     /// A response that does not count ([`charge_when`](Self::charge_when), or refused
     /// further in) gives the whole charge back instead and is not settled.
     ///

@@ -359,8 +359,8 @@
 //! locks a key out for about one period, not for years. A settle makes one store call
 //! per request whose actual differs from its estimate, none otherwise; the response (or
 //! the last frame of a streamed body) waits for it, so a client's next request sees the
-//! settled state in its `RateLimit` field. A settle that fails is retried once, then
-//! leaves the estimate charged with a `WARN` (at most every 10 s). The `llm_gateway`
+//! settled state in its `RateLimit` field. A settle that fails leaves the estimate
+//! charged with a `WARN` (at most every 10 s); a debt is retried once first. The `llm_gateway`
 //! example is a whole proxy: requests per minute, tokens per minute settled from the
 //! model's JSON answer and from the last event of its streams.
 //!

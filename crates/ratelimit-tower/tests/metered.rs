@@ -24,11 +24,12 @@ mod common;
 // Aligned to the hour, so fixed windows start at T0.
 const T0: u64 = 1_699_999_200_000_000;
 
-/// A memory store that answers through futures (as a remote store does) and counts the
-/// settles it is asked for.
+/// A memory store that answers through futures (as a remote store does), counts the
+/// settles it is asked for, and fails the next `fail` of them.
 struct Remote {
     inner: MemoryStore<ManualClock>,
     settles: AtomicUsize,
+    fail: AtomicUsize,
     /// The `(charged, actual)` of each settle.
     seen: Mutex<Vec<(u64, u64)>>,
 }
@@ -38,6 +39,7 @@ impl Remote {
         Arc::new(Self {
             inner: MemoryStore::builder().clock(clock.clone()).build(),
             settles: AtomicUsize::new(0),
+            fail: AtomicUsize::new(0),
             seen: Mutex::new(Vec::new()),
         })
     }
@@ -46,36 +48,44 @@ impl Remote {
     }
 }
 
+type Error = std::io::Error;
+
+fn ready<T>(result: Result<T, CapacityError>) -> impl Future<Output = Result<T, Error>> + Send
+where
+    T: Send,
+{
+    let result = result.map_err(Error::other);
+    async move {
+        tokio::task::yield_now().await;
+        result
+    }
+}
+
 impl Store for Remote {
-    type Error = CapacityError;
+    type Error = Error;
     fn check(
         &self,
         key: &[u8],
         rules: &RuleSet,
         cost: u64,
-    ) -> impl Future<Output = Result<Decision, CapacityError>> + Send {
-        let decision = self.inner.check_now(key, rules, cost);
-        async move {
-            tokio::task::yield_now().await;
-            decision
-        }
+    ) -> impl Future<Output = Result<Decision, Error>> + Send {
+        ready(self.inner.check_now(key, rules, cost))
     }
     fn block(
         &self,
         key: &[u8],
         d: Option<Duration>,
-    ) -> impl Future<Output = Result<(), CapacityError>> + Send {
-        self.inner.block(key, d)
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        self.inner.block_now(key, d);
+        ready(Ok(()))
     }
-    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), CapacityError>> + Send {
-        self.inner.unblock(key)
+    fn unblock(&self, key: &[u8]) -> impl Future<Output = Result<(), Error>> + Send {
+        self.inner.unblock_now(key);
+        ready(Ok(()))
     }
-    fn reset(
-        &self,
-        key: &[u8],
-        r: &RuleSet,
-    ) -> impl Future<Output = Result<(), CapacityError>> + Send {
-        self.inner.reset(key, r)
+    fn reset(&self, key: &[u8], r: &RuleSet) -> impl Future<Output = Result<(), Error>> + Send {
+        self.inner.reset_now(key, r);
+        ready(Ok(()))
     }
     fn refund(
         &self,
@@ -83,8 +93,8 @@ impl Store for Remote {
         r: &RuleSet,
         cost: u64,
         at: u64,
-    ) -> impl Future<Output = Result<bool, CapacityError>> + Send {
-        self.inner.refund(key, r, cost, at)
+    ) -> impl Future<Output = Result<bool, Error>> + Send {
+        ready(Ok(self.inner.refund_now(key, r, cost, at)))
     }
     fn settle(
         &self,
@@ -93,13 +103,24 @@ impl Store for Remote {
         charged: u64,
         actual: u64,
         at: u64,
-    ) -> impl Future<Output = Result<bool, CapacityError>> + Send {
+    ) -> impl Future<Output = Result<bool, Error>> + Send {
         self.settles.fetch_add(1, Ordering::SeqCst);
-        self.seen.lock().unwrap().push((charged, actual));
-        let done = self.inner.settle_sync(key, r, charged, actual, at).unwrap();
+        let failing = self
+            .fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let result = if failing {
+            Err(Error::other("connection reset"))
+        } else {
+            self.seen.lock().unwrap().push((charged, actual));
+            self.inner
+                .settle_sync(key, r, charged, actual, at)
+                .unwrap()
+                .map_err(Error::other)
+        };
         async move {
             tokio::task::yield_now().await;
-            done
+            result
         }
     }
     fn now_us(&self) -> u64 {
@@ -602,4 +623,56 @@ async fn a_customer_is_settled_under_its_own_rules() {
     assert_eq!(statuses("small").await, [200, 200, 429, 429, 429]);
     // 900 + 100 fit 1,000.
     assert_eq!(statuses("large").await, [200, 200, 200, 200, 429]);
+}
+
+/// A debt whose settle fails is retried once; a give-back is not (twice would lend).
+/// Either way a settle that fails leaves the estimate charged.
+#[tokio::test]
+async fn a_failed_debt_is_retried_once_and_a_failed_give_back_is_not() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .rules("1000/h fixed-window")
+        .unwrap()
+        .namespace("tokens")
+        .cost(|_: &Request<Body>| 100)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/more",
+            get(|| async { ([("x-usage-tokens", "300")], "ok") }),
+        )
+        .route(
+            "/less",
+            get(|| async { ([("x-usage-tokens", "40")], "ok") }),
+        )
+        .layer(layer);
+    let left = |res: &Response<Body>| header(res, "ratelimit").unwrap().to_owned();
+    store.fail.store(1, Ordering::SeqCst);
+    app.clone().oneshot(with_key("/more", "k")).await.unwrap();
+    assert_eq!(store.settles(), 2, "the debt retried");
+    let next = app.clone().oneshot(with_key("/less", "k")).await.unwrap();
+    assert!(left(&next).contains(";r=600;"), "{}", left(&next));
+    // This one's give-back fails: its 100 stay charged.
+    store.fail.store(1, Ordering::SeqCst);
+    let settles = store.settles();
+    let third = app.clone().oneshot(with_key("/less", "k")).await.unwrap();
+    assert_eq!(store.settles(), settles + 1, "a give-back is not retried");
+    // 300 + 40 (the second, settled) + 100 (the third: its give-back failed), + 100.
+    let fourth = app.clone().oneshot(with_key("/more", "k")).await.unwrap();
+    assert!(
+        left(&fourth).contains(";r=460;"),
+        "{} then {}",
+        left(&third),
+        left(&fourth)
+    );
+    // Both settles failing leaves the estimate.
+    store.fail.store(2, Ordering::SeqCst);
+    let fifth = app.clone().oneshot(with_key("/more", "k")).await.unwrap();
+    assert_eq!(fifth.status(), StatusCode::OK);
+    let sixth = app.clone().oneshot(with_key("/less", "k")).await.unwrap();
+    // The fourth settled to 300, the fifth's 100 stood: 300 + 40 + 100 + 300 + 100 + 100.
+    assert!(left(&sixth).contains(";r=60;"), "{}", left(&sixth));
 }

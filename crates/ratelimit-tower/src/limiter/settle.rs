@@ -123,11 +123,12 @@ where
         let report = std::sync::Arc::clone(&self.refund_log);
         Some(Box::pin(async move {
             let tier = charge.tier.get(&charge.version);
-            // Retried once: a settle lost to a broken connection would leave the
-            // estimate charged, and the store makes a call that never ran safe to send
-            // again.
+            // A debt is retried once: if the first call ran after all (its answer lost
+            // with the connection), the key is charged twice, which limits more, never
+            // less. Giving back is not: twice would lend what other requests may take.
+            let tries = if actual > charge.cost { 2 } else { 1 };
             let mut error = None;
-            for _ in 0..2 {
+            for _ in 0..tries {
                 let call = store.settle(
                     &charge.key,
                     &tier.rules,
@@ -219,7 +220,7 @@ fn settle_failed(charge: &Charge, client: &[u8], actual: u64, error: &str, count
         actual,
         error,
         requests = count,
-        "rate limit: settling a request's actual cost failed twice; its estimate stays \
-         charged (reported at most every 10 s, with the failures since the last report)"
+        "rate limit: settling a request's actual cost failed; its estimate stays charged \
+         (reported at most every 10 s, with the failures since the last report)"
     );
 }
