@@ -107,6 +107,20 @@ impl<'a, St: Store> Case<'a, St> {
             .unwrap_or_else(|e| panic!("[{}] refund failed: {e}", self.name))
     }
 
+    async fn settle(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> bool {
+        self.store
+            .settle(key, rules, charged, actual, charged_at)
+            .await
+            .unwrap_or_else(|e| panic!("[{}] settle failed: {e}", self.name))
+    }
+
     async fn block(&self, key: &[u8], d: Option<Duration>) {
         self.store
             .block(key, d)
@@ -180,6 +194,12 @@ macro_rules! __conformance_cases {
             refund_token_bucket_up_to_capacity,
             refund_gcra_and_leaky_bucket_move_the_arrival_time_back,
             refund_every_rule_and_nothing_after_the_rules_changed,
+            settle_fixed_window_debt_until_the_window_ends,
+            settle_sliding_window_debt_in_the_current_sub_window,
+            settle_sliding_log_debt_fills_the_log,
+            settle_token_bucket_below_empty,
+            settle_gcra_and_leaky_bucket_push_the_arrival_time,
+            settle_every_rule_capped_from_fresh_and_nothing_after_the_rules_changed,
             rule_change_gcra_carries_usage,
             rule_change_token_bucket_carries_usage,
             rule_change_leaky_meter_carries_usage,
@@ -1377,6 +1397,185 @@ pub mod cases {
         );
         let d = c.check(b"k", &other, 0).await;
         assert_eq!(d.rules()[1].remaining, 3, "[{}] {d:?}", c.name);
+    }
+
+    /// Metered costs, fixed window (the example): `1000/h`, an estimate of 100
+    /// and an actual of 300 per request: four admitted, the fifth refused until the
+    /// window ends, the count at 1,200. A settle at the charge does nothing; one below
+    /// it gives the difference back.
+    pub async fn settle_fixed_window_debt_until_the_window_ends<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(
+            store,
+            clock,
+            "settle: fixed window, debt until the window ends",
+        );
+        let r = c.rules("1000/h fixed-window");
+        c.at(10 * S);
+        for i in 0..4 {
+            let t = c.store.now_us();
+            let d = c.check(b"k", &r, 100).await;
+            assert!(d.is_allowed(), "[{}] request {}: {d:?}", c.name, i + 1);
+            assert!(
+                c.settle(b"k", &r, 100, 300, t).await,
+                "[{}] settled",
+                c.name
+            );
+            assert!(!c.settle(b"k", &r, 100, 100, t).await, "[{}] no-op", c.name);
+        }
+        c.denied(b"k", &r, 100, Duration::from_secs(3590), "the fifth")
+            .await;
+        c.denied(b"k", &r, 1, Duration::from_secs(3590), "in debt")
+            .await;
+        // 1,200 counted: 400 back leave 800, so 200 fit.
+        let t = c.store.now_us();
+        assert!(
+            c.settle(b"k", &r, 500, 100, t).await,
+            "[{}] 400 back",
+            c.name
+        );
+        let d = c.check(b"k", &r, 0).await;
+        assert_eq!(d.rules()[0].remaining, 200, "[{}] {d:?}", c.name);
+        // The next window starts clean.
+        c.at(3600 * S);
+        let d = c.check(b"k", &r, 1000).await;
+        assert!(d.is_allowed(), "[{}] next window: {d:?}", c.name);
+    }
+
+    /// Metered costs, sliding window counter: the debt sits in the current sub-window,
+    /// seen whole for a period, then weighted out.
+    pub async fn settle_sliding_window_debt_in_the_current_sub_window<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "settle: sliding window, current sub-window");
+        let r = c.rules("4/min sliding-window precision=2");
+        c.at(10 * S);
+        let t = c.store.now_us();
+        c.allowed(b"k", &r, 1, "the charge").await;
+        assert!(c.settle(b"k", &r, 1, 5, t).await, "[{}] settled", c.name);
+        // 5 in the sub-window of 0-30 s: nothing fits until it weighs 5 × (30 − 12) /
+        // 30 = 3 at 72 s.
+        c.denied(b"k", &r, 1, Duration::from_secs(62), "in debt")
+            .await;
+        c.at(72 * S);
+        c.allowed(b"k", &r, 1, "debt weighted out").await;
+    }
+
+    /// Metered costs, sliding log: the excess is logged at the settle, at most a full
+    /// log (the largest sliding-log limit).
+    pub async fn settle_sliding_log_debt_fills_the_log<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "settle: sliding log, a full log at most");
+        let r = c.rules("3/min sliding-log");
+        c.at(10 * S);
+        let t = c.store.now_us();
+        c.allowed(b"k", &r, 1, "the charge").await;
+        c.at(20 * S);
+        assert!(c.settle(b"k", &r, 1, 100, t).await, "[{}] settled", c.name);
+        c.denied(b"k", &r, 1, Duration::from_secs(60), "in debt")
+            .await;
+        c.at(80 * S);
+        c.allowed(b"k", &r, 3, "the log's entries left").await;
+    }
+
+    /// Metered costs, token bucket: below empty, the refill resuming once the debt is
+    /// repaid; a refund repays the debt first.
+    pub async fn settle_token_bucket_below_empty<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "settle: token bucket, below empty");
+        let r = c.rules("10/s token-bucket capacity=5");
+        c.at(S);
+        let t = c.store.now_us();
+        let d = c.check(b"k", &r, 2).await;
+        assert!(d.is_allowed(), "[{}] {d:?}", c.name);
+        // 3 left; of the 30 more, the cap (one period's limit, 10) leaves 7 owed: 0.7 s.
+        assert!(c.settle(b"k", &r, 2, 32, t).await, "[{}] settled", c.name);
+        c.denied(b"k", &r, 1, Duration::from_millis(800), "in debt")
+            .await;
+        // The charge of 2 given back: 0.2 s less to wait, nothing to spend yet.
+        assert!(c.refund(b"k", &r, 2, t).await, "[{}] refunded", c.name);
+        c.denied(b"k", &r, 1, Duration::from_millis(600), "less debt")
+            .await;
+        c.at(S + 600 * MS);
+        c.allowed(b"k", &r, 1, "repaid").await;
+        c.denied(b"k", &r, 1, Duration::from_millis(100), "empty")
+            .await;
+    }
+
+    /// Metered costs, GCRA and leaky bucket: the arrival time pushed past the burst,
+    /// at most one period's limit past it whatever the excess.
+    pub async fn settle_gcra_and_leaky_bucket_push_the_arrival_time<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "settle: GCRA, arrival time pushed");
+        for (key, text) in [
+            (&b"gcra"[..], "10/s gcra burst=5"),
+            (&b"meter"[..], "10/s leaky-bucket mode=meter capacity=5"),
+        ] {
+            c.at(S);
+            let r = c.rules(text);
+            let t = c.store.now_us();
+            c.allowed(key, &r, 1, text).await;
+            // 1.1 s ahead: 0.7 s until a unit fits the burst of 0.5 s.
+            assert!(c.settle(key, &r, 1, 11, t).await, "[{}] {text}", c.name);
+            c.denied(key, &r, 1, Duration::from_millis(700), text).await;
+            // A hostile actual: 1.5 s ahead at most (the burst and one period).
+            assert!(
+                c.settle(key, &r, 1, u64::MAX, t).await,
+                "[{}] {text}",
+                c.name
+            );
+            c.denied(key, &r, 1, Duration::from_millis(1100), text)
+                .await;
+            assert!(
+                !c.settle(key, &r, 1, u64::MAX, t).await,
+                "[{}] {text}",
+                c.name
+            );
+            c.at(2100 * MS);
+            c.allowed(key, &r, 1, text).await;
+        }
+    }
+
+    /// Metered costs, several rules: every rule charged, each at most its limit; a key
+    /// never charged (an estimate of 0) is charged from fresh; a key whose state was
+    /// since written under other rules is charged nothing.
+    pub async fn settle_every_rule_capped_from_fresh_and_nothing_after_the_rules_changed<
+        St: Store,
+    >(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "settle: every rule; nothing after a change");
+        let r = c.rules("2/s fixed-window; 10/min gcra burst=10");
+        c.at(10 * S + 100 * MS);
+        let t = c.store.now_us();
+        let d = c.check(b"k", &r, 0).await;
+        assert!(d.is_allowed(), "[{}] the estimate of 0: {d:?}", c.name);
+        assert!(c.settle(b"k", &r, 0, 5, t).await, "[{}] settled", c.name);
+        // The window takes 2 (its limit), the GCRA all 5.
+        let d = c
+            .denied(b"k", &r, 1, Duration::from_millis(900), "2/s spent")
+            .await;
+        assert_eq!(
+            (d.rules()[0].remaining, d.rules()[1].remaining),
+            (0, 5),
+            "[{}] {d:?}",
+            c.name
+        );
+        c.at(11 * S);
+        let other = c.rules("2/s fixed-window; 20/min gcra burst=10");
+        c.allowed(b"k", &other, 1, "under other rules").await;
+        let before = c.check(b"k", &other, 0).await;
+        assert!(
+            !c.settle(b"k", &r, 1, 5, t).await,
+            "[{}] a state of other rules took a settle",
+            c.name
+        );
+        let after = c.check(b"k", &other, 0).await;
+        assert_eq!(before, after, "[{}] charged under other rules", c.name);
     }
 
     /// GCRA, raised and lowered: 3 used of `5/h` leave 7 under `10/h` and none under

@@ -264,6 +264,7 @@ pub(crate) fn decide_one(
                 drop_log,
                 log_now,
                 log_len,
+                header.cost,
                 &header,
                 expires_at_ms(&header, now, log_until),
             )?;
@@ -407,14 +408,16 @@ pub(crate) fn read_log(ctx: &Context, key: &RedisString, limit: u64) -> Result<L
     Ok(Log::Entries(log, len))
 }
 
-/// Logs `cost` copies of the log's time after a committed check, keeps the log limit's
-/// newest, and sets the expiry, each write replicated.
-fn write_log(
+/// Logs `count` copies of the log's time (a committed check's cost, or a debit's
+/// entries), keeps the log limit's newest, and sets the expiry, each write replicated.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_log(
     ctx: &Context,
     key: &RedisString,
     drop_log: bool,
     log_now: u64,
     log_len: u64,
+    count: u64,
     header: &Header,
     expiry_ms: u64,
 ) -> Result<(), String> {
@@ -423,7 +426,7 @@ fn write_log(
         replicated(ctx, "DEL", &[name])?;
     }
     let stamp = log_now.to_string();
-    let mut left = header.cost;
+    let mut left = count;
     while left > 0 {
         let m = left.min(1000);
         let mut args: Vec<&[u8]> = Vec::with_capacity(1 + m as usize);
@@ -432,7 +435,7 @@ fn write_log(
         replicated(ctx, "LPUSH", &args)?;
         left -= m;
     }
-    if log_len + header.cost > header.log_limit {
+    if log_len + count > header.log_limit {
         let last = (header.log_limit - 1).to_string();
         replicated(ctx, "LTRIM", &[name, b"0", last.as_bytes()])?;
     }
@@ -444,7 +447,7 @@ fn write_log(
 /// and the AOF receive): on the server's clock exactly, the ms after `at`; under an
 /// injected clock, which need not run at the server's pace, the server's time plus
 /// what is left from `now`, with the TTL floor, and at least 1 ms.
-fn expires_at_ms(header: &Header, now: u64, at: u64) -> u64 {
+pub(crate) fn expires_at_ms(header: &Header, now: u64, at: u64) -> u64 {
     if header.now.is_some() {
         let ms = at
             .saturating_sub(now)

@@ -471,6 +471,13 @@ fn give_back_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     integer_command(&args, |args| crate::refund::give_back(ctx, args))
 }
 
+/// `RATELIMIT.DEBIT state [log] packed`: units charged as debt, a metered request's
+/// excess over its estimate (`check.lua`'s `debit`).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+fn debit_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    integer_command(&args, |args| crate::refund::debit(ctx, args))
+}
+
 /// `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn block_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
@@ -529,6 +536,7 @@ at_the_boundary! {
     check_local_states => check_local_states_unguarded,
     refund => refund_unguarded,
     give_back => give_back_unguarded,
+    debit => debit_unguarded,
     block => block_unguarded,
     version => version_unguarded,
     check_state => check_state_unguarded,

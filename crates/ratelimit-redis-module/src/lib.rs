@@ -45,6 +45,10 @@
 //!   [`ratelimit_core::algo::refund_unspent`].
 //! - `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
 //!   (`give_back`), by [`ratelimit_core::algo::refund`].
+//! - `RATELIMIT.DEBIT state [log] packed`: units charged unconditionally, as debt where
+//!   a state goes past its limit: the excess of a metered request settled above the
+//!   estimate its check charged (`debit`), by [`ratelimit_core::algo::debit`] (batch
+//!   protocol 3; a settle below the estimate is `RATELIMIT.GIVE_BACK`'s).
 //! - `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
 //! - `RATELIMIT.CHECK_STATE state refs packed`: one check in compact form (batch
 //!   protocol 2), its state key first so that a Cluster client routes it by the key.
@@ -59,7 +63,7 @@
 //!   compact form answer without it); a store uses the module only when the format is
 //!   its own, and the compact form only when every module master reports it.
 //!
-//! Loaded with the arguments `protocol 0` or `protocol 1` (`--loadmodule <path>
+//! Loaded with the arguments `protocol 0`, `protocol 1` or `protocol 2` (`--loadmodule <path>
 //! protocol 0`), the module serves and reports only what a module of that protocol
 //! does: for tests of a rollout across module versions. Other load arguments refuse the
 //! load.
@@ -98,9 +102,10 @@ pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 /// `RATELIMIT.CHECK_LOCAL_STATES`) besides the older ones; 2, calls decided once: a
 /// compact call may carry an id after its `refs` (see the `once` module), whose reply
 /// the module keeps a few seconds for a resend after a lost connection, and one check
-/// goes as `RATELIMIT.CHECK_STATE state refs packed`. A module before the compact
+/// goes as `RATELIMIT.CHECK_STATE state refs packed`; 3, debt: `RATELIMIT.DEBIT`, the
+/// excess of a metered request settled above its estimate. A module before the compact
 /// batches answers `RATELIMIT.VERSION` with two elements (protocol 0).
-pub const PROTOCOL: u8 = 2;
+pub const PROTOCOL: u8 = 3;
 
 /// The protocol served, [`PROTOCOL`] unless the module was loaded with a lower one.
 static SERVED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(PROTOCOL);
@@ -110,7 +115,7 @@ pub(crate) fn protocol() -> u8 {
     SERVED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The module's load arguments: none, or `protocol 0` or `protocol 1` (the module then
+/// The module's load arguments: none, or `protocol 0` to `protocol 2` (the module then
 /// serves and reports only what a module of that protocol does: a Cluster's masters
 /// with modules of two versions during a rollout, as tests build them). Anything else
 /// refuses the load with a message saying what is accepted.
@@ -125,7 +130,7 @@ fn protocol_arg(args: &[String]) -> Result<u8, String> {
         },
         _ => Err(format!(
             "ratelimit: unknown load arguments {args:?}; the module takes none, or \
-             `protocol 0` or `protocol 1` to serve only the commands of modules of that \
+             `protocol 0` to `protocol 2` to serve only the commands of modules of that \
              protocol"
         )),
     }
@@ -142,7 +147,7 @@ mod registration {
 
     use crate::commands::{
         block, check, check_local, check_local_states, check_many, check_state, check_states,
-        give_back, refund, stats, version,
+        debit, give_back, refund, stats, version,
     };
 
     /// Reads the load arguments; registers the compact batch commands unless loaded with
@@ -162,6 +167,9 @@ mod registration {
             return Status::Err;
         }
         if protocol >= 2 && register_once(ctx.ctx) != raw::Status::Ok as c_int {
+            return Status::Err;
+        }
+        if protocol >= 3 && register_debit(ctx.ctx) != raw::Status::Ok as c_int {
             return Status::Err;
         }
         Status::Ok
@@ -206,6 +214,24 @@ mod registration {
                 "write deny-oom",
                 1,
                 1,
+                1,
+                ""
+            );
+        }
+        raw::Status::Ok as c_int
+    }
+
+    fn register_debit(ctx: *mut raw::RedisModuleCtx) -> c_int {
+        // SAFETY: as in `register_compact`.
+        unsafe {
+            // The state and, with a sliding log, the log: every argument but the last.
+            redis_command!(
+                ctx,
+                "ratelimit.debit",
+                debit,
+                "write deny-oom",
+                1,
+                -2,
                 1,
                 ""
             );

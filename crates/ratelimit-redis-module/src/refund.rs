@@ -1,7 +1,9 @@
 //! Units given back: a lease's unspent units (`check.lua`'s `refund`) and a charge that
 //! turned out not to count (`give_back`), by the core's own refunds
 //! ([`ratelimit_core::algo::refund_unspent`], [`ratelimit_core::algo::refund`]) on the
-//! state as check.lua and the module write it.
+//! state as check.lua and the module write it; and units charged as debt, the excess of a
+//! metered request settled above its estimate (`debit`, by
+//! [`ratelimit_core::algo::debit`]).
 
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use ratelimit_core::packed::{self, Header};
 use ratelimit_core::{Algorithm, Rule};
 use redis_module::{Context, KeyType, RedisString};
 
-use crate::check::{args_error, read_log, replicated, rules_of, Log};
+use crate::check::{args_error, expires_at_ms, read_log, replicated, rules_of, write_log, Log};
 use crate::keyspace::{Expiry, StateKey};
 
 /// A number argument: an integer in decimal.
@@ -272,4 +274,111 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         changed = true;
     }
     Ok(i64::from(changed))
+}
+
+/// `RATELIMIT.DEBIT state [log] packed`: charges the units of a check (`packed`, its cost
+/// the units) unconditionally, as debt where a state goes past its limit, by
+/// [`algo::debit`]: to a state written under the check's rules, or from fresh when the
+/// key holds none. Returns 1 when a state changed, 0 otherwise (a state of another
+/// layout, or of another type, is charged nothing).
+pub(crate) fn debit(ctx: &Context, args: &[RedisString]) -> Result<i64, String> {
+    let (state_name, log_name, packed_check) = match args {
+        [s, p] => (s, None, p),
+        [s, l, p] => (s, Some(l), p),
+        _ => {
+            return Err(args_error(&format_args!(
+                "ratelimit.debit takes 1 or 2 keys and the packed values, got {} arguments",
+                args.len()
+            )))
+        }
+    };
+    let (header, rule_bytes) =
+        Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
+    let rules = rules_of(rule_bytes, &header)?;
+    if (header.log_limit > 0) != log_name.is_some() {
+        return Err(args_error(&format_args!(
+            "a debit {} a sliding log takes {} keys",
+            if header.log_limit > 0 {
+                "with"
+            } else {
+                "without"
+            },
+            if header.log_limit > 0 { 2 } else { 1 }
+        )));
+    }
+    if header.cost < 1 {
+        return Ok(0);
+    }
+    let now = header.now.unwrap_or_else(crate::check::server_now_us);
+    let mut key = StateKey::open(ctx, state_name);
+    let (mut states, fresh) = match key.key_type() {
+        KeyType::Empty => (
+            std::iter::repeat_n(RuleState::Fresh, rules.rules().len()).collect(),
+            true,
+        ),
+        KeyType::String => {
+            let raw = key.string().unwrap_or_default();
+            // Only a state of the check's own layout: no rule it did not have is charged.
+            if raw.len() != 8 * header.width || packed::value(raw, 0) != Some(header.layout) {
+                return Ok(0);
+            }
+            match packed::decode_state(raw, &header, &rules, now) {
+                Some(stored) => (stored.states, false),
+                None => return Ok(0),
+            }
+        }
+        _ => return Ok(0),
+    };
+    let log_slot = rules
+        .rules()
+        .rules()
+        .iter()
+        .position(|r| r.algorithm() == Algorithm::SlidingLog);
+    // The shared log counts with a state of this layout; without one, or when it holds
+    // what this store did not write, it is no one's: dropped before the debt is logged.
+    let (mut drop_log, mut log_len) = (fresh, 0);
+    if let (Some(slot), Some(log_name), false) = (log_slot, log_name, fresh) {
+        match read_log(ctx, log_name, header.log_limit)? {
+            Log::Entries(log, len) => {
+                log_len = len;
+                if !log.is_empty() {
+                    states[slot] = RuleState::Log(Box::new(log));
+                }
+            }
+            Log::Foreign => drop_log = true,
+        }
+    }
+    if !algo::debit(rules.rules(), &mut states, header.cost, now) {
+        return Ok(0);
+    }
+    let log_now = states
+        .iter()
+        .find_map(|s| match s {
+            RuleState::Log(log) => log.front().copied(),
+            _ => None,
+        })
+        .unwrap_or(now);
+    let log_until = log_now + header.log_period_us;
+    let mut out = Vec::with_capacity(8 * header.width);
+    packed::encode_state(&mut out, &header, &rules, &states, log_until);
+    let expires = algo::expires_at_for(rules.rules(), &states);
+    key.write(
+        state_name,
+        &out,
+        Expiry::At(expires_at_ms(&header, now, expires)),
+    )?;
+    drop(key);
+    if let Some(log_name) = log_name {
+        write_log(
+            ctx,
+            log_name,
+            drop_log,
+            log_now,
+            if drop_log { 0 } else { log_len },
+            header.cost.min(header.log_limit),
+            &header,
+            expires_at_ms(&header, now, log_until),
+        )?;
+    }
+    Ok(1)
 }

@@ -15,9 +15,20 @@ use crate::batch::Batcher;
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 use crate::script::{
-    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, GIVE_BACK, REFUND,
+    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, DEBIT, GIVE_BACK, REFUND,
 };
 use crate::shared::Shared;
+
+/// The most units one debit charges any rule of `rules`: the largest of their caps (a
+/// sliding log's is its length, the largest sliding-log limit, at most its rule's).
+fn max_debt(rules: &RuleSet) -> u64 {
+    rules
+        .rules()
+        .iter()
+        .map(ratelimit_core::algo::debt_cap)
+        .max()
+        .unwrap_or(1)
+}
 
 /// Units a lease reserved and did not spend, as the module's and the Lua `refund` take
 /// them back.
@@ -150,6 +161,44 @@ impl Exact {
                      charged, so the key admits less than its limit until they drain \
                      (reported at most every 10 s, with the refunds failed since the last \
                      report)"
+                );
+            }
+        })?;
+        Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// Charges `units` to `key` under `rules` unconditionally, as debt where a state goes
+    /// past its limit (a settle above the estimate); whether anything changed.
+    pub(crate) async fn debit(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        units: u64,
+    ) -> Result<bool, RedisStoreError> {
+        let has_log = rules.log_limit() > 0;
+        let keys = 1 + usize::from(has_log);
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        let mut call = DEBIT.call(&self.shared.paths, names.state().as_bytes(), keys, keys + 1);
+        call.cmd.arg(names.state());
+        if has_log {
+            call.cmd.arg(names.log());
+        }
+        let time = Time {
+            now: self.injected_now(),
+            deadline: None,
+        };
+        // No rule takes more than its limit (below 2^53) from one settle: the units sent
+        // are the most any rule takes, so they fit the encoding.
+        let units = units.min(max_debt(rules));
+        CheckArgs::write(&mut call.cmd, time, units, self.shared.ttl_floor_ms, rules);
+        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
+            if let Some(count) = self.give_back_log.hit(self.now_us()) {
+                tracing::warn!(
+                    error = %e,
+                    failed_settles = count,
+                    "a metered request's cost above its estimate could not be charged to \
+                     Redis: the key keeps only its estimate charged (reported at most every \
+                     10 s, with the settles and refunds failed since the last report)"
                 );
             }
         })?;

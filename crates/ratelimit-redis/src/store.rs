@@ -596,6 +596,31 @@ impl Store for RedisStore {
             .await
     }
 
+    /// Settles in one call, straight to Redis in lease mode too (as
+    /// [`refund`](Store::refund)): an actual below the charge through the function
+    /// library's `give_back` (the module's `RATELIMIT.GIVE_BACK`), one above it through
+    /// `debit` (`RATELIMIT.DEBIT` where every module primary has it, else the Lua
+    /// function); no call when the actual is the charge.
+    async fn settle(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> Result<bool, RedisStoreError> {
+        let exact = self.inner.exact();
+        match actual.cmp(&charged) {
+            std::cmp::Ordering::Less => {
+                exact
+                    .give_back(key, rules, charged - actual, charged_at)
+                    .await
+            }
+            std::cmp::Ordering::Equal => Ok(false),
+            std::cmp::Ordering::Greater => exact.debit(key, rules, actual - charged).await,
+        }
+    }
+
     /// The injected clock's time when one is set; otherwise this host's reading of the
     /// Redis server's `TIME` (learned from `TIME` replies, never ahead of the server's
     /// own; on a Cluster, of the fastest master's), or this host's clock until a reading

@@ -147,6 +147,17 @@ impl Store for Alternating {
         self.next().refund(key, rules, cost, charged_at)
     }
 
+    fn settle(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        self.next().settle(key, rules, charged, actual, charged_at)
+    }
+
     fn now_us(&self) -> u64 {
         self.stores[0].now_us()
     }

@@ -41,6 +41,10 @@ struct ModuleCommand {
     numkeys: bool,
     /// Whether it takes a batch in compact form (module protocol 1).
     compact: bool,
+    /// Whether only modules of protocol 3 have it (`RATELIMIT.DEBIT`): a call goes to
+    /// the module only where every module primary reports that protocol, and a server
+    /// that answers it as unknown (an older module) gets the Lua function instead.
+    debt: bool,
 }
 
 impl ModuleCommand {
@@ -49,6 +53,7 @@ impl ModuleCommand {
             name,
             numkeys,
             compact: false,
+            debt: false,
         }
     }
 }
@@ -73,6 +78,9 @@ pub(crate) struct Paths {
     /// carry an id, so that a call lost with its connection is sent again and decided
     /// once, and a check alone goes as `RATELIMIT.CHECK_STATE`.
     pub(crate) once: AtomicBool,
+    /// Every primary found with the module serves its protocol 3: debt (a settle above
+    /// the estimate) goes to `RATELIMIT.DEBIT`, else to the Lua function.
+    pub(crate) debt: AtomicBool,
     /// On a Cluster where only some primaries have the module: the slots whose node has
     /// it, one bit each, as of the last node map; a call on a key of such a slot goes as
     /// the module's command, any other as Lua. `None` otherwise.
@@ -98,6 +106,7 @@ impl Paths {
             module: AtomicBool::new(false),
             compact: AtomicBool::new(false),
             once: AtomicBool::new(false),
+            debt: AtomicBool::new(false),
             module_slots: RwLock::new(None),
             module_nodes: RwLock::new(Vec::new()),
             remap: AtomicBool::new(false),
@@ -171,6 +180,26 @@ impl Paths {
         tracing::info!(
             "a server's ratelimit module does not know the compact batches (an older \
              version); batches go in the older form"
+        );
+    }
+
+    /// A server answered `RATELIMIT.DEBIT` as an unknown command: its module is of an
+    /// older protocol (a node restarted with an older module). Debt goes to the Lua
+    /// function from now on: on a Cluster, until the masters, asked again before the
+    /// next batch, all report protocol 3; on one server, until a reconnection finds it.
+    fn debt_missing(&self) {
+        self.debt.store(false, Ordering::Relaxed);
+        let cluster = !self
+            .module_nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty();
+        if cluster {
+            self.remap.store(true, Ordering::Release);
+        }
+        tracing::info!(
+            "a server's ratelimit module does not know RATELIMIT.DEBIT (an older version); \
+             settles above the estimate run as Lua functions"
         );
     }
 
@@ -258,7 +287,7 @@ impl Script {
 
     /// check.lua as one script per entry point (`ENTRIES`), and one function library
     /// registering all of them under names tagged with the SHA1 of the first.
-    fn decision_scripts() -> [Self; 5] {
+    fn decision_scripts() -> [Self; 6] {
         // A library's top level cannot reach `string` while it loads, so the struct
         // formats come made.
         let code = format!(
@@ -291,6 +320,10 @@ impl Script {
                 "local" => Some(ModuleCommand::new("RATELIMIT.CHECK_LOCAL", true)),
                 "refund" => Some(ModuleCommand::new("RATELIMIT.REFUND", false)),
                 "give_back" => Some(ModuleCommand::new("RATELIMIT.GIVE_BACK", false)),
+                "debit" => Some(ModuleCommand {
+                    debt: true,
+                    ..ModuleCommand::new("RATELIMIT.DEBIT", false)
+                }),
                 _ => None,
             },
             compact: match name {
@@ -342,7 +375,9 @@ impl Script {
         keys: usize,
         capacity: usize,
     ) -> Call<'a> {
-        let module = self.module.filter(|_| paths.module_for(first_key));
+        let module = self.module.filter(|m| {
+            (!m.debt || paths.debt.load(Ordering::Relaxed)) && paths.module_for(first_key)
+        });
         self.call_as(paths, keys, capacity, module)
     }
 
@@ -413,17 +448,18 @@ impl Script {
 
 /// check.lua's entry points: the name in the library (after `ratelimit_`), the Lua
 /// function and the function's flags.
-const ENTRIES: [(&str, &str, &str); 5] = [
+const ENTRIES: [(&str, &str, &str); 6] = [
     ("check", "check", ""),
     ("batch", "check_many", ""),
     ("local", "check_local", "'allow-cross-slot-keys'"),
     ("refund", "refund", ""),
     ("give_back", "give_back", ""),
+    ("debit", "debit", ""),
 ];
 
 /// check.lua's scripts, in the order of `ENTRIES`; see `lua/check.lua` for their
 /// contracts.
-static DECISIONS: LazyLock<[Script; 5]> = LazyLock::new(Script::decision_scripts);
+static DECISIONS: LazyLock<[Script; 6]> = LazyLock::new(Script::decision_scripts);
 /// The decision script: one check.
 pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[0]);
 /// The batch script: many checks in one call.
@@ -434,6 +470,9 @@ pub(crate) static LOCAL: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS
 pub(crate) static REFUND: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[3]);
 /// The refund of charging by outcome: units a check charged, given back.
 pub(crate) static GIVE_BACK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[4]);
+/// The debt of a metered request settled above its estimate: units charged
+/// unconditionally.
+pub(crate) static DEBIT: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[5]);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> = LazyLock::new(|| Script {
     module: Some(ModuleCommand::new("RATELIMIT.BLOCK", false)),
@@ -683,7 +722,9 @@ impl<'a> Call<'a> {
 
     /// This module call as a call of the Lua function, for a server that turned out to
     /// lack the module (a restart without it, a failover or a slot move to a node
-    /// without it); later calls change as [`Paths::module_missing`] says.
+    /// without it), or, for a command only later modules have, to lack that command;
+    /// later calls change as [`Paths::module_missing`] (or [`Paths::debt_missing`])
+    /// says.
     fn as_lua(&self) -> Call<'a> {
         let head = match self.module {
             Some(ModuleCommand { numkeys: true, .. }) => 2,
@@ -693,7 +734,12 @@ impl<'a> Call<'a> {
             Some(redis::Arg::Simple(key)) if self.keys > 0 => Some(key),
             _ => None,
         };
-        self.paths.module_missing(first_key);
+        if self.module.is_some_and(|m| m.debt) {
+            // An older module: the module stays for everything else.
+            self.paths.debt_missing();
+        } else {
+            self.paths.module_missing(first_key);
+        }
         let mut call = self.script.call_as(self.paths, self.keys, 0, None);
         for arg in self.cmd.args_iter().skip(head) {
             if let redis::Arg::Simple(bytes) = arg {

@@ -211,6 +211,13 @@ pub(super) async fn detect_module(
             .filter(|(_, f)| has(f))
             .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 2));
     shared.paths.once.store(once, Ordering::Relaxed);
+    // Debt (protocol 3) likewise: a module without `RATELIMIT.DEBIT` leaves it to Lua.
+    let debt = (!with.is_empty() || all)
+        && found
+            .iter()
+            .filter(|(_, f)| has(f))
+            .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 3));
+    shared.paths.debt.store(debt, Ordering::Relaxed);
     shared.paths.module.store(all, Ordering::Relaxed);
     shared.paths.set_module_nodes(with.clone());
     let mixed = !all && !with.is_empty();
