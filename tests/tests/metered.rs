@@ -185,7 +185,10 @@ mod bound {
         // most the store's plus one request's time; 100 ms of rate covers that.
         let slack = LIMIT / 10;
         let bound = |t: Duration| {
-            LIMIT + (LIMIT as u128 * t.as_micros() / 1_000_000) as u64 + C * (A - E) + slack
+            LIMIT
+                + u64::try_from(u128::from(LIMIT) * t.as_micros() / 1_000_000).unwrap()
+                + C * (A - E)
+                + slack
         };
         assert!(
             total <= bound(span),
