@@ -1272,20 +1272,13 @@ local function refund(KEYS, ARGV)
         end
         v[o + 2], v[o + 3], changed = us, frac, true
       elseif code == TOKEN_BUCKET and v[o] == limit and give > 0
-        and (v[o + 2] < v[o + 1] * period or v[o + 3] > now) then
-        local level, last, full = v[o + 2], v[o + 3], v[o + 1] * period
-        local rest = give_to_debt(give, last, now, limit)
-        if rest then
-          level, last = level + rest, now
-          if level > full then
-            level = full
-          end
-        else
-          last = last - divmod(give, limit)
+        and v[o + 2] < v[o + 1] * period then
+        local level = v[o + 2] + give
+        local full = v[o + 1] * period
+        if level > full then
+          level = full
         end
-        if level ~= v[o + 2] or last ~= v[o + 3] then
-          v[o + 2], v[o + 3], changed = level, last, true
-        end
+        v[o + 2], changed = level, true
       elseif code == FIXED_WINDOW and v[o] == window and v[o + 1] > 0 then
         local count = v[o + 1] - u
         if count < 0 then
@@ -1414,7 +1407,10 @@ local function give_back(KEYS, ARGV)
       if give > 0 and (level < full or last > now) then
         local rest = give_to_debt(give, last, now, limit)
         if rest then
-          level, last = level + rest, now
+          level = level + rest
+          if last > now then
+            last = now
+          end
           if level > full then
             level = full
           end
