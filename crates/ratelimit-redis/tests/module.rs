@@ -1132,6 +1132,14 @@ enum Op {
     },
     /// The leasing store's sweep: ended leases refunded.
     Sweep,
+    /// A charge of `charged` units made `ago_us` before now, settled to `actual`.
+    Settle {
+        key: u8,
+        rules: usize,
+        charged: u64,
+        actual: u64,
+        ago_us: u64,
+    },
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = (u64, Op)> {
@@ -1144,6 +1152,8 @@ fn op() -> impl proptest::strategy::Strategy<Value = (u64, Op)> {
             .prop_map(|(key, rules, ago_us)| Op::GiveBack { key, rules, ago_us }),
         1 => (0u8..3, proptest::option::of(1u64..300)).prop_map(|(key, ms)| Op::Block { key, ms }),
         2 => Just(Op::Sweep),
+        2 => (0u8..3, 0usize..2, 0u64..=3, prop_oneof![4 => 0u64..8, 1 => Just(u64::MAX)], 0u64..200_000)
+            .prop_map(|(key, rules, charged, actual, ago_us)| Op::Settle { key, rules, charged, actual, ago_us }),
     ];
     (prop_oneof![6 => 0u64..3_000, 1 => 0u64..300_000], op)
 }
@@ -1171,10 +1181,10 @@ fn values_under(con: &mut redis::Connection, prefix: &str) -> Vec<(String, Value
 }
 
 /// A rollout's other half: the same trace of checks (leased and exact), charges given
-/// back, blocks and lease sweeps through stores on the Lua functions and through stores
-/// on the module, each on keys of their own, gets the same decisions and leaves the
-/// same bytes at every key: the module's refunds, lease refunds and blocks are the Lua
-/// functions' twins.
+/// back, settles, blocks and lease sweeps through stores on the Lua functions and
+/// through stores on the module, each on keys of their own, gets the same decisions and
+/// leaves the same bytes at every key: the module's refunds, debits, lease refunds and
+/// blocks are the Lua functions' twins.
 #[test]
 fn lua_and_module_write_the_same_bytes() {
     use proptest::prelude::*;
@@ -1251,6 +1261,11 @@ fn lua_and_module_write_the_same_bytes() {
                             leased.sweep_leases().await;
                             String::new()
                         }
+                        Op::Settle { key, rules, charged, actual, ago_us } => {
+                            let at = clock.now_us().saturating_sub(*ago_us);
+                            let rules = &rule_sets[*rules];
+                            format!("{:?}", exact.settle(&[*key], rules, *charged, *actual, at).await)
+                        }
                     };
                     decided[i].push(out);
                 }
@@ -1264,7 +1279,12 @@ fn lua_and_module_write_the_same_bytes() {
     });
     // The traces reached every command of both paths.
     let stats = common::commandstats(&mut con.borrow_mut());
-    for command in ["ratelimit.refund", "ratelimit.give_back", "ratelimit.block"] {
+    for command in [
+        "ratelimit.refund",
+        "ratelimit.give_back",
+        "ratelimit.debit",
+        "ratelimit.block",
+    ] {
         let calls = stats.get(command).map_or(0, |s| s.0);
         assert!(calls > 20, "{command}: {calls} calls");
     }
