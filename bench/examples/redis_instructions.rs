@@ -22,6 +22,11 @@
 //! state: each key's state read, decided, rewritten with its new expiry), under a rule
 //! that admits them all.
 //!
+//! Then a metered request's calls, each sent alone (64 to a write), on the same 64 keys:
+//! a check (`check`, `RATELIMIT.CHECK_STATE`), a settle above the estimate (`debit`,
+//! `RATELIMIT.DEBIT`) and one below it (`give_back`, `RATELIMIT.GIVE_BACK`), through the
+//! Lua functions and the module.
+//!
 //! ```sh
 //! apt-get install valgrind   # Debian; callgrind_control comes with it
 //! cargo build --release -p ratelimit-redis-module   # for the module's rows
@@ -210,6 +215,88 @@ fn main() {
             }
         });
         println!("| `{path}`, {name} | {cost:.0} | {:.2}x |", cost / ping);
+    }
+    settle_rows(&server, &mut con, rounds, module.is_some(), &script, ping);
+}
+
+/// A metered request's calls one by one, as a store sends them (each alone, 64 to a
+/// write from concurrent requests), on the same 64 keys: its check at the door, and its
+/// settle above the estimate (`debit`, the excess as debt) or below it (`give_back`),
+/// through the Lua functions and, with the module, its commands.
+fn settle_rows(
+    server: &Server,
+    con: &mut Connection,
+    rounds: usize,
+    module: bool,
+    script: &ratelimit_redis::testing::CheckScript,
+    ping: f64,
+) {
+    let rules: RuleSet = "1/min gcra burst=1000".parse().expect("rules");
+    let packed = check_script_args(&rules, 1).remove(0);
+    // The library's functions share the check function's tag.
+    let function = |name: &str| script.function.replacen("_check_", &format!("_{name}_"), 1);
+    let mut paths = vec![false];
+    if module {
+        paths.push(true);
+    }
+    for on_module in paths {
+        let via = if on_module { "module" } else { "lua" };
+        for row in ["check", "debit", "give_back"] {
+            let label = format!("{via}-{row}");
+            let cost = count(server, &label, con, rounds, |con, _| {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_micros()
+                    .to_string();
+                let mut pipe = redis::pipe();
+                for i in 0..BATCH {
+                    let tag = format!("settle:{via}:{{{i}}}");
+                    let state = format!("{tag}:s");
+                    let cmd = match (on_module, row) {
+                        (true, "check") => pipe
+                            .cmd("RATELIMIT.CHECK_STATE")
+                            .arg(&state)
+                            .arg(vec![0u8; 9]),
+                        (false, "check") => pipe
+                            .cmd("FCALL")
+                            .arg(function("check"))
+                            .arg(2)
+                            .arg(format!("{tag}:b"))
+                            .arg(&state),
+                        (true, "debit") => pipe.cmd("RATELIMIT.DEBIT").arg(&state),
+                        (true, _) => pipe.cmd("RATELIMIT.GIVE_BACK").arg(&state),
+                        (false, _) => pipe.cmd("FCALL").arg(function(row)).arg(1).arg(&state),
+                    };
+                    cmd.arg(&packed[..]);
+                    if row == "give_back" {
+                        cmd.arg(&now);
+                    }
+                }
+                let replies: Vec<redis::Value> = pipe.query(con).unwrap();
+                if row != "check" {
+                    assert!(
+                        replies.iter().all(|r| *r == redis::Value::Int(1)),
+                        "every {row} changed its state: {replies:?}"
+                    );
+                }
+            });
+            let what = match row {
+                "check" => "a check alone",
+                "debit" => "a settle above the estimate (debt)",
+                _ => "a settle below the estimate (refund)",
+            };
+            let command = match (on_module, row) {
+                (true, "check") => "RATELIMIT.CHECK_STATE".to_owned(),
+                (true, "debit") => "RATELIMIT.DEBIT".to_owned(),
+                (true, _) => "RATELIMIT.GIVE_BACK".to_owned(),
+                (false, _) => format!("FCALL {row}"),
+            };
+            println!(
+                "| `{command}`, {what}, `1/min gcra burst=1000`, the same 64 keys | {cost:.0} | {:.2}x |",
+                cost / ping
+            );
+        }
     }
 }
 

@@ -107,7 +107,9 @@ pub trait Store: Send + Sync + 'static {
     /// * `actual < charged`: the difference goes back, as [`Store::refund`] gives it;
     /// * `actual > charged`: the excess is charged **unconditionally**, as debt the key
     ///   repays before it is admitted again, as [`algo`](crate::algo#settling-a-charge)
-    ///   says per algorithm; one settle adds at most one period's limit of each rule;
+    ///   says per algorithm; one settle adds at most one period's limit of each rule
+    ///   ([`algo::debt_cap`](crate::algo::debt_cap)), and a state holds at most its
+    ///   capacity plus that much;
     /// * `actual == charged`: nothing to do (and no call to make).
     ///
     /// A key whose state was since written under other rules keeps what it was charged.

@@ -1734,6 +1734,21 @@ pub enum Step {
         /// Index into the trace's rule sets.
         rules: usize,
     },
+    /// Settle a charge of `key` under rule set number `rules`, made `ago_us` before now,
+    /// from `charged` units to `actual` ([`Store::settle`]); its result is a peek of the
+    /// key under those rules (cost 0) right after, which shows what the settle did.
+    Settle {
+        /// Key number.
+        key: u8,
+        /// Index into the trace's rule sets.
+        rules: usize,
+        /// The units the charge took.
+        charged: u64,
+        /// The actual cost.
+        actual: u64,
+        /// How long before now the charge was made, in µs.
+        ago_us: u64,
+    },
 }
 
 /// What a step produced: the decision of a check (or its error text), nothing otherwise.
@@ -1788,6 +1803,25 @@ pub async fn run_trace<St: Store>(
                 .await
                 .err()
                 .map(|e| Err(e.to_string())),
+            Step::Settle {
+                key: k,
+                rules,
+                charged,
+                actual,
+                ago_us,
+            } => {
+                let at = clock.now_us().saturating_sub(*ago_us);
+                let rules = &rulesets[*rules];
+                match store.settle(&key(*k), rules, *charged, *actual, at).await {
+                    Ok(_) => Some(
+                        store
+                            .check(&key(*k), rules, 0)
+                            .await
+                            .map_err(|e| e.to_string()),
+                    ),
+                    Err(e) => Some(Err(e.to_string())),
+                }
+            }
         });
     }
     out
@@ -1961,7 +1995,27 @@ pub mod strategy {
             1 => (0u8..3, proptest::option::of(1u64..3_000)).prop_map(|(key, ms)| Step::Block { key, ms }),
             1 => (0u8..3).prop_map(|key| Step::Unblock { key }),
             1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Reset { key, rules }),
+            2 => settle(rulesets),
         ];
         proptest::collection::vec(step, 1..len)
+    }
+
+    /// A settle: mostly of a recent charge of a few units to a few more or fewer,
+    /// sometimes to a hostile actual.
+    pub fn settle(rulesets: usize) -> impl Strategy<Value = Step> {
+        (
+            0u8..3,
+            0..rulesets,
+            0u64..4,
+            prop_oneof![6 => 0u64..8, 1 => 8u64..200, 1 => Just(u64::MAX)],
+            prop_oneof![Just(0u64), 0u64..2_000, 0u64..2_000_000],
+        )
+            .prop_map(|(key, rules, charged, actual, ago_us)| Step::Settle {
+                key,
+                rules,
+                charged,
+                actual,
+                ago_us,
+            })
     }
 }

@@ -371,7 +371,8 @@ proptest! {
         let wait = sets.rules().iter().map(|r| {
             let cap = debt_cap(r);
             prop_assert!(cap >= 1 && cap <= r.limit());
-            Ok(((r.capacity() + cap) as u128 * r.period_us() as u128 / r.limit() as u128) as u64 + r.period_us())
+            let drain = u128::from(r.capacity() + cap) * u128::from(r.period_us()) / u128::from(r.limit());
+            Ok(u64::try_from(drain).unwrap() + r.period_us())
         }).collect::<Result<Vec<u64>, TestCaseError>>()?.into_iter().max().unwrap();
         let d = decide(&sets, &mut states.clone(), t + wait, 1).decision;
         prop_assert!(d.is_allowed(), "{} still in debt after {} us: {:?}", sets, wait, d);

@@ -184,6 +184,23 @@ fn entries(raw: &[u8]) -> Option<Vec<(u64, usize)>> {
     (i == len).then_some(at)
 }
 
+/// The states of `raw` when the check's rules wrote it: in their own layout, or as a
+/// denial after a conversion writes it (the layout [`packed::CARRIED`] plus theirs,
+/// which `MemoryStore` holds as those rules' states too); `None` for any other.
+fn own_states(
+    raw: &[u8],
+    header: &Header,
+    rules: &packed::PackedRules,
+    now: u64,
+) -> Option<packed::Stored> {
+    let layout = packed::value(raw, 0)?;
+    let own = raw.len() == 8 * header.width && layout == header.layout;
+    if !own && layout != packed::CARRIED + header.layout {
+        return None;
+    }
+    packed::decode_state(raw, header, rules, now)
+}
+
 fn set_value(raw: &mut [u8], i: usize, x: u64) {
     // Exact: every value of the encoding is below 2^53.
     raw[8 * i..8 * i + 8].copy_from_slice(&(x as f64).to_le_bytes());
@@ -221,12 +238,9 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     let Some(raw) = key.string().map(<[u8]>::to_vec) else {
         return Ok(0);
     };
-    // Only a state of the check's own layout: another's usage cannot be told apart from
-    // the charge's.
-    if raw.len() != 8 * header.width || packed::value(&raw, 0) != Some(header.layout) {
-        return Ok(0);
-    }
-    let Some(stored) = packed::decode_state(&raw, &header, &rules, now) else {
+    // Only a state written under the check's rules: another's usage cannot be told
+    // apart from the charge's.
+    let Some(stored) = own_states(&raw, &header, &rules, now) else {
         return Ok(0);
     };
     let mut states = stored.states;
@@ -237,7 +251,7 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         .iter()
         .position(|r| r.algorithm() == Algorithm::SlidingLog);
     let mut logged = None;
-    if let (Some(slot), Some(log_name)) = (log_slot, log_name) {
+    if let (Some(slot), Some(log_name), true) = (log_slot, log_name, stored.log_counts) {
         if let Log::Entries(log, _) = read_log(ctx, log_name, header.log_limit)? {
             logged = Some(log.clone());
             states[slot] = RuleState::Log(Box::new(log));
@@ -267,7 +281,11 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         states[slot] = RuleState::Fresh;
     }
     if states[..] != before[..] {
-        let log_until = packed::value(&raw, header.width - 1).unwrap_or(0);
+        // The log marker's time, where the state has one.
+        let log_until = entries(&raw)
+            .and_then(|at| at.iter().find(|(id, _)| *id == packed::LOG_MARKER).copied())
+            .and_then(|(_, o)| packed::value(&raw, o))
+            .unwrap_or(0);
         let mut out = Vec::with_capacity(raw.len());
         packed::encode_state(&mut out, &header, &rules, &states, log_until);
         key.write(state_name, &out, Expiry::Kept)?;
@@ -311,19 +329,17 @@ pub(crate) fn debit(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     }
     let now = header.now.unwrap_or_else(crate::check::server_now_us);
     let mut key = StateKey::open(ctx, state_name);
-    let (mut states, fresh) = match key.key_type() {
+    let (mut states, unvouched) = match key.key_type() {
         KeyType::Empty => (
             std::iter::repeat_n(RuleState::Fresh, rules.rules().len()).collect(),
             true,
         ),
         KeyType::String => {
             let raw = key.string().unwrap_or_default();
-            // Only a state of the check's own layout: no rule it did not have is charged.
-            if raw.len() != 8 * header.width || packed::value(raw, 0) != Some(header.layout) {
-                return Ok(0);
-            }
-            match packed::decode_state(raw, &header, &rules, now) {
-                Some(stored) => (stored.states, false),
+            // Only a state written under the check's rules: no rule it did not have is
+            // charged.
+            match own_states(raw, &header, &rules, now) {
+                Some(stored) => (stored.states, !stored.log_counts),
                 None => return Ok(0),
             }
         }
@@ -334,10 +350,11 @@ pub(crate) fn debit(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
         .rules()
         .iter()
         .position(|r| r.algorithm() == Algorithm::SlidingLog);
-    // The shared log counts with a state of this layout; without one, or when it holds
-    // what this store did not write, it is no one's: dropped before the debt is logged.
-    let (mut drop_log, mut log_len) = (fresh, 0);
-    if let (Some(slot), Some(log_name), false) = (log_slot, log_name, fresh) {
+    // The shared log counts when the state vouches for it; without a state, or when it
+    // holds what this store did not write, it is no one's: dropped before the debt is
+    // logged.
+    let (mut drop_log, mut log_len) = (unvouched, 0);
+    if let (Some(slot), Some(log_name), false) = (log_slot, log_name, unvouched) {
         match read_log(ctx, log_name, header.log_limit)? {
             Log::Entries(log, len) => {
                 log_len = len;

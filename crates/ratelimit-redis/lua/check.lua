@@ -604,7 +604,7 @@ local function carry(raw, v, n, now)
       off = off + width
     end
   end
-  return st, fresh, log_counts, converted
+  return st, fresh, log_counts, converted, lp and t[lp]
 end
 
 -- The expiry option of a key whose state matters until `at` µs, and its value: exact on
@@ -1156,6 +1156,56 @@ local function check_local(_, ARGV)
   return table.concat(out, '', 1, n)
 end
 
+-- The state `raw` when a denial after a conversion under these rules wrote it (the
+-- layout CARRIED + `layout`, which MemoryStore holds as these rules' states), in this
+-- layout as a check under them would read it: each rule's entry carried (see carry),
+-- its header written, a rule without one zeroed (values that read as fresh, as the
+-- module encodes a fresh state), and the log marker; then the rules without an entry
+-- (`fresh`, by rule number) and whether the log counts. Nil for any other value.
+local function own_carried(raw, packed, n, now, layout, width)
+  if #raw < 8 or struct.unpack('<d', raw) ~= CARRIED + layout then
+    return nil
+  end
+  local v = {struct.unpack(doubles(#packed / 8), packed)}
+  local st, fresh, log_counts, _, marked = carry(raw, v, n, now)
+  if not st then
+    return nil
+  end
+  st[1] = layout
+  local off = 1
+  for i = 1, n do
+    local o = HEADER + PER_RULE * i - 5
+    local code, limit, a, b, id = v[o], v[o + 1], v[o + 3], v[o + 4], v[o + 5]
+    if code ~= SLIDING_LOG then
+      local m = 2
+      if code >= TOKEN_BUCKET then
+        local cap = a
+        if code == LEAKY_BUCKET and b > 0 then
+          cap = a + 1
+        end
+        st[off + 3], st[off + 4], m = limit, cap, 4
+      elseif code == SLIDING_WINDOW then
+        m = a + 2
+      end
+      st[off + 1], st[off + 2] = id, m
+      local values = off + 2
+      if m == 4 then
+        values = off + 4
+      end
+      if fresh[i] then
+        for j = values + 1, off + 2 + m do
+          st[j] = 0
+        end
+      end
+      off = off + 2 + m
+    end
+  end
+  if off + 3 == width then
+    st[off + 1], st[off + 2], st[off + 3] = LOG_MARKER, 1, marked or 0
+  end
+  return st, fresh, log_counts
+end
+
 -- What of `give` (tokens x period) a token bucket whose refill resumes at `last` puts
 -- into its level, once it has shortened that wait to now: `give` less the wait's refill,
 -- or nil when `give` does not cover the wait (which then moves back by the whole
@@ -1272,20 +1322,13 @@ local function refund(KEYS, ARGV)
         end
         v[o + 2], v[o + 3], changed = us, frac, true
       elseif code == TOKEN_BUCKET and v[o] == limit and give > 0
-        and (v[o + 2] < v[o + 1] * period or v[o + 3] > now) then
-        local level, last, full = v[o + 2], v[o + 3], v[o + 1] * period
-        local rest = give_to_debt(give, last, now, limit)
-        if rest then
-          level, last = level + rest, now
-          if level > full then
-            level = full
-          end
-        else
-          last = last - divmod(give, limit)
+        and v[o + 2] < v[o + 1] * period then
+        local level = v[o + 2] + give
+        local full = v[o + 1] * period
+        if level > full then
+          level = full
         end
-        if level ~= v[o + 2] or last ~= v[o + 3] then
-          v[o + 2], v[o + 3], changed = level, last, true
-        end
+        v[o + 2], changed = level, true
       elseif code == FIXED_WINDOW and v[o] == window and v[o + 1] > 0 then
         local count = v[o + 1] - u
         if count < 0 then
@@ -1373,8 +1416,12 @@ local function give_back(KEYS, ARGV)
     shape = FORMATS[width] or doubles(width)
   end
   local st = decode(raw, width, shape)
+  local fresh, log_counts = nil, true
   if not st or st[1] ~= layout then
-    return 0
+    st, fresh, log_counts = own_carried(raw, packed, n, now, layout, width)
+    if not st then
+      return 0
+    end
   end
 
   local changed, logged, off = false, false, 1
@@ -1383,13 +1430,13 @@ local function give_back(KEYS, ARGV)
     elapsed = 0
   end
   local dirty = false
-  for _ = 1, n do
+  for i = 1, n do
     local code, limit, period, a, b, id
     code, limit, period, a, b, id, pos = struct.unpack(RULE_FORMAT, packed, pos)
     -- The undrained part of the charge, in 1/limit µs (compared before a product that
-    -- could pass 2^53 is formed).
+    -- could pass 2^53 is formed); nothing to a rule without a state.
     local give = 0
-    if elapsed < cost * period / limit + 1 then
+    if not (fresh and fresh[i]) and elapsed < cost * period / limit + 1 then
       give = cost * period - elapsed * limit
       if give < 0 then
         give = 0
@@ -1414,7 +1461,10 @@ local function give_back(KEYS, ARGV)
       if give > 0 and (level < full or last > now) then
         local rest = give_to_debt(give, last, now, limit)
         if rest then
-          level, last = level + rest, now
+          level = level + rest
+          if last > now then
+            last = now
+          end
           if level > full then
             level = full
           end
@@ -1442,7 +1492,7 @@ local function give_back(KEYS, ARGV)
         end
       end
       off = off + a + 2
-    elseif code == SLIDING_LOG and not logged then
+    elseif code == SLIDING_LOG and not logged and log_counts then
       logged = true
       -- Newest first: the entries at or after the charge are a prefix; its last `cost`
       -- are the oldest of them. Marked, then removed in one LREM.
@@ -1576,19 +1626,22 @@ local function debit(KEYS, ARGV)
   if width <= 1000 then
     shape = FORMATS[width] or doubles(width)
   end
-  local st = nil
+  local st, log_counts = nil, false
   if raw then
-    st = decode(raw, width, shape)
+    st, log_counts = decode(raw, width, shape), true
     if not st or st[1] ~= layout then
-      return 0
+      st, _, log_counts = own_carried(raw, packed, n, now, layout, width)
+      if not st then
+        return 0
+      end
     end
   end
 
-  -- The shared log: it counts when the state is of this layout; without a state it is
-  -- no one's, and is dropped before the debt is logged.
+  -- The shared log: it counts when the state vouches for it; without a state it is no
+  -- one's, and is dropped before the debt is logged.
   local log_len, newest, drop_log = 0, nil, false
   if log_limit > 0 then
-    if not st then
+    if not log_counts then
       drop_log = true
     else
       log_len = redis.pcall('LLEN', KEYS[2])

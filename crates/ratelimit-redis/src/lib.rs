@@ -107,8 +107,10 @@
 //! serve, the others staying on Lua. One INFO line says which path is in use (one per
 //! master on such a Cluster). A server that loses the module (a restart or a failover
 //! without it) gets the call as a Lua function, and the store stays on Lua until it
-//! reconnects. Checks, blocks, lease refunds and refunds of charges all go to the
-//! module: a store on it runs no Lua.
+//! reconnects. Checks, blocks, lease refunds, refunds of charges and settles all go to
+//! the module: a store on it runs no Lua (but for the debt of a settle above its
+//! estimate on a module older than batch protocol 3, which lacks `RATELIMIT.DEBIT`:
+//! that call goes to Lua, everything else stays on the module).
 //! [`RedisStoreBuilder::force_lua`] keeps the Lua path; [`RedisStore::uses_module`]
 //! tells which is in use.
 //!
@@ -328,7 +330,7 @@
 //! again on the next connection, within the caller's timeout, and answered the first
 //! run's reply if it ran, or run if it never arrived; decided once, not failed (8,000
 //! checks under `CLIENT KILL` every 100 ms: none failed, none charged twice). On Lua,
-//! and for refunds, such a call is never sent again: its checks fail with
+//! and for refunds and settles, such a call is never sent again: its checks fail with
 //! [`RedisStoreError::Connection`] and the caller's failure policy decides, rather than
 //! charge them twice unseen. Either way, for every key Redis holds the units of the
 //! checks admitted plus at most those of checks reported failed; after a failover, a

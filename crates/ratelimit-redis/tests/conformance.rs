@@ -329,6 +329,7 @@ fn aligned_traces() -> impl Strategy<Value = (Vec<RuleSet>, Vec<Step>)> {
             1 => prop_oneof![(1u64..=8).prop_map(|ms| ms * 1_000), Just(1_000_000)]
                 .prop_map(Step::Rewind),
             1 => (0u8..2, proptest::option::of(1u64..20)).prop_map(|(key, ms)| Step::Block { key, ms }),
+            1 => strategy::settle(n),
         ];
         (Just(sets), proptest::collection::vec(step, 1..80))
     })

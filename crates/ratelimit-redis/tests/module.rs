@@ -40,8 +40,8 @@ fn the_module_reports_its_version_and_state_format() {
         items[1],
         Value::Int(ratelimit_core::packed::STATE_FORMAT as i64)
     );
-    // The batch protocol: 2, the compact batches and calls decided once.
-    assert_eq!(items[2], Value::Int(2));
+    // The batch protocol: 3, the compact batches, calls decided once and debt.
+    assert_eq!(items[2], Value::Int(3));
 }
 
 /// Loaded with `protocol 0`, the module answers as the modules before the compact form:
@@ -71,7 +71,7 @@ fn a_module_loaded_with_protocol_0_is_one_before_the_compact_form() {
     }
     // A server refusing the module aborts at startup: with no TCP port, nothing else
     // can go wrong with it.
-    for args in [&["protocol", "3"][..], &["protocol"], &["compact", "0"]] {
+    for args in [&["protocol", "4"][..], &["protocol"], &["compact", "0"]] {
         let mut server = std::process::Command::new(ServerKind::Redis.program().unwrap())
             .args(["--port", "0", "--save", "", "--loadmodule"])
             .arg(&module)
@@ -288,6 +288,93 @@ fn compact_batches_refuse_malformed_input_check_by_check() {
     );
     assert_eq!(entries(&reply[16..])[0], Ok((1.0, 1.0)), "the first charge");
     alive(&server);
+}
+
+/// A settle above the estimate goes to `RATELIMIT.DEBIT` on a module of protocol 3, to
+/// the Lua function on an older module (which keeps every other call), and to the Lua
+/// function, charged once, when the module turns older under the store; a settle at
+/// the estimate makes no call at all.
+#[tokio::test(flavor = "current_thread")]
+async fn settles_go_to_the_module_where_it_has_debit() {
+    let module = module_file();
+    let module = module.to_string_lossy().into_owned();
+    let rules: RuleSet = "10/h gcra burst=10".parse().unwrap();
+    let calls = |con: &mut redis::Connection| {
+        let stats = common::commandstats(con);
+        [
+            "ratelimit.debit",
+            "ratelimit.give_back",
+            "fcall",
+            "ratelimit.check_state",
+        ]
+        .map(|c| stats.get(c).map_or(0, |s| s.0))
+    };
+    // An injected clock: a charge's time is then exact (a store's reading of the Redis
+    // clock may lag the server's, which a refund counts as drained).
+    let clock = ratelimit_core::ManualClock::new(ratelimit_core::testing::T0_US);
+    let store_on = |url: String| {
+        let clock = clock.clone();
+        async move {
+            let store = RedisStore::builder()
+                .clock(clock)
+                .timeout(Duration::from_secs(5))
+                .build(&url)
+                .await
+                .unwrap();
+            wait_connected(&store).await;
+            store
+        }
+    };
+    let left = |store: &RedisStore, key: &'static [u8]| {
+        let (store, rules) = (store.clone(), rules.clone());
+        async move { store.check(key, &rules, 0).await.unwrap().rules()[0].remaining }
+    };
+
+    let server =
+        RedisServer::start_with(&["--loadmodule", &module, "--enable-module-command", "yes"]);
+    let mut con = common::conn(&server.url());
+    let store = store_on(server.url()).await;
+    let at = store.now_us();
+    assert!(store.check(b"k", &rules, 2).await.unwrap().is_allowed());
+    common::reset_stats(&mut con);
+    assert!(!store.settle(b"k", &rules, 2, 2, at).await.unwrap());
+    assert!(store.settle(b"k", &rules, 2, 5, at).await.unwrap());
+    assert!(store.settle(b"k", &rules, 2, 1, at).await.unwrap());
+    assert_eq!(
+        calls(&mut con),
+        [1, 1, 0, 0],
+        "one call per settle that needs one"
+    );
+    assert_eq!(left(&store, b"k").await, 6);
+
+    // Loaded again of protocol 2: the store, told protocol 3 at its connection, finds
+    // DEBIT unknown, sends it to Lua, and keeps the module for its checks.
+    for args in [
+        &["UNLOAD", "ratelimit"][..],
+        &["LOAD", &module, "protocol", "2"],
+    ] {
+        redis::cmd("MODULE").arg(args).exec(&mut con).unwrap();
+    }
+    common::reset_stats(&mut con);
+    assert!(store.settle(b"k", &rules, 0, 2, at).await.unwrap());
+    assert_eq!(left(&store, b"k").await, 4, "charged once");
+    assert!(store.settle(b"k", &rules, 0, 1, at).await.unwrap());
+    let [debit, _, fcall, checks] = calls(&mut con);
+    assert_eq!(debit, 0);
+    assert!(checks >= 1, "the checks stay on the module");
+    assert!(fcall >= 2, "{fcall} function calls");
+    assert!(store.uses_module());
+    assert_eq!(left(&store, b"k").await, 3);
+
+    // A store that connects to a module of protocol 2 sends debt to Lua from the start.
+    let old = RedisServer::start_with(&["--loadmodule", &module, "protocol", "2"]);
+    let mut con = common::conn(&old.url());
+    let store = store_on(old.url()).await;
+    assert!(store.uses_module());
+    let at = store.now_us();
+    assert!(store.settle(b"k", &rules, 0, 3, at).await.unwrap());
+    assert_eq!(left(&store, b"k").await, 7);
+    assert_eq!(calls(&mut con)[0], 0);
 }
 
 /// A store on a module without the compact form (loaded with `protocol 0`) sends its
@@ -1045,6 +1132,14 @@ enum Op {
     },
     /// The leasing store's sweep: ended leases refunded.
     Sweep,
+    /// A charge of `charged` units made `ago_us` before now, settled to `actual`.
+    Settle {
+        key: u8,
+        rules: usize,
+        charged: u64,
+        actual: u64,
+        ago_us: u64,
+    },
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = (u64, Op)> {
@@ -1057,6 +1152,8 @@ fn op() -> impl proptest::strategy::Strategy<Value = (u64, Op)> {
             .prop_map(|(key, rules, ago_us)| Op::GiveBack { key, rules, ago_us }),
         1 => (0u8..3, proptest::option::of(1u64..300)).prop_map(|(key, ms)| Op::Block { key, ms }),
         2 => Just(Op::Sweep),
+        2 => (0u8..3, 0usize..2, 0u64..=3, prop_oneof![4 => 0u64..8, 1 => Just(u64::MAX)], 0u64..200_000)
+            .prop_map(|(key, rules, charged, actual, ago_us)| Op::Settle { key, rules, charged, actual, ago_us }),
     ];
     (prop_oneof![6 => 0u64..3_000, 1 => 0u64..300_000], op)
 }
@@ -1084,10 +1181,10 @@ fn values_under(con: &mut redis::Connection, prefix: &str) -> Vec<(String, Value
 }
 
 /// A rollout's other half: the same trace of checks (leased and exact), charges given
-/// back, blocks and lease sweeps through stores on the Lua functions and through stores
-/// on the module, each on keys of their own, gets the same decisions and leaves the
-/// same bytes at every key: the module's refunds, lease refunds and blocks are the Lua
-/// functions' twins.
+/// back, settles, blocks and lease sweeps through stores on the Lua functions and
+/// through stores on the module, each on keys of their own, gets the same decisions and
+/// leaves the same bytes at every key: the module's refunds, debits, lease refunds and
+/// blocks are the Lua functions' twins.
 #[test]
 fn lua_and_module_write_the_same_bytes() {
     use proptest::prelude::*;
@@ -1164,6 +1261,11 @@ fn lua_and_module_write_the_same_bytes() {
                             leased.sweep_leases().await;
                             String::new()
                         }
+                        Op::Settle { key, rules, charged, actual, ago_us } => {
+                            let at = clock.now_us().saturating_sub(*ago_us);
+                            let rules = &rule_sets[*rules];
+                            format!("{:?}", exact.settle(&[*key], rules, *charged, *actual, at).await)
+                        }
                     };
                     decided[i].push(out);
                 }
@@ -1177,7 +1279,12 @@ fn lua_and_module_write_the_same_bytes() {
     });
     // The traces reached every command of both paths.
     let stats = common::commandstats(&mut con.borrow_mut());
-    for command in ["ratelimit.refund", "ratelimit.give_back", "ratelimit.block"] {
+    for command in [
+        "ratelimit.refund",
+        "ratelimit.give_back",
+        "ratelimit.debit",
+        "ratelimit.block",
+    ] {
         let calls = stats.get(command).map_or(0, |s| s.0);
         assert!(calls > 20, "{command}: {calls} calls");
     }

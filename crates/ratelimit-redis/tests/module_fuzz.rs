@@ -83,7 +83,17 @@ fn seed_command(rng: &mut Rng) -> Vec<Vec<u8>> {
         refs.extend_from_slice(&(rng.below(64) as u128).to_le_bytes());
         refs.push(u8::from(rng.below(4) == 0));
     }
-    match rng.below(10) {
+    match rng.below(11) {
+        10 => {
+            // A settle's excess: a few units, or as many as the encoding holds.
+            let units = *rng.pick(&[0, 1, 7, 1_000_000, packed::MAX_EXACT]);
+            [
+                vec![s("RATELIMIT.DEBIT"), name(tag, 's')],
+                if log { vec![name(tag, 'l')] } else { vec![] },
+                vec![pack(RULES[r], units, rng.below(2) == 0)],
+            ]
+            .concat()
+        }
         9 => vec![s("RATELIMIT.CHECK_STATE"), name(tag, 's'), refs, p],
         0 => [vec![s("RATELIMIT.CHECK")], keys, vec![p]].concat(),
         1 => [
@@ -586,4 +596,19 @@ fn refused_commands_write_nothing() {
         .query::<Value>(&mut con)
         .unwrap_err();
     assert!(err.to_string().contains("RLARGS"), "{err}");
+    // A debit whose keys do not match its rules (a sliding log without its log's key,
+    // or a log's key without one) is refused before anything is read or written.
+    for (rules, keys) in [(RULES[2], 1), (RULES[0], 2)] {
+        let mut cmd = redis::cmd("RATELIMIT.DEBIT");
+        cmd.arg(state_key(TAGS[0]));
+        if keys == 2 {
+            cmd.arg(state_key(TAGS[0]));
+        }
+        let err = cmd
+            .arg(pack(rules, 5, false))
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert!(err.to_string().contains("RLARGS"), "{err}");
+        assert!(unchanged(&before, &snapshot(&mut con)), "{rules}");
+    }
 }

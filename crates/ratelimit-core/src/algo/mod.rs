@@ -482,6 +482,10 @@ pub fn settle_cap(rules: &RuleSet) -> u64 {
 /// never more than `unspent` units' worth. Sliding windows and logs are never leased:
 /// nothing goes back to them. Returns whether the state changed.
 ///
+/// A token bucket takes the units into its level whatever its `last`: a lease's `now`
+/// may lie before the bucket's last check, so a `last` ahead of it is no debt to repay
+/// (as [`refund`] repays one).
+///
 /// The caller must have checked that `state` was written under `rule`'s limit (the unit
 /// of a TAT's fraction and of a bucket's level); a token bucket's `rule` carries the
 /// capacity the state was written under.
@@ -498,7 +502,7 @@ pub fn refund_unspent(
     match rule.algorithm() {
         Algorithm::FixedWindow => fixed_window::refund(rule, state, unspent, start),
         Algorithm::TokenBucket { capacity } => {
-            token_bucket::refund(rule, capacity, state, give(), now)
+            token_bucket::refund_level(rule, capacity, state, give())
         }
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
             gcra::refund(rule, state, give(), now)

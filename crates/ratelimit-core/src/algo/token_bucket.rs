@@ -156,6 +156,19 @@ pub(super) fn refund(
     changed || *level != before
 }
 
+/// Puts `give` (tokens × period) back into the level, up to the bucket's capacity,
+/// whatever `last`: a lease's unspent units, given back at the lease's end (a time that
+/// may lie before the bucket's `last`). Returns whether the state changed.
+pub(super) fn refund_level(rule: &Rule, capacity: u64, state: &mut RuleState, give: u64) -> bool {
+    let RuleState::Tokens { level, .. } = state else {
+        return false;
+    };
+    let full = capacity * rule.period_us();
+    let before = *level;
+    *level = level.saturating_add(give).min(full);
+    *level != before
+}
+
 /// Takes `units` (already capped at the rule's debt cap) unconditionally: from the level
 /// at `now` while it holds them, the rest as debt below empty (the level 0, the refill
 /// resuming once it has repaid it, rounded up to a whole microsecond), while what is
