@@ -641,9 +641,11 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
 
     /// The most one settle charges beyond the request's estimate, in the rules' units:
     /// a larger actual is cut to the estimate plus this, with a `WARN` at most every
-    /// 10 s. By default one period's limit of the tier's largest rule. Whatever this
-    /// says, the store never adds more than one period's limit of a rule in one settle,
-    /// so a hostile actual (`u64::MAX`) cannot lock a key out for years.
+    /// 10 s. By default the most the store takes: the largest
+    /// [`debt_cap`](ratelimit_core::algo::debt_cap) of the tier's rules (one period's
+    /// limit). Whatever this says, the store never adds more than a rule's `debt_cap` to
+    /// it in one settle, so a hostile actual (`u64::MAX`) cannot lock a key out for
+    /// years; set it lower to bound what one response can cost a key.
     pub fn max_debt(mut self, units: u64) -> Self {
         self.metering.max_debt = Some(units);
         self

@@ -354,7 +354,8 @@
 //!   Each window keeps the bound above, so over a long horizon the average exceeds the
 //!   rate by at most C × (A − E) per period.
 //!
-//! One settle adds at most one period's limit of each rule (and no more than
+//! One settle adds at most one period's limit of each rule
+//! ([`debt_cap`](ratelimit_core::algo::debt_cap); and no more than
 //! [`max_debt`](RateLimitLayerBuilder::max_debt)), so a hostile actual (`u64::MAX`)
 //! locks a key out for about one period, not for years. A settle makes one store call
 //! per request whose actual differs from its estimate, none otherwise; the response (or

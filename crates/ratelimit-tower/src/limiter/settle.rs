@@ -160,9 +160,11 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
     /// `actual`, cut to the charge's estimate plus the most one settle may add.
     fn capped(&self, charge: &Charge, actual: u64) -> u64 {
         let tier = charge.tier.get(&charge.version);
+        // By default what the store would take at most: no rule takes more than its
+        // `debt_cap` in one settle.
         let most = self.metering.max_debt.unwrap_or_else(|| {
             (tier.rules.rules().iter())
-                .map(|r| r.limit())
+                .map(ratelimit_core::algo::debt_cap)
                 .max()
                 .unwrap_or(0)
         });
