@@ -16,7 +16,9 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use ratelimit_core::{CapacityError, Decision, ManualClock, MemoryStore, RuleSet, Store};
-use ratelimit_tower::{FailurePolicy, HeaderKey, RateLimitLayer, Usage};
+use ratelimit_tower::{
+    FailurePolicy, HeaderKey, RateLimitLayer, RateLimitLayerBuilder, RequestCost, Usage,
+};
 use tower::ServiceExt;
 
 mod common;
@@ -128,6 +130,20 @@ impl Store for Remote {
     }
 }
 
+/// The builder of a layer of `rules` on the `tokens` budget of each `x-api-key`, with
+/// `estimate` reserved at the door.
+fn tokens<S: Store>(
+    store: S,
+    rules: &str,
+    estimate: u64,
+) -> RateLimitLayerBuilder<S, HeaderKey, impl RequestCost<Body>> {
+    RateLimitLayer::builder(store, HeaderKey::new("x-api-key"))
+        .rules(rules)
+        .unwrap()
+        .namespace("tokens")
+        .cost(move |_: &Request<Body>| estimate)
+}
+
 fn with_key(path: &str, key: &str) -> Request<Body> {
     Request::get(path)
         .header("x-api-key", key)
@@ -164,11 +180,7 @@ async fn sequential_settles_are_exact() {
 
 async fn sequential<S: Store>(store: Arc<S>, held: &MemoryStore<ManualClock>) {
     let rules = "1000/h fixed-window name=tokens";
-    let layer = RateLimitLayer::builder(store, HeaderKey::new("x-api-key"))
-        .rules(rules)
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(store, rules, 100)
         .settle_from_header("x-usage-tokens")
         .build()
         .unwrap();
@@ -203,11 +215,7 @@ async fn sequential<S: Store>(store: Arc<S>, held: &MemoryStore<ManualClock>) {
 async fn an_actual_below_the_estimate_gives_the_rest_back() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window name=tokens")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window name=tokens", 100)
         .settle_from_header("x-usage-tokens")
         .build()
         .unwrap();
@@ -247,11 +255,7 @@ async fn an_actual_below_the_estimate_gives_the_rest_back() {
 async fn a_bad_usage_header_keeps_the_estimate() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window", 100)
         .settle_from_header("x-usage-tokens")
         .build()
         .unwrap();
@@ -289,11 +293,7 @@ fn urlencoding(value: &str) -> String {
 async fn a_huge_actual_is_capped() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("100/min gcra")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 1)
+    let layer = tokens(Arc::clone(&store), "100/min gcra", 1)
         .settle_with(|_: &http::response::Parts| Some(u64::MAX))
         .build()
         .unwrap();
@@ -321,11 +321,7 @@ async fn a_huge_actual_is_capped() {
 async fn a_handler_report_settles_at_the_body_end() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window", 100)
         .usage_extension(true)
         .build()
         .unwrap();
@@ -361,11 +357,7 @@ async fn a_handler_report_settles_at_the_body_end() {
 async fn a_streamed_report_is_settled_once_and_a_dropped_stream_settles_what_it_reported() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window", 100)
         .usage_extension(true)
         .build()
         .unwrap();
@@ -445,11 +437,7 @@ async fn a_streamed_report_is_settled_once_and_a_dropped_stream_settles_what_it_
 async fn responses_that_do_not_count_are_given_back_not_settled() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let outer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let outer = tokens(Arc::clone(&store), "1000/h fixed-window", 100)
         .settle_from_header("x-usage-tokens")
         .charge_when(|res: &http::response::Parts| res.status.is_success())
         .build()
@@ -560,11 +548,7 @@ async fn a_fallback_charge_is_settled_in_the_fallback() {
 async fn an_estimate_of_zero_admits_until_the_key_is_over() {
     let clock = ManualClock::new(T0);
     let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 0)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window", 0)
         .settle_from_header("x-usage-tokens")
         .build()
         .unwrap();
@@ -591,11 +575,7 @@ use futures_util::StreamExt;
 async fn a_customer_is_settled_under_its_own_rules() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window name=tokens")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window name=tokens", 100)
         .settle_from_header("x-usage-tokens")
         .limits_for(|client: ratelimit_tower::key::ClientKey| {
             let own = client.as_bytes() == b"small";
@@ -631,11 +611,7 @@ async fn a_customer_is_settled_under_its_own_rules() {
 async fn a_failed_debt_is_retried_once_and_a_failed_give_back_is_not() {
     let clock = ManualClock::new(T0);
     let store = Remote::new(&clock);
-    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
-        .rules("1000/h fixed-window")
-        .unwrap()
-        .namespace("tokens")
-        .cost(|_: &Request<Body>| 100)
+    let layer = tokens(Arc::clone(&store), "1000/h fixed-window", 100)
         .settle_from_header("x-usage-tokens")
         .build()
         .unwrap();

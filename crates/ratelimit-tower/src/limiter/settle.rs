@@ -57,14 +57,7 @@ where
         Some(Box::pin(async move {
             let tier = charge.tier.get(&charge.version);
             let call = store.refund(&charge.key, &tier.rules, charge.cost, charge.charged_at);
-            let error = match timeout {
-                None => call.await.err().map(|e| e.to_string()),
-                Some(t) => match tokio::time::timeout(t, call).await {
-                    Ok(r) => r.err().map(|e| e.to_string()),
-                    Err(_) => Some(format!("no answer within the store timeout of {t:?}")),
-                },
-            };
-            if let Some(error) = error {
+            if let Some(error) = failure(call, timeout).await {
                 if let Some(count) = report.hit(store.now_us()) {
                     refund_failed(&charge, tier.client_key(&charge.key), &error, count);
                 }
@@ -136,13 +129,7 @@ where
                     actual,
                     charge.charged_at,
                 );
-                error = match timeout {
-                    None => call.await.err().map(|e| e.to_string()),
-                    Some(t) => match tokio::time::timeout(t, call).await {
-                        Ok(r) => r.err().map(|e| e.to_string()),
-                        Err(_) => Some(format!("no answer within the store timeout of {t:?}")),
-                    },
-                };
+                error = failure(call, timeout).await;
                 if error.is_none() {
                     return;
                 }
@@ -225,4 +212,18 @@ fn settle_failed(charge: &Charge, client: &[u8], actual: u64, error: &str, count
         "rate limit: settling a request's actual cost failed; its estimate stays charged \
          (reported at most every 10 s, with the failures since the last report)"
     );
+}
+
+/// What went wrong with a store call given `timeout`, if anything.
+async fn failure<T, E: std::fmt::Display>(
+    call: impl std::future::Future<Output = Result<T, E>>,
+    timeout: Option<std::time::Duration>,
+) -> Option<String> {
+    match timeout {
+        None => call.await.err().map(|e| e.to_string()),
+        Some(t) => match tokio::time::timeout(t, call).await {
+            Ok(r) => r.err().map(|e| e.to_string()),
+            Err(_) => Some(format!("no answer within the store timeout of {t:?}")),
+        },
+    }
 }
