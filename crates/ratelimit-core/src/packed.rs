@@ -84,6 +84,7 @@ const SLIDING_LOG: u64 = 3;
 const TOKEN_BUCKET: u64 = 4;
 const LEAKY_BUCKET: u64 = 5;
 const GCRA: u64 = 6;
+const CONCURRENT: u64 = 7;
 
 /// What is wrong with packed values: a message for the error reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -108,6 +109,8 @@ pub fn rule_values(rule: &Rule, id: u64) -> [u64; PER_RULE] {
             (LEAKY_BUCKET, burst, delay.saturating_add(1))
         }
         Algorithm::Gcra { burst } => (GCRA, burst, 0),
+        // The period is the slots' timeout.
+        Algorithm::Concurrent => (CONCURRENT, 0, 0),
     };
     [code, l, p, a, b, id]
 }
@@ -118,6 +121,8 @@ fn entry_len(rule: &Rule) -> u64 {
         Algorithm::SlidingLog => 0,
         Algorithm::FixedWindow => 2 + 2,
         Algorithm::SlidingWindow { precision } => 2 + precision + 2,
+        // The slot numbering; the slots themselves are kept apart, as the log is.
+        Algorithm::Concurrent => 2 + 1,
         _ => 2 + 4,
     }
 }
@@ -493,6 +498,10 @@ fn read_entry(rule: &Rule, raw: &[u8], p: usize) -> Option<(RuleState, usize)> {
             us: v(2)?,
             frac: v(3)?,
         },
+        Algorithm::Concurrent => RuleState::Slots(Box::new(algo::SlotTable {
+            next: v(0)?,
+            held: Vec::new(),
+        })),
     };
     Some((state, len))
 }
@@ -557,6 +566,15 @@ fn encode_entry(out: &mut Vec<u8>, rule: &Rule, id: u64, state: &RuleState) {
     let (l, a) = (rule.limit(), rule.capacity());
     match (rule.algorithm(), state) {
         (Algorithm::SlidingLog, _) => {}
+        (Algorithm::Concurrent, _) => {
+            let next = match state {
+                RuleState::Slots(table) => table.next,
+                _ => 0,
+            };
+            for x in [id, 1, next] {
+                push(out, x);
+            }
+        }
         (Algorithm::FixedWindow, _) => {
             let (i, c) = match *state {
                 RuleState::Window { index, count } => (index, count),
