@@ -556,6 +556,15 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
+        if rules.concurrent().is_some() {
+            // Refused rather than decided on the rates alone, which would admit any
+            // number in flight.
+            return Err(RedisStoreError::InvalidConfig(format!(
+                "the rule set `{rules}` holds a `concurrent` rule, which this version of \
+                 the Redis store does not hold slots for; limit concurrency with \
+                 MemoryStore, or drop the rule"
+            )));
+        }
         self.inner.checks.check(key, rules, cost).await
     }
 

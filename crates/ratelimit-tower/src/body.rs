@@ -8,6 +8,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use crate::slot::SlotGuard;
+
 pin_project! {
     /// The body of a [`RateLimit`](crate::RateLimit) response: the inner service's body
     /// when the request was passed on, or the layer's own bytes when it was refused.
@@ -25,6 +27,8 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        // A concurrency rule's slot, let go of when the body ends or is dropped.
+        slot: Option<SlotGuard>,
     }
 }
 
@@ -41,7 +45,14 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            slot: None,
         }
+    }
+
+    /// The body holding `slot` until it ends or is dropped.
+    pub(crate) fn holding(mut self, slot: Option<SlotGuard>) -> Self {
+        self.slot = slot;
+        self
     }
 
     pub(crate) fn own(data: Bytes) -> Self {
@@ -49,6 +60,7 @@ impl<B> ResponseBody<B> {
             kind: Kind::Own {
                 data: (!data.is_empty()).then_some(data),
             },
+            slot: None,
         }
     }
 }
@@ -64,10 +76,17 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project().kind.project() {
+        let this = self.project();
+        let frame = match this.kind.project() {
             KindProj::Inner { body } => body.poll_frame(cx),
             KindProj::Own { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        };
+        // The end of the stream, or an error that ends it: the slot goes now, not when a
+        // server gets round to dropping the body.
+        if matches!(frame, Poll::Ready(None | Some(Err(_)))) {
+            *this.slot = None;
         }
+        frame
     }
 
     fn is_end_stream(&self) -> bool {

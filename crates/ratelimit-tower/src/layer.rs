@@ -703,6 +703,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             charge_when: self.charge_when,
             refund_refused: self.refund_refused,
             refund_log: Arc::new(BoundedLog::new()),
+            slot_log: BoundedLog::new(),
             customers: self.resolver.map(|r| {
                 Arc::new(Customers::new(
                     r,

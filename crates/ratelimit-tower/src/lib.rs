@@ -566,6 +566,7 @@ mod namespace;
 mod policy;
 mod rejection;
 mod service;
+mod slot;
 pub mod throttle;
 mod tier;
 

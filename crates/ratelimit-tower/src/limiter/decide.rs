@@ -5,7 +5,6 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::{Extensions, HeaderValue, Request};
 use ratelimit_core::{Decision, Outcome, Store};
@@ -21,6 +20,7 @@ use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
 use crate::limits::{TierRef, Version};
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
+use crate::slot::SlotGuard;
 use crate::tier::{SelectTier, StoreKey, Tier};
 
 /// A request ready for the store: its tier, its store key and its cost.
@@ -126,8 +126,9 @@ where
                 // Decided where the store wrote it: the decision is not moved.
                 let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
-                let verdict = this.finish(verdict);
-                if let Verdict::Pass(_) = verdict {
+                let mut verdict = this.finish(verdict);
+                if let Verdict::Pass(pass) = &mut verdict {
+                    Self::bind_slot(this, pass, charged, tier, &check);
                     *charge = Self::charge(this, charged, &check, charged_at, || {
                         arc_swap::Guard::into_inner(version)
                     });
@@ -180,6 +181,25 @@ where
             by_fallback: charged == Charged::Fallback,
             judged: this.charge_when.is_some(),
         })
+    }
+
+    /// Binds the slot an admitted request took, if any, to the store that gave it (the
+    /// fallback store's rules when it was that one), so that it is released there.
+    fn bind_slot(this: &Arc<Self>, pass: &mut Pass, charged: Charged, tier: &Tier, check: &Check) {
+        let Some(slot) = &mut pass.slot else {
+            return;
+        };
+        let by_fallback = charged == Charged::Fallback;
+        let rules = match (by_fallback, &tier.fallback_rules) {
+            (true, Some(rules)) => rules,
+            _ => &tier.rules,
+        };
+        slot.bind(
+            Arc::clone(this) as Arc<dyn crate::slot::Slots>,
+            &check.key,
+            rules,
+            by_fallback,
+        );
     }
 
     /// Who charges a request on the store's answer `result`, should the layer pass it.
@@ -277,6 +297,7 @@ where
             let verdict = limiter.decided(tier, &check, result, None);
             let mut verdict = limiter.finish(verdict);
             if let Verdict::Pass(pass) = &mut verdict {
+                Self::bind_slot(&limiter, pass, charged, tier, &check);
                 if let Some(charge) =
                     Self::charge(&limiter, charged, &check, charged_at, || version)
                 {
@@ -396,10 +417,11 @@ where
             tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: admitted");
         }
         let fields = self.admitted_headers.then(|| Fields {
-            policy: Some(tier.policy.header.clone()),
+            policy: tier.policy.header.clone(),
             ratelimit: tier.policy.ratelimit(decision),
             shadow: None,
         });
+        let slot = decision.slot().map(SlotGuard::taken);
         let admission = self
             .admission_extension
             .then(|| Admission::decided(by, decision));
@@ -423,9 +445,11 @@ where
             })),
         };
         Verdict::Pass(Pass {
-            delay,
+            // At most `max_delay`, far below `u64::MAX` µs.
+            delay_us: delay.as_micros() as u64,
             fields,
             admission,
+            slot,
         })
     }
 
@@ -535,7 +559,7 @@ where
     fn shadowed(&self, verdict: Verdict) -> Verdict {
         let (label, binding) = match verdict {
             // Admitted anyway: nothing to report, and no rate-limit fields in shadow mode.
-            Verdict::Pass(pass) if pass.delay.is_zero() => {
+            Verdict::Pass(pass) if pass.delay_us == 0 => {
                 return Verdict::Pass(Pass {
                     fields: None,
                     ..pass
@@ -562,7 +586,7 @@ where
             "rate limit (shadow mode): would have refused or delayed; passing"
         );
         Verdict::Pass(Pass {
-            delay: Duration::ZERO,
+            delay_us: 0,
             fields: Some(Fields {
                 shadow: Some(label),
                 ..Fields::default()
@@ -576,6 +600,7 @@ where
             } else {
                 Admitted::Inserted
             },
+            slot: None,
         })
     }
 }

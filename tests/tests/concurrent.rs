@@ -1,0 +1,152 @@
+//! `N concurrent` over real HTTP: slots held to the end of the response body, released
+//! when it ends or the client goes away.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes, HttpBody};
+use axum::routing::get;
+use axum::Router;
+use http_body::Frame;
+use ratelimit_core::{MemoryStore, Store};
+use ratelimit_e2e::{client, one, TestServer};
+use ratelimit_tower::{GlobalKey, RateLimitLayer};
+
+/// The handler's own count of requests in flight, and the most it saw at once.
+#[derive(Default)]
+struct InFlight {
+    now: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl InFlight {
+    async fn hold(&self, for_: Duration) {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(n, Ordering::SeqCst);
+        tokio::time::sleep(for_).await;
+        self.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn app<S: Store>(store: Arc<S>, flight: Arc<InFlight>) -> Router {
+    let layer = RateLimitLayer::builder(store, GlobalKey)
+        .rules("100/min; 4 concurrent")
+        .unwrap()
+        .namespace("conc")
+        // Each wave must reach the store: a refusal remembered would answer the next.
+        .without_deny_cache()
+        .build()
+        .unwrap();
+    Router::new()
+        .route(
+            "/",
+            get(move || {
+                let flight = Arc::clone(&flight);
+                async move {
+                    flight.hold(Duration::from_millis(300)).await;
+                    "done"
+                }
+            }),
+        )
+        .route(
+            "/stream",
+            // A body that never ends: only the client going away ends it.
+            get(|| async { Body::new(Endless) }),
+        )
+        .layer(layer)
+}
+
+/// A response body that sends nothing and never ends.
+struct Endless;
+
+impl HttpBody for Endless {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Pending
+    }
+}
+
+/// Fires `n` requests at once at each of `servers` in turn; the statuses.
+async fn wave(servers: &[&TestServer], n: usize) -> Vec<u16> {
+    let http = client();
+    let calls = (0..n).map(|i| {
+        let url = servers[i % servers.len()].url("/");
+        let http = http.clone();
+        tokio::spawn(async move {
+            let res = http.get(url).send().await.unwrap();
+            let status = res.status().as_u16();
+            if status == 429 {
+                assert_eq!(one(&res, "retry-after").as_deref(), Some("1"), "a hint");
+                assert!(res.headers().get("ratelimit").is_some(), "the rate's field");
+            }
+            res.bytes().await.unwrap();
+            status
+        })
+    });
+    let mut statuses = Vec::new();
+    for call in calls.collect::<Vec<_>>() {
+        statuses.push(call.await.unwrap());
+    }
+    statuses
+}
+
+async fn twenty_then_the_next_wave(servers: &[&TestServer], flight: &InFlight) {
+    let statuses = wave(servers, 20).await;
+    let ok = statuses.iter().filter(|&&s| s == 200).count();
+    let refused = statuses.iter().filter(|&&s| s == 429).count();
+    assert_eq!((ok, refused), (4, 16), "{statuses:?}");
+    assert!(flight.most.load(Ordering::SeqCst) <= 4);
+    // The slots go when each body has ended, just after the client has read it.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let statuses = wave(servers, 4).await;
+    assert_eq!(statuses, [200; 4], "the next wave");
+    assert_eq!(flight.most.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_of_twenty_at_once_then_the_next_wave_on_memory() {
+    let flight = Arc::new(InFlight::default());
+    let server = TestServer::start(app(Arc::new(MemoryStore::new()), Arc::clone(&flight))).await;
+    twenty_then_the_next_wave(&[&server], &flight).await;
+}
+
+/// A client that goes away mid-body frees its slot: four endless streams hold all four,
+/// and once their clients hang up, four more are admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_frees_its_slot() {
+    let flight = Arc::new(InFlight::default());
+    let server = TestServer::start(app(Arc::new(MemoryStore::new()), flight)).await;
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        // A client each: one connection per stream, closed when it is dropped.
+        let res = client().get(server.url("/stream")).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        streams.push(res);
+    }
+    let res = client().get(server.url("/stream")).send().await.unwrap();
+    assert_eq!(res.status(), 429, "four streams hold the four slots");
+    drop(streams);
+    let mut admitted = 0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let res = client().get(server.url("/stream")).send().await.unwrap();
+        if res.status() == 200 {
+            admitted = 1;
+            break;
+        }
+    }
+    assert_eq!(
+        admitted, 1,
+        "the hung-up streams' slots were never released"
+    );
+}
