@@ -152,7 +152,12 @@ fn run_check(bytes: &[u8], cached: Option<&PackedRules>, raw: &[u8], now: u64) {
     let before = states.clone();
     let transition = algo::decide(rules.rules(), &mut states, now, header.cost);
     let mut out = Vec::new();
-    packed::encode_decision(&mut out, &transition.decision, false);
+    packed::encode_decision(
+        &mut out,
+        &transition.decision,
+        rules.rules().concurrent(),
+        false,
+    );
     if transition.committed {
         let mut state = Vec::new();
         packed::encode_state(&mut state, &header, rules, &states, now);

@@ -556,15 +556,6 @@ impl Store for RedisStore {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         rules.check_cost(cost)?;
-        if rules.concurrent().is_some() {
-            // Refused rather than decided on the rates alone, which would admit any
-            // number in flight.
-            return Err(RedisStoreError::InvalidConfig(format!(
-                "the rule set `{rules}` holds a `concurrent` rule, which this version of \
-                 the Redis store does not hold slots for; limit concurrency with \
-                 MemoryStore, or drop the rule"
-            )));
-        }
         self.inner.checks.check(key, rules, cost).await
     }
 
@@ -603,6 +594,31 @@ impl Store for RedisStore {
             .exact()
             .give_back(key, rules, cost, charged_at)
             .await
+    }
+
+    /// Frees a concurrency slot through the function library's `release` (the module's
+    /// `RATELIMIT.RELEASE`): one call on the key's state, whatever `rules` (held slots
+    /// carry over rule changes), sent again after a lost connection without freeing
+    /// twice (a slot is freed by its number, once). In lease mode too: slots are never
+    /// leased.
+    async fn release(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> Result<bool, RedisStoreError> {
+        let _ = rules;
+        self.inner.exact().edit_slot(key, slot, None).await
+    }
+
+    /// Renews a concurrency slot through `renew` (`RATELIMIT.RENEW`) to the timeout of
+    /// `rules`' concurrency rule.
+    async fn renew(&self, key: &[u8], rules: &RuleSet, slot: u64) -> Result<bool, RedisStoreError> {
+        let Some(at) = rules.concurrent() else {
+            return Ok(false);
+        };
+        let timeout = rules.rules()[at].period_us();
+        self.inner.exact().edit_slot(key, slot, Some(timeout)).await
     }
 
     /// The injected clock's time when one is set; otherwise this host's reading of the
