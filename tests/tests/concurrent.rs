@@ -15,6 +15,8 @@ use axum::Router;
 use http_body::Frame;
 use ratelimit_core::{MemoryStore, Store};
 use ratelimit_e2e::{client, one, TestServer};
+use ratelimit_redis::testing::{wait_connected, RedisCluster, RedisServer};
+use ratelimit_redis::RedisStore;
 use ratelimit_tower::{GlobalKey, RateLimitLayer};
 
 /// The handler's own count of requests in flight, and the most it saw at once.
@@ -149,4 +151,53 @@ async fn a_client_gone_frees_its_slot() {
         admitted, 1,
         "the hung-up streams' slots were never released"
     );
+}
+
+/// A store on `server` with a timeout long enough for a loaded machine (the layer fails
+/// open on a store timeout by default).
+async fn redis_store(server: &RedisServer) -> Arc<RedisStore> {
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .build(&server.url())
+        .await
+        .expect("connect to the test redis-server");
+    wait_connected(&store).await;
+    Arc::new(store)
+}
+
+/// Two app instances, each with its own store, on one redis-server: the slots are the
+/// fleet's, never more than four in flight between them.
+async fn two_instances_on(redis: &RedisServer) {
+    let flight = Arc::new(InFlight::default());
+    let a = TestServer::start(app(redis_store(redis).await, Arc::clone(&flight))).await;
+    let b = TestServer::start(app(redis_store(redis).await, Arc::clone(&flight))).await;
+    twenty_then_the_next_wave(&[&a, &b], &flight).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_of_twenty_between_two_instances_on_redis_lua() {
+    two_instances_on(&RedisServer::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_of_twenty_between_two_instances_on_the_module() {
+    two_instances_on(&RedisServer::start_with_module()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_of_twenty_between_two_instances_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let store = || async {
+        let store = RedisStore::builder()
+            .timeout(Duration::from_secs(5))
+            .build_cluster(&cluster.urls())
+            .await
+            .expect("cluster store");
+        wait_connected(&store).await;
+        Arc::new(store)
+    };
+    let flight = Arc::new(InFlight::default());
+    let a = TestServer::start(app(store().await, Arc::clone(&flight))).await;
+    let b = TestServer::start(app(store().await, Arc::clone(&flight))).await;
+    twenty_then_the_next_wave(&[&a, &b], &flight).await;
 }

@@ -1769,9 +1769,29 @@ pub enum Step {
         /// Index into the trace's rule sets.
         rules: usize,
     },
+    /// Release a slot the trace took before: the `nth` (modulo their number) of the
+    /// slots checks of this trace took, on `key` (perhaps not the key that took it, and
+    /// perhaps again). Nothing when no check took a slot yet.
+    Release {
+        /// Key number.
+        key: u8,
+        /// Which slot, of those taken so far.
+        nth: usize,
+    },
+    /// Renew a slot the trace took before, as [`Step::Release`] picks it, under rule set
+    /// number `rules`.
+    Renew {
+        /// Key number.
+        key: u8,
+        /// Index into the trace's rule sets.
+        rules: usize,
+        /// Which slot, of those taken so far.
+        nth: usize,
+    },
 }
 
-/// What a step produced: the decision of a check (or its error text), nothing otherwise.
+/// What a step produced: the decision of a check (or its error text), the answer of a
+/// release or renewal (or its error text), nothing otherwise.
 pub type StepResult = Option<Result<Decision, String>>;
 
 /// Replays `steps` against `store`, moving `clock` (which the store must read), with keys
@@ -1789,6 +1809,13 @@ pub async fn run_trace<St: Store>(
         key
     };
     let mut out = Vec::with_capacity(steps.len());
+    // The slots checks took, in order: every store numbers them alike.
+    let mut slots: Vec<u64> = Vec::new();
+    // A release's or renewal's answer, as a result of the one shape steps have: a
+    // decision allowing with a delay of 1 µs when the slot was live, of 0 otherwise.
+    let answer = |r: Result<bool, String>| {
+        Some(r.map(|live| Decision::from_rules([], Duration::from_micros(u64::from(live)))))
+    };
     for step in steps {
         out.push(match step {
             Step::Advance(us) => {
@@ -1803,12 +1830,34 @@ pub async fn run_trace<St: Store>(
                 key: k,
                 rules,
                 cost,
-            } => Some(
-                store
+            } => {
+                let decided = store
                     .check(&key(*k), &rulesets[*rules], *cost)
                     .await
-                    .map_err(|e| e.to_string()),
-            ),
+                    .map_err(|e| e.to_string());
+                if let Some(slot) = decided.as_ref().ok().and_then(Decision::slot) {
+                    slots.push(slot);
+                }
+                Some(decided)
+            }
+            Step::Release { key: k, nth } => match slots.get(nth % slots.len().max(1)) {
+                Some(&slot) => answer(
+                    store
+                        .release(&key(*k), &rulesets[0], slot)
+                        .await
+                        .map_err(|e| e.to_string()),
+                ),
+                None => None,
+            },
+            Step::Renew { key: k, rules, nth } => match slots.get(nth % slots.len().max(1)) {
+                Some(&slot) => answer(
+                    store
+                        .renew(&key(*k), &rulesets[*rules], slot)
+                        .await
+                        .map_err(|e| e.to_string()),
+                ),
+                None => None,
+            },
             Step::Block { key: k, ms } => {
                 let res = store.block(&key(*k), ms.map(Duration::from_millis)).await;
                 res.err().map(|e| Err(e.to_string()))
@@ -1878,10 +1927,24 @@ pub mod strategy {
         )
     }
 
-    /// A rule set of one to four rules.
+    /// A `N concurrent` rule: 1 to 4 slots, held 100 ms, 1 s or a minute.
+    pub fn concurrent_rule() -> impl Strategy<Value = Rule> {
+        let timeout = prop_oneof![Just(100_000u64), Just(1_000_000), Just(60_000_000)];
+        (1u64..=4, timeout).prop_map(|(limit, us)| {
+            Rule::concurrent(limit, Duration::from_micros(us)).expect("generated rules are valid")
+        })
+    }
+
+    /// A rule set of one to four rules, now and then with a concurrency rule besides.
     pub fn rule_set() -> impl Strategy<Value = RuleSet> {
-        proptest::collection::vec(rule(), 1..=4)
-            .prop_map(|rules| RuleSet::new(rules).expect("valid"))
+        (
+            proptest::collection::vec(rule(), 1..=4),
+            proptest::option::weighted(0.3, concurrent_rule()),
+        )
+            .prop_map(|(mut rules, concurrent)| {
+                rules.extend(concurrent);
+                RuleSet::new(rules).expect("valid")
+            })
     }
 
     /// `versions` rule sets (at least one) that one service could go through: the first
@@ -1899,8 +1962,9 @@ pub mod strategy {
         (
             proptest::collection::vec((rule(), any::<bool>()), 1..=4),
             proptest::collection::vec(version, versions.saturating_sub(1)),
+            proptest::option::weighted(0.3, concurrent_rule()),
         )
-            .prop_map(|(base, edits)| {
+            .prop_map(|(base, edits, concurrent)| {
                 let base: Vec<Rule> = base
                     .into_iter()
                     .enumerate()
@@ -1911,6 +1975,7 @@ pub mod strategy {
                             rule
                         }
                     })
+                    .chain(concurrent)
                     .collect();
                 let mut sets = vec![RuleSet::new(base.clone()).expect("valid")];
                 for (per_rule, added, reverse) in edits {
@@ -1997,6 +2062,8 @@ pub mod strategy {
             1 => (0u8..3, proptest::option::of(1u64..3_000)).prop_map(|(key, ms)| Step::Block { key, ms }),
             1 => (0u8..3).prop_map(|key| Step::Unblock { key }),
             1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Reset { key, rules }),
+            3 => (0u8..3, 0usize..16).prop_map(|(key, nth)| Step::Release { key, nth }),
+            1 => (0u8..3, 0..rulesets, 0usize..16).prop_map(|(key, rules, nth)| Step::Renew { key, rules, nth }),
         ];
         proptest::collection::vec(step, 1..len)
     }

@@ -1074,8 +1074,14 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
 
   if not all_ok or cost == 0 then
     if converted and cost > 0 then
+      -- Slots go with their rule: a set without one drops them, as it drops the
+      -- entries of rules it does not have.
+      local kept = {}
+      if conc then
+        kept = held
+      end
       write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected, ttl_floor,
-        log_limit, log_period, newest, layout, held)
+        log_limit, log_period, newest, layout, kept)
     end
     return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))
   end
@@ -1615,8 +1621,8 @@ end
 -- ARGV[4]  TTL floor in ms (under an injected clock, as for check)
 --
 -- Returns 1 when the slot was held and live (freed, or renewed), 0 otherwise: a release
--- sent again frees nothing. The slots past their deadline are dropped on the way. The
--- state is rewritten only when the slot was live; a release keeps the key's expiry, a
+-- sent again frees nothing. The state is rewritten only when the slot was live, and only
+-- that slot changes; a release keeps the key's expiry, a
 -- renewal moves it on to the new deadline when that is later.
 local function edit_slot(KEYS, ARGV, timeout)
   local raw = redis.pcall('GET', KEYS[1])
@@ -1660,24 +1666,25 @@ local function edit_slot(KEYS, ARGV, timeout)
   if not t then
     return 0
   end
+  -- Only the slot itself changes: the others, live or not, stay as they are (a check
+  -- drops those past their deadline when it writes).
   local keep, live, latest = {}, false, 0
   for j = 1, #t, 2 do
     local d, k = t[j], t[j + 1]
-    if d > now then
-      if k == number then
-        live = true
-        if timeout then
-          local until_ = now + timeout
-          if until_ > d then
-            d = until_
-          end
+    local this = k == number and d > now and not live
+    if this then
+      live = true
+      if timeout then
+        local until_ = now + timeout
+        if until_ > d then
+          d = until_
         end
       end
-      if k ~= number or timeout then
-        keep[#keep + 1], keep[#keep + 2] = d, k
-        if d > latest then
-          latest = d
-        end
+    end
+    if not this or timeout then
+      keep[#keep + 1], keep[#keep + 2] = d, k
+      if d > latest then
+        latest = d
       end
     end
   end

@@ -75,20 +75,24 @@ pub(super) fn expires_at(state: &RuleState) -> u64 {
     }
 }
 
-/// Frees slot `id`, dropping the slots past their deadline; returns whether `id` was
-/// live. Freeing a slot that is gone does nothing, so a release sent twice frees one slot.
+/// Frees slot `id` if it is live; returns whether it was. Nothing else changes: a slot
+/// past its deadline is free already, and the others are dropped when a check writes.
+/// Freeing a slot that is gone does nothing, so a release sent twice frees one slot.
 pub(super) fn release(state: &mut RuleState, id: u64, now: u64) -> bool {
     let RuleState::Slots(table) = state else {
         return false;
     };
-    let live = table
+    match table
         .held
         .iter()
-        .any(|&(deadline, held)| held == id && deadline > now);
-    table
-        .held
-        .retain(|&(deadline, held)| held != id && deadline > now);
-    live
+        .position(|&(deadline, held)| held == id && deadline > now)
+    {
+        Some(at) => {
+            table.held.remove(at);
+            true
+        }
+        None => false,
+    }
 }
 
 /// Moves the deadline of live slot `id` to `now + timeout_us`; returns whether it was

@@ -384,8 +384,8 @@ pub fn expires_at_for(rules: &RuleSet, states: &[RuleState]) -> u64 {
 
 /// Frees slot `slot` (a [`Decision::slot`]) among `states` at `now`, whatever the rule
 /// set that wrote them (held slots carry over rule changes, and numbers are unique per
-/// key); returns whether it was held and live. A second release of one number frees
-/// nothing. Slots past their deadline are dropped on the way.
+/// key); returns whether it was held and live (only then does anything change). A second
+/// release of one number frees nothing.
 pub fn release(states: &mut [RuleState], slot: u64, now: u64) -> bool {
     states
         .iter_mut()
