@@ -201,3 +201,108 @@ async fn four_of_twenty_between_two_instances_on_a_cluster() {
     let b = TestServer::start(app(store().await, Arc::clone(&flight))).await;
     twenty_then_the_next_wave(&[&a, &b], &flight).await;
 }
+
+/// The app of [`a_killed_process_loses_its_slots_at_their_deadlines`]: four endless
+/// streams hold the slots of `100/min; 4 concurrent timeout=2s`, renewed by the layer.
+fn fleet_app(store: Arc<RedisStore>) -> Router {
+    let layer = RateLimitLayer::builder(store, GlobalKey)
+        .rules("100/min; 4 concurrent timeout=2s")
+        .unwrap()
+        .namespace("killed")
+        .without_deny_cache()
+        .build()
+        .unwrap();
+    Router::new()
+        .route("/stream", get(|| async { Body::new(Endless) }))
+        .layer(layer)
+}
+
+/// Run as a child process by [`a_killed_process_loses_its_slots_at_their_deadlines`]
+/// (which sets `RATELIMIT_KILL_CHILD` to the Redis URL and a file): serves [`fleet_app`]
+/// and writes its port to the file (the test harness keeps a passing test's output).
+/// Alone, a test that does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_child() {
+    let Ok(spec) = std::env::var("RATELIMIT_KILL_CHILD") else {
+        return;
+    };
+    let (url, file) = spec.split_once(' ').unwrap();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .build(&url)
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    let server = TestServer::start(fleet_app(Arc::new(store))).await;
+    std::fs::write(format!("{file}.tmp"), server.addr().port().to_string()).unwrap();
+    std::fs::rename(format!("{file}.tmp"), file).unwrap();
+    tokio::time::sleep(Duration::from_secs(600)).await;
+}
+
+/// A process killed with `kill -9` while four streams hold the key's four slots: the
+/// key admits again within the timeout (2 s) and a renewal interval of the kill, not
+/// never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_loses_its_slots_at_their_deadlines() {
+    let redis = RedisServer::start();
+    let file = std::env::temp_dir().join(format!("ratelimit-kill-{}", std::process::id()));
+    let _ = std::fs::remove_file(&file);
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "killed_child", "--test-threads=1"])
+        .env(
+            "RATELIMIT_KILL_CHILD",
+            format!("{} {}", redis.url(), file.display()),
+        )
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let port = loop {
+        if let Ok(port) = std::fs::read_to_string(&file) {
+            break port.parse::<u16>().unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the child never served"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let _ = std::fs::remove_file(&file);
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        let res = client()
+            .get(format!("http://127.0.0.1:{port}/stream"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        streams.push(res);
+    }
+    // Past one timeout: the child's renewals keep the slots.
+    let here = TestServer::start(fleet_app(redis_store(&redis).await)).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let res = client().get(here.url("/stream")).send().await.unwrap();
+    assert_eq!(res.status(), 429, "the child's slots, renewed, are held");
+    drop(res);
+    child.kill().unwrap(); // SIGKILL: no release, no renewal any more.
+    child.wait().unwrap();
+    let killed = std::time::Instant::now();
+    drop(streams);
+    let admitted = loop {
+        let res = client().get(here.url("/stream")).send().await.unwrap();
+        if res.status() == 200 {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "never admitted again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The timeout plus one renewal interval (2 s / 3), and room for a loaded machine.
+    assert!(
+        admitted <= Duration::from_millis(2_000 + 667 + 500),
+        "admitted again {admitted:?} after the kill"
+    );
+    println!("admitted again {admitted:?} after the kill");
+}
