@@ -212,6 +212,7 @@ macro_rules! __conformance_cases {
             concurrent_with_a_rate_all_or_nothing,
             concurrent_peek_takes_no_slot_and_cost_takes_one,
             concurrent_slots_carry_over_a_limit_change,
+            concurrent_refund_gives_units_back_and_keeps_the_slot,
         );
     };
 }
@@ -1651,6 +1652,26 @@ pub mod cases {
         c.at(15 * S);
         c.denied(b"k", &two, 1, Duration::from_secs(1), "both held")
             .await;
+    }
+
+    /// Charging by outcome beside a concurrency rule: a refund gives the rate's units
+    /// back and leaves the slot held (a slot goes back by release).
+    pub async fn concurrent_refund_gives_units_back_and_keeps_the_slot<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: a refund keeps the slot");
+        let r = c.rules("3/min fixed-window; 1 concurrent timeout=10s");
+        c.at(0);
+        let t = T0_US;
+        let a = c.acquire(b"k", &r, 1, "first").await;
+        assert!(c.refund(b"k", &r, 1, t).await, "[{}] a unit back", c.name);
+        let d = c
+            .denied(b"k", &r, 1, Duration::from_secs(1), "the slot held")
+            .await;
+        assert_eq!(d.rules()[0].remaining, 3, "[{}] {d:?}", c.name);
+        assert!(c.release(b"k", &r, a).await, "[{}] released", c.name);
+        c.acquire(b"k", &r, 1, "free again").await;
     }
 
     /// `n/h` of `algorithm`, with room for `n` at once (`size`: the parameter that gives

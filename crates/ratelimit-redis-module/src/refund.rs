@@ -221,7 +221,11 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     };
     // Only a state of the check's own layout: another's usage cannot be told apart from
     // the charge's.
-    if raw.len() != 8 * header.width || packed::value(&raw, 0) != Some(header.layout) {
+    // (A concurrency rule's slots follow that state's fixed part: they stay as they are.)
+    let slots_follow = rules.rules().concurrent().is_some() && raw.len() > 8 * header.width;
+    if (raw.len() != 8 * header.width && !slots_follow)
+        || packed::value(&raw, 0) != Some(header.layout)
+    {
         return Ok(0);
     }
     let Some(stored) = packed::decode_state(&raw, &header, &rules, now) else {

@@ -1509,6 +1509,15 @@ local function give_back(KEYS, ARGV)
   if width <= 1000 then
     shape = FORMATS[width] or doubles(width)
   end
+  -- A concurrency rule's slots follow the fixed part (see check): kept as they are.
+  local tail = ''
+  if #raw > 8 * width then
+    tail = string.sub(raw, 8 * width + 1)
+    raw = string.sub(raw, 1, 8 * width)
+    if string.sub(tail, 1, 8) ~= struct.pack('<d', SLOTS_MARKER) then
+      return 0
+    end
+  end
   local st = decode(raw, width, shape)
   if not st or st[1] ~= layout then
     return 0
@@ -1572,6 +1581,9 @@ local function give_back(KEYS, ARGV)
         end
       end
       off = off + a + 2
+    elseif code == CONCURRENT then
+      -- A slot goes back by release, not by a refund.
+      off = off + 3
     elseif code == SLIDING_LOG and not logged then
       logged = true
       -- Newest first: the entries at or after the charge are a prefix; its last `cost`
@@ -1601,7 +1613,7 @@ local function give_back(KEYS, ARGV)
     end
   end
   if dirty then
-    redis.call('SET', KEYS[1], encode(st, width, shape), 'KEEPTTL')
+    redis.call('SET', KEYS[1], encode(st, width, shape) .. tail, 'KEEPTTL')
     changed = true
   end
   if changed then
