@@ -229,3 +229,102 @@ async fn a_slot_nobody_releases_frees_at_its_deadline() {
     clock.advance(Duration::from_secs(2));
     assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
 }
+
+/// A store that decides through futures (not in process) and fails the first `failing`
+/// releases, counting every release asked of it.
+struct FlakyReleases {
+    inner: MemoryStore<ManualClock>,
+    failing: usize,
+    releases: std::sync::atomic::AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Down;
+
+impl std::fmt::Display for Down {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("store down")
+    }
+}
+
+impl std::error::Error for Down {}
+
+impl ratelimit_core::Store for FlakyReleases {
+    type Error = Down;
+
+    async fn check(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        cost: u64,
+    ) -> Result<ratelimit_core::Decision, Down> {
+        self.inner.check_now(key, rules, cost).map_err(|_| Down)
+    }
+
+    async fn block(&self, _: &[u8], _: Option<Duration>) -> Result<(), Down> {
+        Ok(())
+    }
+
+    async fn unblock(&self, _: &[u8]) -> Result<(), Down> {
+        Ok(())
+    }
+
+    async fn reset(&self, _: &[u8], _: &RuleSet) -> Result<(), Down> {
+        Ok(())
+    }
+
+    async fn release(&self, key: &[u8], _: &RuleSet, slot: u64) -> Result<bool, Down> {
+        let n = self
+            .releases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n < self.failing {
+            return Err(Down);
+        }
+        Ok(self.inner.release_now(key, slot))
+    }
+
+    fn now_us(&self) -> u64 {
+        use ratelimit_core::Clock;
+        self.inner.clock().now_us()
+    }
+}
+
+async fn release_after_failures(failing: usize) -> (usize, StatusCode) {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(FlakyReleases {
+        inner: MemoryStore::builder().clock(clock.clone()).build(),
+        failing,
+        releases: Default::default(),
+    });
+    let (_tx, gate) = gate();
+    let svc = RateLimitLayer::builder(Arc::clone(&store), GlobalKey)
+        .rules("1 concurrent timeout=1h")
+        .unwrap()
+        .namespace("flaky")
+        .without_deny_cache()
+        .build()
+        .unwrap()
+        .layer(chunked(&gate, 0));
+    let res = call(&svc).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    res.into_body().collect().await.unwrap();
+    // The retries wait 50 ms, 250 ms and 1 s.
+    for _ in 0..40 {
+        tokio::time::advance(Duration::from_millis(50)).await;
+        tokio::task::yield_now().await;
+    }
+    let releases = store.releases.load(std::sync::atomic::Ordering::SeqCst);
+    (releases, call(&svc).await.status())
+}
+
+/// A release the store fails is sent again (three more times within about a second);
+/// one that never goes through leaves the slot to its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_failed_release_is_retried_then_left_to_the_deadline() {
+    assert_eq!(release_after_failures(0).await, (1, StatusCode::OK));
+    assert_eq!(release_after_failures(2).await, (3, StatusCode::OK));
+    assert_eq!(
+        release_after_failures(usize::MAX).await,
+        (4, StatusCode::TOO_MANY_REQUESTS)
+    );
+}
