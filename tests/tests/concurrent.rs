@@ -229,7 +229,7 @@ async fn killed_child() {
     let (url, file) = spec.split_once(' ').unwrap();
     let store = RedisStore::builder()
         .timeout(Duration::from_secs(5))
-        .build(&url)
+        .build(url)
         .await
         .unwrap();
     wait_connected(&store).await;

@@ -348,7 +348,10 @@ pub fn carry_converting(from: &RuleSet, states: &[RuleState], to: &RuleSet, now:
         };
         let (old, state) = (&from.rules()[at], &states[at]);
         let (state, changed) = match old.algorithm() {
-            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => (state.clone(), false),
+            // Held slots carry as they are too, under any limit or timeout.
+            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::Concurrent => {
+                (state.clone(), false)
+            }
             Algorithm::TokenBucket { capacity } => {
                 token_bucket::carry(old, capacity, rule, state, now)
             }
@@ -356,8 +359,6 @@ pub fn carry_converting(from: &RuleSet, states: &[RuleState], to: &RuleSet, now:
                 gcra::carry(old, rule, state, now)
             }
             Algorithm::SlidingLog => unreachable!("identities keep the algorithm"),
-            // Held slots carry as they are, under any limit or timeout.
-            Algorithm::Concurrent => (state.clone(), false),
         };
         converted |= changed;
         out.push(state);
@@ -432,7 +433,8 @@ pub fn refund(
                 log_done = true;
                 sliding_log::refund(state, cost, charged_at)
             }
-            Algorithm::SlidingLog => false,
+            // A slot is given back by `release`, not by a refund.
+            Algorithm::SlidingLog | Algorithm::Concurrent => false,
             Algorithm::TokenBucket { capacity } => token_bucket::refund(
                 rule,
                 capacity,
@@ -442,8 +444,6 @@ pub fn refund(
             Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
                 gcra::refund(rule, state, undrained(rule, cost, charged_at, now), now)
             }
-            // A slot is given back by `release`, not by a refund.
-            Algorithm::Concurrent => false,
         };
     }
     changed
@@ -648,7 +648,7 @@ pub(crate) fn decide_one_then(
     let committed = cost > 0 && e.allowed;
     let mut slot = None;
     let expires = if committed {
-        if let Next::Slot = e.next {
+        if matches!(e.next, Next::Slot) {
             slot = Some(concurrent::commit(rule, state, now));
             concurrent::expires_at(state)
         } else {
