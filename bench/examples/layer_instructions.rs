@@ -7,7 +7,9 @@
 //! for n in 2000 12000; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$n target/release/examples/layer_instructions fields $n
 //! done
-//! # (total of cg.12000 - total of cg.2000) / 10000; routers: plain, governor, quiet, fields
+//! # (total of cg.12000 - total of cg.2000) / 10000; routers: plain, governor, quiet, fields,
+//! # concurrent (fields, and a `1000 concurrent` rule beside the rate: a slot taken, renewed
+//! # by a task and released at the body's drop)
 //! ```
 
 use std::net::SocketAddr;
@@ -29,8 +31,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = args.next().map_or(Ok(10_000), |s| s.parse())?;
     let hello = || Router::new().route("/", get(|| async { "Hello, World!" }));
     let layer = |fields: bool| {
+        let rules = if which == "concurrent" {
+            "100000000/s; 1000 concurrent"
+        } else {
+            "100000000/s"
+        };
         RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
-            .rules("100000000/s")
+            .rules(rules)
             .unwrap()
             .admitted_headers(fields)
             .build()
@@ -47,10 +54,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             hello().layer(GovernorLayer::new(Arc::new(config)))
         }
         "quiet" => hello().layer(layer(false)),
-        "fields" => hello().layer(layer(true)),
+        "fields" | "concurrent" => hello().layer(layer(true)),
         other => return Err(format!("no router {other:?}").into()),
     };
-    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    // A slot's renewal is a task on a timer: the concurrent row's runtime has one.
+    let rt = if which == "concurrent" {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_current_thread().build()?
+    };
     let peer: SocketAddr = "192.0.2.1:40000".parse()?;
     let mut headers = 0;
     rt.block_on(async {
