@@ -40,8 +40,6 @@ fn app<S: Store>(store: Arc<S>, flight: Arc<InFlight>) -> Router {
         .rules("100/min; 4 concurrent")
         .unwrap()
         .namespace("conc")
-        // Each wave must reach the store: a refusal remembered would answer the next.
-        .without_deny_cache()
         .build()
         .unwrap();
     Router::new()

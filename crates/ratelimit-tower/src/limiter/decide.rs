@@ -379,7 +379,13 @@ where
         if decision.outcome() == Outcome::Allowed {
             return self.admitted(tier, key, decision, by, extensions);
         }
-        if let Some(cache) = &self.deny_cache {
+        // A refusal for want of a slot is not remembered: its retry time is a hint, and a
+        // slot released meanwhile admits the next request at once.
+        let by_slots = tier
+            .rules
+            .concurrent()
+            .is_some_and(|at| decision.rules().get(at).is_some_and(|r| !r.allowed));
+        if let (Some(cache), false) = (&self.deny_cache, by_slots) {
             cache.insert(
                 key,
                 tier.generation,
