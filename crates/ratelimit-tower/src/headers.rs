@@ -79,12 +79,14 @@ pub(crate) fn retry_after_value(d: Duration) -> HeaderValue {
 }
 
 /// The names of a tier's rules in metric labels: the rule's own name, or
-/// `<limit>-per-<period>` (made unique within the set by a `-<index>` suffix).
+/// `<limit>-per-<period>` (`<limit>-concurrent` for a concurrency rule), made unique
+/// within the set by a `-<index>` suffix.
 pub(crate) fn rule_names(rules: &RuleSet) -> Vec<String> {
     let mut names: Vec<String> = Vec::with_capacity(rules.len());
     for (i, rule) in rules.rules().iter().enumerate() {
         let mut name = match rule.name() {
             Some(n) => n.to_owned(),
+            None if rule.is_concurrent() => format!("{}-concurrent", rule.limit()),
             None => {
                 let (count, unit) = period_parts(rule.period());
                 format!("{}-per-{count}{unit}", rule.limit())
