@@ -908,6 +908,45 @@ mod tests {
     }
 
     #[test]
+    fn slots_follow_the_state_and_carry_by_identity() {
+        let r = rules("10/s fixed-window; 3 concurrent timeout=1s");
+        let (header, p) = parsed(&r);
+        let mut states = vec![RuleState::Fresh; 2];
+        for now in [5, 6] {
+            assert!(algo::decide(&r, &mut states, now, 1)
+                .decision
+                .slot()
+                .is_some());
+        }
+        let mut raw = Vec::new();
+        encode_state(&mut raw, &header, &p, &states, 0);
+        // The fixed part, then the trailer: marker, 4, two (deadline, number) pairs.
+        assert_eq!(raw.len(), 8 * (header.width + 2 + 4));
+        assert_eq!(value(&raw, header.width), Some(SLOTS_MARKER));
+        assert_eq!(
+            decode_state(&raw, &header, &p, 7).unwrap().states.to_vec(),
+            states
+        );
+        // Under another limit and timeout: the same identity, the same slots.
+        let r2 = rules("2 concurrent timeout=5s");
+        let (h2, p2) = parsed(&r2);
+        assert_eq!(
+            decode_state(&raw, &h2, &p2, 7).unwrap().states[0],
+            states[1]
+        );
+        // A release rewrites the trailer only; twice, it frees nothing.
+        let (out, live, latest) = edit_slots(&raw, 5, 7, SlotEdit::Release).unwrap();
+        assert!(live);
+        assert_eq!(latest, 1_000_006);
+        assert_eq!(out.len(), raw.len() - 16);
+        assert!(!edit_slots(&out, 5, 7, SlotEdit::Release).unwrap().1);
+        // Without slots, no trailer at all.
+        let (none, _, _) = edit_slots(&out, 6, 7, SlotEdit::Release).unwrap();
+        assert_eq!(none.len(), 8 * header.width);
+        assert_eq!(edit_slots(&none, 6, 7, SlotEdit::Release), None);
+    }
+
+    #[test]
     fn foreign_values_are_not_states() {
         let (header, p) = parsed(&rules("10/s gcra burst=3"));
         for raw in [
