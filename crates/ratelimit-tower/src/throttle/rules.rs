@@ -64,6 +64,33 @@ pub(super) fn as_partners_count(rules: RuleSet) -> RuleSet {
     }
 }
 
+/// `rules` without a `N concurrent` rule, with a `WARN`: a throttle waits for a turn and
+/// holds nothing while the call runs, so a slot it took would never be released (only
+/// its deadline would free it). Kept, with the same `WARN`, when it is the only rule.
+fn without_slots(rules: RuleSet) -> RuleSet {
+    let Some(at) = rules.concurrent() else {
+        return rules;
+    };
+    let rest = rules
+        .rules()
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != at)
+        .map(|(_, r)| r.clone());
+    let kept = RuleSet::new(rest).ok();
+    tracing::warn!(
+        rules = %rules,
+        "throttle: a `concurrent` rule limits calls in flight, which a throttle does not \
+         track (it holds no slot while a call runs); {}",
+        if kept.is_some() {
+            "the rule is left out"
+        } else {
+            "each call holds a slot until its timeout"
+        }
+    );
+    kept.unwrap_or(rules)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,31 +133,4 @@ mod tests {
             "100000/1h fixed-window; 100000/1h gcra burst=1"
         );
     }
-}
-
-/// `rules` without a `N concurrent` rule, with a `WARN`: a throttle waits for a turn and
-/// holds nothing while the call runs, so a slot it took would never be released (only
-/// its deadline would free it). Kept, with the same `WARN`, when it is the only rule.
-fn without_slots(rules: RuleSet) -> RuleSet {
-    let Some(at) = rules.concurrent() else {
-        return rules;
-    };
-    let rest = rules
-        .rules()
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != at)
-        .map(|(_, r)| r.clone());
-    let kept = RuleSet::new(rest).ok();
-    tracing::warn!(
-        rules = %rules,
-        "throttle: a `concurrent` rule limits calls in flight, which a throttle does not \
-         track (it holds no slot while a call runs); {}",
-        if kept.is_some() {
-            "the rule is left out"
-        } else {
-            "each call holds a slot until its timeout"
-        }
-    );
-    kept.unwrap_or(rules)
 }
