@@ -1,6 +1,6 @@
-//! An LLM gateway: per API key, 60 requests a minute and 40,000 tokens a minute, the
-//! tokens settled to what the model answered (in its JSON `usage`, or in the last event
-//! of its stream) once the response has ended.
+//! An LLM gateway: per API key, 60 requests a minute (4 in flight) and 40,000 tokens a
+//! minute, the tokens settled to what the model answered (in its JSON `usage`, or in the
+//! last event of its stream) once the response has ended.
 //!
 //! ```sh
 //! cargo run -p ratelimit-examples --example llm_gateway

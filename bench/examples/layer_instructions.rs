@@ -11,6 +11,8 @@
 //! # metered (a settle per request: 1 reserved, 2 read from the response head),
 //! # metered-even (the head's count equals the estimate: no settle), usage (the handler
 //! # reports 2 through `Usage`, settled at the body's end)
+//! # concurrent (fields, and a `1000 concurrent` rule beside the rate: a slot taken, renewed
+//! # by a task and released at the body's drop)
 //! ```
 
 use std::net::SocketAddr;
@@ -32,8 +34,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = args.next().map_or(Ok(10_000), |s| s.parse())?;
     let hello = || Router::new().route("/", get(|| async { "Hello, World!" }));
     let layer = |fields: bool| {
+        let rules = if which == "concurrent" {
+            "100000000/s; 1000 concurrent"
+        } else {
+            "100000000/s"
+        };
         RateLimitLayer::builder(Arc::new(MemoryStore::new()), PeerIp::new())
-            .rules("100000000/s")
+            .rules(rules)
             .unwrap()
             .admitted_headers(fields)
             .build()
@@ -82,10 +89,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .unwrap(),
             )
         }
-        "fields" => hello().layer(layer(true)),
+        "fields" | "concurrent" => hello().layer(layer(true)),
         other => return Err(format!("no router {other:?}").into()),
     };
-    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    // A slot's renewal is a task on a timer: the concurrent row's runtime has one.
+    let rt = if which == "concurrent" {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_current_thread().build()?
+    };
     let peer: SocketAddr = "192.0.2.1:40000".parse()?;
     let mut headers = 0;
     rt.block_on(async {

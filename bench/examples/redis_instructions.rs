@@ -217,6 +217,7 @@ fn main() {
         println!("| `{path}`, {name} | {cost:.0} | {:.2}x |", cost / ping);
     }
     settle_rows(&server, &mut con, rounds, module.is_some(), &script, ping);
+    concurrency_rows(&server, &mut con, rounds, ping, module.is_some());
 }
 
 /// A metered request's calls one by one, as a store sends them (each alone, 64 to a
@@ -546,5 +547,94 @@ fn start(module: Option<&str>, cluster: bool) -> Server {
             "redis-server under callgrind did not start"
         );
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A concurrency rule beside the rate: each check of a batch takes a slot (new keys every
+/// round), then each slot is released, one call per release as the store sends them
+/// (64 to a write). The release's own figure is the difference between the two rows.
+fn concurrency_rows(server: &Server, con: &mut Connection, rounds: usize, ping: f64, module: bool) {
+    let script = check_script();
+    let release_function = script
+        .batch_function
+        .replace("ratelimit_batch_", "ratelimit_release_");
+    let rules: RuleSet = "100/s gcra burst=100; 4 concurrent".parse().expect("rules");
+    let args = check_script_args(&rules, 1);
+    let mut paths = vec![("check_many", true)];
+    if module {
+        paths.push(("RATELIMIT.CHECK_MANY", false));
+    }
+    for (path, lua) in paths {
+        let mut acquire_only = 0.0;
+        for release in [false, true] {
+            let label = format!("{path} concurrent {release}");
+            let cost = count(server, &label, con, rounds, |con, round| {
+                let mut cmd = if lua {
+                    let mut cmd = redis::cmd("FCALL");
+                    cmd.arg(script.batch_function);
+                    cmd
+                } else {
+                    redis::cmd(path)
+                };
+                cmd.arg(2 * BATCH);
+                let tags: Vec<String> = (0..BATCH)
+                    .map(|i| format!("conc:{label}:{{{round}:{i}}}"))
+                    .collect();
+                for tag in &tags {
+                    cmd.arg(format!("{tag}:b")).arg(format!("{tag}:s"));
+                }
+                cmd.arg(vec![b'2'; BATCH]);
+                for _ in 0..BATCH {
+                    cmd.arg(&args[0][..]);
+                }
+                let reply: Vec<u8> = cmd.query(con).unwrap();
+                // Each check's reply: status, delay, 4 values per rule; the slot's number
+                // is the concurrency rule's retry, its 10th value.
+                let slots: Vec<u64> = reply
+                    .chunks(80)
+                    .map(|c| f64::from_le_bytes(c[72..80].try_into().unwrap()) as u64)
+                    .collect();
+                assert_eq!(slots.len(), BATCH);
+                assert!(slots.iter().all(|&s| s > 0), "every check took a slot");
+                if !release {
+                    return;
+                }
+                let mut pipe = redis::pipe();
+                for (tag, slot) in tags.iter().zip(&slots) {
+                    if lua {
+                        pipe.cmd("FCALL")
+                            .arg(&release_function)
+                            .arg(1)
+                            .arg(format!("{tag}:s"))
+                            .arg("")
+                            .arg(*slot);
+                    } else {
+                        pipe.cmd("RATELIMIT.RELEASE")
+                            .arg(format!("{tag}:s"))
+                            .arg("")
+                            .arg(*slot);
+                    }
+                }
+                let freed: Vec<i64> = pipe.query(con).unwrap();
+                assert!(freed.iter().all(|&f| f == 1), "every slot released");
+            });
+            if release {
+                println!(
+                    "| `{path}` + a release each, `100/s gcra burst=100; 4 concurrent` | {cost:.0} | {:.2}x |",
+                    cost / ping
+                );
+                println!(
+                    "| the release alone (difference) | {:.0} | {:.2}x |",
+                    cost - acquire_only,
+                    (cost - acquire_only) / ping
+                );
+            } else {
+                acquire_only = cost;
+                println!(
+                    "| `{path}`, `100/s gcra burst=100; 4 concurrent` (a slot taken) | {cost:.0} | {:.2}x |",
+                    cost / ping
+                );
+            }
+        }
     }
 }

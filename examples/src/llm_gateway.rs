@@ -1,6 +1,6 @@
 //! The `llm_gateway` example's app: a proxy in front of a language model that limits each
-//! API key to 60 requests a minute and 40,000 tokens a minute, the tokens counted from
-//! what the model answered.
+//! API key to 60 requests a minute, 4 in flight at once, and 40,000 tokens a minute, the
+//! tokens counted from what the model answered.
 //!
 //! A request's tokens are known only once the model has answered: in the `usage` of its
 //! JSON answer, or in the last event of its stream. The token layer reserves an estimate
@@ -26,8 +26,9 @@ use ratelimit_tower::{HeaderKey, RateLimitLayer, Usage};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-/// Requests per API key.
-pub const REQUESTS: &str = "60/min name=requests";
+/// Requests per API key: started per minute, and in flight at once (a stream holds its
+/// slot to its end).
+pub const REQUESTS: &str = "60/min name=requests; 4 concurrent name=in-flight";
 
 /// Tokens per API key, settled to what the model answered. GCRA repays debt by time, so
 /// over any long run a key gets at most 40,000 tokens a minute however wrong the
@@ -121,7 +122,8 @@ fn stream_usage(chunk: &[u8]) -> Option<u64> {
 /// An in-process stand-in for a model server: `POST /v1/chat/completions` with
 /// `{"messages": [...], "max_tokens": n, "stream": bool}` answers `max_tokens` (100 when
 /// unset) words, and a prompt's tokens are its words. Streamed, it sends one event per
-/// ten words, then an event with the usage, then `[DONE]`.
+/// ten words, then an event with the usage, then `[DONE]`. `"think_ms": n` makes it take
+/// that long (at most 10 s) before it answers.
 pub fn fake_model() -> Router {
     Router::new().route(CHAT, post(complete))
 }
@@ -138,6 +140,9 @@ async fn complete(Json(call): Json<Value>) -> Response {
         })
         .unwrap_or(0);
     let completion_tokens = call["max_tokens"].as_u64().unwrap_or(100).min(100_000);
+    if let Some(ms) = call["think_ms"].as_u64() {
+        tokio::time::sleep(std::time::Duration::from_millis(ms.min(10_000))).await;
+    }
     let usage = json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

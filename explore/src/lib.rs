@@ -246,6 +246,7 @@ pub fn algorithm_name(algorithm: Algorithm) -> String {
         Algorithm::LeakyBucket(LeakyMode::Meter { .. }) => "leaky bucket meter".into(),
         Algorithm::LeakyBucket(LeakyMode::Shaper { .. }) => "leaky bucket shaper".into(),
         Algorithm::Gcra { .. } => "GCRA".into(),
+        Algorithm::Concurrent => "concurrent".into(),
     }
 }
 

@@ -151,3 +151,41 @@ async fn misconfiguration_is_internal() {
     assert!(status.metadata().get("retry-after").is_none());
     grpc_task.abort();
 }
+
+/// A server-streaming call (health `Watch`) holds its concurrency slot to the stream's
+/// end: a unary call meanwhile is refused with `RESOURCE_EXHAUSTED`, and admitted once
+/// the client drops the stream.
+#[tokio::test]
+async fn a_server_stream_holds_its_slot_to_its_end() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
+    let layer = RateLimitLayer::builder(store, PeerIp::new())
+        .rules("100/min; 1 concurrent")
+        .unwrap()
+        .without_deny_cache()
+        .build()
+        .unwrap();
+    let (mut grpc, task) = serve_health!(layer);
+    let mut watch = grpc
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(watch.message().await.unwrap().is_some(), "the first status");
+    let refused = check(&mut grpc).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    drop(watch);
+    // The server sees the stream's end once the client's reset arrives.
+    let mut admitted = false;
+    for _ in 0..100 {
+        if check(&mut grpc).await.is_ok() {
+            admitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(admitted, "the stream's slot was never released");
+    task.abort();
+}

@@ -83,6 +83,28 @@ async fn a_streamed_answer_is_settled_from_its_last_event() {
     assert_eq!(tokens_left(&next), 40_000 - 3_002 - 500);
 }
 
+/// At most 4 calls of a key in flight: of 6 at once to a model that thinks for 300 ms, 4
+/// are answered and 2 refused; once they have ended, the key is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_holds_four_calls_in_flight_per_key() {
+    let store = Arc::new(MemoryStore::new());
+    let server = Arc::new(TestServer::start(app(store, fake_model())).await);
+    let slow = r#"{"think_ms": 300, "max_tokens": 10, "messages": []}"#;
+    let calls: Vec<_> = (0..6)
+        .map(|_| {
+            let server = Arc::clone(&server);
+            tokio::spawn(async move { chat(&server, "k", slow).await.status().as_u16() })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for call in calls {
+        statuses.push(call.await.unwrap());
+    }
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 200, 200, 200, 429, 429]);
+    assert_eq!(chat(&server, "k", slow).await.status(), 200);
+}
+
 mod bound {
     //! The stated bound under concurrency, on a real redis-server shared by two app
     //! instances (two `RedisStore`s): with at most C requests in flight, each costing at

@@ -36,6 +36,7 @@ pub struct Decision {
     delay: Duration,
     retry_after: Option<Duration>,
     rules: SmallVec<[RuleOutcome; 2]>,
+    slot: Option<u64>,
 }
 
 impl Decision {
@@ -61,6 +62,7 @@ impl Decision {
             delay,
             retry_after,
             rules,
+            slot: None,
         }
     }
 
@@ -72,6 +74,7 @@ impl Decision {
                 delay,
                 retry_after: None,
                 rules,
+                slot: None,
             }
         } else {
             let retry_after = rules.iter().filter_map(|r| r.retry_after).max();
@@ -80,6 +83,7 @@ impl Decision {
                 delay: Duration::ZERO,
                 retry_after,
                 rules,
+                slot: None,
             }
         }
     }
@@ -92,6 +96,7 @@ impl Decision {
             delay: Duration::ZERO,
             retry_after,
             rules: SmallVec::new(),
+            slot: None,
         }
     }
 
@@ -118,6 +123,24 @@ impl Decision {
     #[inline]
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
+    }
+
+    /// The slot an admitted check took under the set's `N concurrent` rule: the number to
+    /// give [`Store::release`](crate::Store::release) when the request has ended, and
+    /// [`Store::renew`](crate::Store::renew) while it runs. `None` when the set has no
+    /// such rule, on a refusal, and on a peek (cost 0).
+    #[inline]
+    pub fn slot(&self) -> Option<u64> {
+        self.slot
+    }
+
+    /// This decision holding `slot` (see [`Decision::slot`]): for a store that decides
+    /// elsewhere (Redis) and builds the decision from the reply.
+    #[inline]
+    #[must_use]
+    pub fn with_slot(mut self, slot: Option<u64>) -> Self {
+        self.slot = slot;
+        self
     }
 
     /// Each rule's outcome, in rule-set order (empty when blocked).

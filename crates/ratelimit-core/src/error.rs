@@ -4,7 +4,7 @@ use std::time::Duration;
 const RULE_SYNTAX: &str = "expected `<limit>/<period> [algorithm] [option=value ...]` with \
 rules separated by `;`, `,` or `|`, e.g. `10/second`, `100 per minute`, `5/2 seconds`, \
 `10/minute, 100/day`, `20/min sliding-window precision=4`, `100/s gcra burst=6`, \
-`2/s leaky-bucket mode=shaper burst=10 delay=2`; units: us, ms, s, min, h, day, week; \
+`2/s leaky-bucket mode=shaper burst=10 delay=2`, `4 concurrent timeout=30s`; units: us, ms, s, min, h, day, week; \
 algorithms: fixed-window, sliding-window, sliding-log, token-bucket, leaky-bucket, gcra \
 (the default)";
 
@@ -97,6 +97,38 @@ pub enum ConfigError {
         /// The largest accepted limit.
         max: u64,
     },
+    /// A concurrency rule's slot count was 0 or above the bound.
+    #[error(
+        "`{limit} concurrent` must be between 1 and {max} slots: each held slot is a deadline \
+         kept in the key's state and read on every check, so the count is bounded; to refuse \
+         all traffic, block the key instead; for more in flight, limit a coarser key"
+    )]
+    BadConcurrency {
+        /// The slot count asked for.
+        limit: u64,
+        /// The largest accepted count.
+        max: u64,
+    },
+    /// A concurrency rule's `timeout` was outside its range.
+    #[error(
+        "`timeout` of a concurrency rule must be between {min_ms} ms and {max_s} s (got {got:?}): \
+         it bounds how long a crashed process's slots stay taken, and a long stream renews \
+         its slot well before it runs out"
+    )]
+    BadTimeout {
+        /// The timeout given.
+        got: Duration,
+        /// The shortest accepted, in milliseconds.
+        min_ms: u64,
+        /// The longest accepted, in seconds.
+        max_s: u64,
+    },
+    /// A rule set held two concurrency rules.
+    #[error(
+        "a rule set holds at most one `concurrent` rule (got {0}); a request holds one slot, \
+         so two slot counts on one key would be the smaller one"
+    )]
+    TwoConcurrencyRules(usize),
     /// A rule set had no rules.
     #[error("a rule set needs at least one rule")]
     EmptyRuleSet,

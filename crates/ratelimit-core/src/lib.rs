@@ -65,7 +65,9 @@ pub use decision::{Decision, Outcome, RuleOutcome};
 pub use error::{CapacityError, ConfigError};
 pub use memory::{MemoryStore, MemoryStoreBuilder, DEFAULT_MAX_KEYS, MEMORY_INLINE_KEY_LEN};
 pub use rule::{
-    Algorithm, LeakyMode, Rule, RuleSet, MAX_EXACT_PRODUCT, MAX_LOG_LIMIT, MAX_PRECISION, MAX_RULES,
+    Algorithm, LeakyMode, Rule, RuleSet, DEFAULT_SLOT_TIMEOUT_US, MAX_CONCURRENT,
+    MAX_EXACT_PRODUCT, MAX_LOG_LIMIT, MAX_PRECISION, MAX_RULES, MAX_SLOT_TIMEOUT_US,
+    MIN_SLOT_TIMEOUT_US,
 };
 pub use store::Store;
 #[cfg(feature = "tokio")]

@@ -8,7 +8,7 @@ use slab::Slab;
 use smallvec::{smallvec, SmallVec};
 
 use crate::algo::{
-    carry_converting, debit, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
+    self, carry_converting, debit, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
@@ -198,7 +198,7 @@ fn unpack(rule: &Rule, [a, b]: [u64; 2]) -> RuleState {
         Algorithm::FixedWindow => RuleState::Window { index: a, count: b },
         Algorithm::TokenBucket { .. } => RuleState::Tokens { level: a, last: b },
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => RuleState::Tat { us: a, frac: b },
-        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog | Algorithm::Concurrent => {
             unreachable!("only two-word states are packed")
         }
     }
@@ -710,7 +710,7 @@ impl<C: Clock> MemoryStore<C> {
                         RuleState::Tokens { level: a, last: b }
                     })
                 }
-                Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
+                Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog | Algorithm::Concurrent => {
                     unreachable!("only two-word states are packed")
                 }
             };
@@ -964,6 +964,48 @@ impl<C: Clock> MemoryStore<C> {
         };
         if changed {
             entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
+        }
+        changed
+    }
+
+    /// The synchronous form of [`Store::release`]: frees slot `slot` of `key`, whatever
+    /// rules its state was since written under; `false` when it was not held and live.
+    pub fn release_now(&self, key: &[u8], slot: u64) -> bool {
+        let now = self.clock.now_us();
+        self.with_slots(key, |states| algo::release(states, slot, now))
+    }
+
+    /// The synchronous form of [`Store::renew`]: moves the deadline of live slot `slot`
+    /// of `key` to now plus the timeout of `rules`' concurrency rule.
+    pub fn renew_now(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
+        let Some(at) = rules.concurrent() else {
+            return false;
+        };
+        let timeout = rules.rules()[at].period_us();
+        let now = self.clock.now_us();
+        self.with_slots(key, |states| algo::renew(states, slot, timeout, now))
+    }
+
+    /// Runs `f` on the states of `key` when they may hold slots (held out of line), and
+    /// moves the entry's expiry to the states' own afterwards: a renewal pushes it on.
+    fn with_slots(&self, key: &[u8], f: impl FnOnce(&mut [RuleState]) -> bool) -> bool {
+        let held = StoredKey::new(key);
+        let (hash, shard) = self.locate(held.as_bytes());
+        let mut shard = shard.lock();
+        let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
+            return false;
+        };
+        let Shard {
+            entries, spills, ..
+        } = &mut *shard;
+        let entry = &entries[at];
+        if !entry.tag.is_spilled() {
+            return false;
+        }
+        let spill = &mut spills[entry.words[0] as usize];
+        let changed = f(&mut spill.states);
+        if changed {
+            spill.expires_at = expires_at_for(&entry.rules, &spill.states);
         }
         changed
     }
@@ -1263,6 +1305,35 @@ impl<C: Clock> Store for MemoryStore<C> {
         charged_at: u64,
     ) -> Option<Result<bool, Self::Error>> {
         Some(Ok(self.settle_now(key, rules, charged, actual, charged_at)))
+    }
+
+    fn release(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        let _ = rules;
+        ready(Ok(self.release_now(key, slot)))
+    }
+
+    fn release_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        let _ = rules;
+        Some(Ok(self.release_now(key, slot)))
+    }
+
+    fn renew(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        ready(Ok(self.renew_now(key, rules, slot)))
     }
 
     fn now_us(&self) -> u64 {

@@ -18,12 +18,19 @@
 //!   (kept apart, newest first) counts until then. A state of the check's layout is read
 //!   in place; one of another layout entry by entry, each rule carried by identity as
 //!   [`algo::carry_stored`] says ([`decode_state`]).
+//! * A `N concurrent` rule's **slots** follow the state's fixed part (its width) as the
+//!   trailer `{SLOTS_MARKER, 2k, deadline, number, ...}` ([`SLOTS_MARKER`]), one pair per
+//!   held slot, when it holds any; the rule's own entry is `(next)`, the number the next
+//!   slot is given at the earliest. A state is read in place with its trailer, and the
+//!   trailer carries with the rule's identity.
 //! * A **compact batch**'s `refs` hold [`REF_LEN`] bytes per check: the index of its
 //!   packed check among the call's distinct ones, and its deadline, which the packed
 //!   checks then leave out ([`write_ref`], [`read_ref`]).
 //! * A **reply** is `{1, block left or -1}`, `{3, server time}` (past the caller's
 //!   deadline) or `{status, delay, then per rule allowed, remaining, reset, retry}`, the
-//!   status 2 when a value the store did not write was found and discarded; in a batch,
+//!   status 2 when a value the store did not write was found and discarded; a
+//!   concurrency rule that gave a slot has its number as its `retry` (an admitting rule
+//!   has no retry, and a number is never 0); in a batch,
 //!   a failed check is `{-1, n}` and `n` bytes of message.
 //!
 //! ```
@@ -62,7 +69,15 @@ pub const LOG_MARKER: u64 = 0;
 /// window counters of the finest precision, and the log marker). A stored value longer
 /// than this is no state of this encoding, whoever wrote it: it reads as fresh, in time
 /// that does not depend on its length.
-pub const MAX_STATE_VALUES: usize = 1 + MAX_RULES * (4 + crate::rule::MAX_PRECISION as usize) + 3;
+pub const MAX_STATE_VALUES: usize = 1
+    + MAX_RULES * (4 + crate::rule::MAX_PRECISION as usize)
+    + 3
+    + 2
+    + 2 * crate::rule::MAX_CONCURRENT as usize;
+
+/// The identity of the slots trailer (see the module docs): no rule's (those are below
+/// 2^52) and no layout's.
+pub const SLOTS_MARKER: u64 = (1 << 52) + 1;
 /// [`MAX_STATE_VALUES`] in bytes.
 pub const MAX_STATE_BYTES: usize = 8 * MAX_STATE_VALUES;
 
@@ -84,6 +99,7 @@ const SLIDING_LOG: u64 = 3;
 const TOKEN_BUCKET: u64 = 4;
 const LEAKY_BUCKET: u64 = 5;
 const GCRA: u64 = 6;
+const CONCURRENT: u64 = 7;
 
 /// What is wrong with packed values: a message for the error reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -108,6 +124,8 @@ pub fn rule_values(rule: &Rule, id: u64) -> [u64; PER_RULE] {
             (LEAKY_BUCKET, burst, delay.saturating_add(1))
         }
         Algorithm::Gcra { burst } => (GCRA, burst, 0),
+        // The period is the slots' timeout.
+        Algorithm::Concurrent => (CONCURRENT, 0, 0),
     };
     [code, l, p, a, b, id]
 }
@@ -118,6 +136,8 @@ fn entry_len(rule: &Rule) -> u64 {
         Algorithm::SlidingLog => 0,
         Algorithm::FixedWindow => 2 + 2,
         Algorithm::SlidingWindow { precision } => 2 + precision + 2,
+        // The slot numbering; the slots themselves are kept apart, as the log is.
+        Algorithm::Concurrent => 2 + 1,
         _ => 2 + 4,
     }
 }
@@ -301,6 +321,7 @@ impl PackedRules {
                 LEAKY_BUCKET if b == 0 => Rule::leaky_meter(limit, period, a),
                 LEAKY_BUCKET => Rule::leaky_shaper(limit, period, a, b - 1),
                 GCRA => Rule::gcra(limit, period, a),
+                CONCURRENT => Rule::concurrent(limit, period),
                 _ => return Err(PackedError(format!("unknown algorithm code {code}"))),
             }
             .map_err(|e| PackedError(format!("rule {r}: {e}")))?;
@@ -381,14 +402,22 @@ pub fn decode_state(raw: &[u8], header: &Header, rules: &PackedRules, now: u64) 
     let n = rules.rules.len();
     // As the Lua twin: in place when every value is one this encoding writes and the
     // layout is the check's.
-    if raw.len() == 8 * header.width
-        && value(raw, 0) == Some(header.layout)
-        && (1..header.width).all(|i| value(raw, i).is_some())
-    {
+    let fixed = 8 * header.width;
+    let trailer = match raw.get(fixed..) {
+        Some([]) => Some(None),
+        Some(rest) if rules.rules.concurrent().is_some() => read_slots(rest, 0).map(Some),
+        _ => None,
+    };
+    if let Some(trailer) = trailer.filter(|_| {
+        value(raw, 0) == Some(header.layout) && (1..header.width).all(|i| value(raw, i).is_some())
+    }) {
         let mut states = SmallVec::with_capacity(n);
         let mut off = 1;
         for rule in rules.rules.rules() {
-            let (state, len) = read_entry(rule, raw, off + 2)?;
+            let (mut state, len) = read_entry(rule, raw, off + 2)?;
+            if let (RuleState::Slots(table), Some(held)) = (&mut state, &trailer) {
+                table.held.clone_from(held);
+            }
             states.push(state);
             off += len;
         }
@@ -408,7 +437,7 @@ pub fn decode_state(raw: &[u8], header: &Header, rules: &PackedRules, now: u64) 
     let mut at: SmallVec<[(u64, usize); 8]> = rules
         .ids
         .iter()
-        .chain(std::iter::once(&LOG_MARKER))
+        .chain([&LOG_MARKER, &SLOTS_MARKER])
         .map(|&id| (id, 0))
         .collect();
     let mut pos = 1;
@@ -451,6 +480,14 @@ pub fn decode_state(raw: &[u8], header: &Header, rules: &PackedRules, now: u64) 
                         converted |= changed;
                         state
                     }
+                    Algorithm::Concurrent => {
+                        let mut state = state;
+                        if let (RuleState::Slots(table), Some(p)) = (&mut state, find(SLOTS_MARKER))
+                        {
+                            table.held = read_slots(raw, 8 * (p - 2))?;
+                        }
+                        state
+                    }
                     _ => state,
                 }
             }
@@ -463,6 +500,93 @@ pub fn decode_state(raw: &[u8], header: &Header, rules: &PackedRules, now: u64) 
         log_counts,
         converted,
     })
+}
+
+/// The slots of the trailer at byte `at` of `raw` (see the module docs): `(deadline,
+/// number)` pairs; `None` when it is not one (the whole of `raw` past `at`).
+fn read_slots(raw: &[u8], at: usize) -> Option<Vec<(u64, u64)>> {
+    let rest = raw.get(at..)?;
+    if value(rest, 0)? != SLOTS_MARKER {
+        return None;
+    }
+    let m = usize::try_from(value(rest, 1)?).ok()?;
+    if m % 2 != 0 || m > 2 * crate::rule::MAX_CONCURRENT as usize || rest.len() != 8 * (2 + m) {
+        return None;
+    }
+    (0..m / 2)
+        .map(|k| Some((value(rest, 2 + 2 * k)?, value(rest, 3 + 2 * k)?)))
+        .collect()
+}
+
+/// Appends the slots trailer of the concurrency rule's state among `states`, if it holds
+/// any slot.
+fn encode_slots(out: &mut Vec<u8>, states: &[RuleState]) {
+    let Some(table) = states.iter().find_map(|s| match s {
+        RuleState::Slots(table) if !table.held.is_empty() => Some(table),
+        _ => None,
+    }) else {
+        return;
+    };
+    push(out, SLOTS_MARKER);
+    push(out, 2 * table.held.len() as u64);
+    for &(deadline, number) in &table.held {
+        push(out, deadline.min(MAX_EXACT));
+        push(out, number.min(MAX_EXACT));
+    }
+}
+
+/// What [`edit_slots`] does to a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotEdit {
+    /// Frees it ([`algo::release`]).
+    Release,
+    /// Moves its deadline to now plus this many µs ([`algo::renew`]).
+    Renew(u64),
+}
+
+/// A stored state `raw` (of any layout) with slot `slot` released or renewed at `now`, by
+/// the core's own [`algo::release`] and [`algo::renew`]: the new value, whether the slot
+/// was live (and so freed or renewed), and the latest deadline the state still holds.
+/// `None` when `raw` holds no slots trailer (nothing to do) or is not a state of this
+/// encoding: a store then leaves the key as it is.
+pub fn edit_slots(raw: &[u8], slot: u64, now: u64, edit: SlotEdit) -> Option<(Vec<u8>, bool, u64)> {
+    if raw.is_empty() || raw.len() % 8 != 0 || raw.len() > MAX_STATE_BYTES {
+        return None;
+    }
+    let len = raw.len() / 8;
+    value(raw, 0)?;
+    // The trailer is the last entry: walk the entries to it, linear in the length.
+    let mut pos = 1;
+    let marker = loop {
+        if pos >= len {
+            return None;
+        }
+        let id = value(raw, pos)?;
+        let m = usize::try_from(value(raw, pos + 1)?).ok()?;
+        if m > len - pos - 2 {
+            return None;
+        }
+        if id == SLOTS_MARKER {
+            break pos;
+        }
+        pos += 2 + m;
+    };
+    let held = read_slots(raw, 8 * marker)?;
+    let mut states = [RuleState::Slots(Box::new(algo::SlotTable {
+        next: 0,
+        held,
+    }))];
+    let live = match edit {
+        SlotEdit::Release => algo::release(&mut states, slot, now),
+        SlotEdit::Renew(timeout_us) => algo::renew(&mut states, slot, timeout_us, now),
+    };
+    let mut out = raw[..8 * marker].to_vec();
+    encode_slots(&mut out, &states);
+    let latest = match &states[0] {
+        RuleState::Slots(table) => table.held.iter().map(|&(d, _)| d).max().unwrap_or(0),
+        _ => 0,
+    };
+    Some((out, live, latest))
 }
 
 /// The state of `rule` in the entry whose values start at `p` (past its identity and
@@ -493,6 +617,10 @@ fn read_entry(rule: &Rule, raw: &[u8], p: usize) -> Option<(RuleState, usize)> {
             us: v(2)?,
             frac: v(3)?,
         },
+        Algorithm::Concurrent => RuleState::Slots(Box::new(algo::SlotTable {
+            next: v(0)?,
+            held: Vec::new(),
+        })),
     };
     Some((state, len))
 }
@@ -517,6 +645,7 @@ pub fn encode_state(
             push(out, x);
         }
     }
+    encode_slots(out, states);
 }
 
 /// The layouts of states a denial writes after a conversion ([`encode_carried`]) are this
@@ -549,6 +678,7 @@ pub fn encode_carried(
             push(out, x);
         }
     }
+    encode_slots(out, states);
 }
 
 /// Appends one rule's entry (none for a sliding log): identity, length, then the state,
@@ -557,6 +687,15 @@ fn encode_entry(out: &mut Vec<u8>, rule: &Rule, id: u64, state: &RuleState) {
     let (l, a) = (rule.limit(), rule.capacity());
     match (rule.algorithm(), state) {
         (Algorithm::SlidingLog, _) => {}
+        (Algorithm::Concurrent, _) => {
+            let next = match state {
+                RuleState::Slots(table) => table.next,
+                _ => 0,
+            };
+            for x in [id, 1, next] {
+                push(out, x);
+            }
+        }
         (Algorithm::FixedWindow, _) => {
             let (i, c) = match *state {
                 RuleState::Window { index, count } => (index, count),
@@ -607,7 +746,15 @@ fn encode_entry(out: &mut Vec<u8>, rule: &Rule, id: u64, state: &RuleState) {
 
 /// Appends the reply of a decided check: `discarded` when a value the store did not
 /// write was found at one of the check's keys and dropped.
-pub fn encode_decision(out: &mut Vec<u8>, decision: &Decision, discarded: bool) {
+///
+/// `concurrent` is the position of the check's concurrency rule, if any
+/// ([`RuleSet::concurrent`]): the slot the decision took is sent as its `retry`.
+pub fn encode_decision(
+    out: &mut Vec<u8>,
+    decision: &Decision,
+    concurrent: Option<usize>,
+    discarded: bool,
+) {
     let us = |d: Duration| {
         u64::try_from(d.as_micros())
             .unwrap_or(u64::MAX)
@@ -615,11 +762,15 @@ pub fn encode_decision(out: &mut Vec<u8>, decision: &Decision, discarded: bool) 
     };
     push(out, if discarded { 2 } else { 0 });
     push(out, us(decision.delay()));
-    for rule in decision.rules() {
+    for (i, rule) in decision.rules().iter().enumerate() {
         push(out, u64::from(rule.allowed));
         push(out, rule.remaining.min(MAX_EXACT));
         push(out, us(rule.reset_after));
-        push(out, rule.retry_after.map_or(0, us));
+        let retry = match decision.slot() {
+            Some(slot) if concurrent == Some(i) => slot.min(MAX_EXACT),
+            _ => rule.retry_after.map_or(0, us),
+        };
+        push(out, retry);
     }
 }
 
@@ -754,6 +905,45 @@ mod tests {
         // Its writer's log counts past the marker, as in a state of its own layout.
         assert!(again.log_counts);
         assert!(!decode_state(&written, &header, &p, 9).unwrap().log_counts);
+    }
+
+    #[test]
+    fn slots_follow_the_state_and_carry_by_identity() {
+        let r = rules("10/s fixed-window; 3 concurrent timeout=1s");
+        let (header, p) = parsed(&r);
+        let mut states = vec![RuleState::Fresh; 2];
+        for now in [5, 6] {
+            assert!(algo::decide(&r, &mut states, now, 1)
+                .decision
+                .slot()
+                .is_some());
+        }
+        let mut raw = Vec::new();
+        encode_state(&mut raw, &header, &p, &states, 0);
+        // The fixed part, then the trailer: marker, 4, two (deadline, number) pairs.
+        assert_eq!(raw.len(), 8 * (header.width + 2 + 4));
+        assert_eq!(value(&raw, header.width), Some(SLOTS_MARKER));
+        assert_eq!(
+            decode_state(&raw, &header, &p, 7).unwrap().states.to_vec(),
+            states
+        );
+        // Under another limit and timeout: the same identity, the same slots.
+        let r2 = rules("2 concurrent timeout=5s");
+        let (h2, p2) = parsed(&r2);
+        assert_eq!(
+            decode_state(&raw, &h2, &p2, 7).unwrap().states[0],
+            states[1]
+        );
+        // A release rewrites the trailer only; twice, it frees nothing.
+        let (out, live, latest) = edit_slots(&raw, 5, 7, SlotEdit::Release).unwrap();
+        assert!(live);
+        assert_eq!(latest, 1_000_006);
+        assert_eq!(out.len(), raw.len() - 16);
+        assert!(!edit_slots(&out, 5, 7, SlotEdit::Release).unwrap().1);
+        // Without slots, no trailer at all.
+        let (none, _, _) = edit_slots(&out, 6, 7, SlotEdit::Release).unwrap();
+        assert_eq!(none.len(), 8 * header.width);
+        assert_eq!(edit_slots(&none, 6, 7, SlotEdit::Release), None);
     }
 
     #[test]

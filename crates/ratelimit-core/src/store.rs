@@ -150,6 +150,53 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Frees the slot numbered `slot` ([`Decision::slot`]) that a check of `key` under
+    /// `rules` took for a request that has now ended, as
+    /// [`algo::release`](crate::algo::release) says: whatever rules the key's state was
+    /// since written under, and once only (a release resent after a lost connection
+    /// frees nothing more). Answers whether the slot was held and live.
+    ///
+    /// The default frees nothing and answers `false`: a store without concurrency rules
+    /// never hands out a slot.
+    fn release(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        let _ = (key, rules, slot);
+        std::future::ready(Ok(false))
+    }
+
+    /// Releases at once, without a future, when the store can (an in-process store);
+    /// `None` means "call [`Store::release`]". The default answers `None`.
+    fn release_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        let _ = (key, rules, slot);
+        None
+    }
+
+    /// Moves the deadline of the live slot numbered `slot` on to now plus the timeout of
+    /// the `N concurrent` rule of `rules`, for a request that runs on (a long stream), as
+    /// [`algo::renew`](crate::algo::renew) says. Answers whether the slot was live; a
+    /// slot past its deadline is not renewed (it was free, and may be another request's
+    /// since). `rules` without a concurrency rule renews nothing.
+    ///
+    /// The default renews nothing and answers `false`.
+    fn renew(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        let _ = (key, rules, slot);
+        std::future::ready(Ok(false))
+    }
+
     /// The time on this store's clock, in microseconds since the Unix epoch.
     ///
     /// Whatever keeps time beside a store (a middleware's cache of recent denials, say)
@@ -252,6 +299,33 @@ impl<S: Store> Store for Arc<S> {
         charged_at: u64,
     ) -> Option<Result<bool, Self::Error>> {
         (**self).settle_sync(key, rules, charged, actual, charged_at)
+    }
+
+    fn release(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        (**self).release(key, rules, slot)
+    }
+
+    fn release_sync(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> Option<Result<bool, Self::Error>> {
+        (**self).release_sync(key, rules, slot)
+    }
+
+    fn renew(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        (**self).renew(key, rules, slot)
     }
 
     fn now_us(&self) -> u64 {

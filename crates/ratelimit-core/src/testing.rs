@@ -121,6 +121,28 @@ impl<'a, St: Store> Case<'a, St> {
             .unwrap_or_else(|e| panic!("[{}] settle failed: {e}", self.name))
     }
 
+    async fn release(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
+        self.store
+            .release(key, rules, slot)
+            .await
+            .unwrap_or_else(|e| panic!("[{}] release failed: {e}", self.name))
+    }
+
+    async fn renew(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
+        self.store
+            .renew(key, rules, slot)
+            .await
+            .unwrap_or_else(|e| panic!("[{}] renew failed: {e}", self.name))
+    }
+
+    /// An admitted check that took a slot: its number.
+    async fn acquire(&self, key: &[u8], rules: &RuleSet, cost: u64, what: &str) -> u64 {
+        let d = self.check(key, rules, cost).await;
+        assert!(d.is_allowed(), "[{}] {what}: {d:?}", self.name);
+        d.slot()
+            .unwrap_or_else(|| panic!("[{}] {what}: no slot in {d:?}", self.name))
+    }
+
     async fn block(&self, key: &[u8], d: Option<Duration>) {
         self.store
             .block(key, d)
@@ -204,6 +226,13 @@ macro_rules! __conformance_cases {
             rule_change_token_bucket_carries_usage,
             rule_change_leaky_meter_carries_usage,
             rule_change_leaky_shaper_carries_usage,
+            concurrent_slots_up_to_the_limit_then_a_capped_hint,
+            concurrent_release_is_idempotent_and_numbers_never_repeat,
+            concurrent_slots_free_at_their_deadlines_and_renewal_moves_them,
+            concurrent_with_a_rate_all_or_nothing,
+            concurrent_peek_takes_no_slot_and_cost_takes_one,
+            concurrent_slots_carry_over_a_limit_change,
+            concurrent_refund_gives_units_back_and_keeps_the_slot,
         );
     };
 }
@@ -280,7 +309,7 @@ macro_rules! __conformance_test {
 pub mod cases {
     use std::time::Duration;
 
-    use super::{Case, MS, S};
+    use super::{Case, MS, S, T0_US};
     use crate::{ManualClock, Outcome, RuleSet, Store};
 
     /// Fixed window: limit, remaining, reset, retry.
@@ -1618,6 +1647,232 @@ pub mod cases {
         carries_usage(&c, "leaky-bucket mode=shaper", "shaper").await;
     }
 
+    /// `2 concurrent`: two slots, numbered from the clock; the third request is refused
+    /// with `retry_after` the earliest deadline capped at 1 s, `remaining` 0 and
+    /// `reset_after` the last deadline.
+    pub async fn concurrent_slots_up_to_the_limit_then_a_capped_hint<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: up to the limit, capped hint");
+        let r = c.rules("2 concurrent timeout=5s");
+        c.at(0);
+        let a = c.acquire(b"k", &r, 1, "first slot").await;
+        assert_eq!(a, T0_US, "[{}] numbered from the clock", c.name);
+        c.at(MS);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(
+            d.slot(),
+            Some(T0_US + MS),
+            "[{}] second slot: {d:?}",
+            c.name
+        );
+        assert_eq!(d.rules()[0].remaining, 0, "[{}] {d:?}", c.name);
+        assert_eq!(
+            d.rules()[0].reset_after,
+            Duration::from_micros(5 * S),
+            "[{}] {d:?}",
+            c.name
+        );
+        let refused = c.denied(b"k", &r, 1, Duration::from_secs(1), "third").await;
+        assert_eq!(refused.slot(), None, "[{}] {refused:?}", c.name);
+        assert_eq!(refused.rules()[0].remaining, 0, "[{}] {refused:?}", c.name);
+        c.at(4_700 * MS);
+        c.denied(
+            b"k",
+            &r,
+            1,
+            Duration::from_millis(300),
+            "near the first deadline",
+        )
+        .await;
+        c.at(5 * S);
+        let b = c
+            .acquire(b"k", &r, 1, "the first slot free at its deadline")
+            .await;
+        assert_eq!(b, T0_US + 5 * S, "[{}] numbered from the clock", c.name);
+        c.denied(b"k", &r, 1, Duration::from_millis(1), "both held again")
+            .await;
+    }
+
+    /// A release frees its slot once: sent again, it frees nothing, and the slot taken
+    /// meanwhile (at the same instant) has another number.
+    pub async fn concurrent_release_is_idempotent_and_numbers_never_repeat<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: release once, numbers unique");
+        let r = c.rules("1 concurrent timeout=10s");
+        c.at(0);
+        let a = c.acquire(b"k", &r, 1, "first").await;
+        assert!(c.release(b"k", &r, a).await, "[{}] released", c.name);
+        let b = c
+            .acquire(b"k", &r, 1, "after the release, same instant")
+            .await;
+        assert_ne!(a, b, "[{}] a number given twice", c.name);
+        assert!(
+            !c.release(b"k", &r, a).await,
+            "[{}] a resent release freed another slot",
+            c.name
+        );
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "b still held")
+            .await;
+        assert!(c.release(b"k", &r, b).await, "[{}] b released", c.name);
+        assert!(!c.release(b"k", &r, b).await, "[{}] b twice", c.name);
+        assert!(
+            !c.release(b"other", &r, b).await,
+            "[{}] another key's release",
+            c.name
+        );
+        c.acquire(b"k", &r, 1, "free again").await;
+        // After every slot has expired and the state with it, numbers still grow.
+        c.at(60 * S);
+        let late = c.acquire(b"k", &r, 1, "much later").await;
+        assert!(late > b, "[{}] {late} after {b}", c.name);
+    }
+
+    /// A slot not released frees itself at its deadline; a renewal before it moves it on
+    /// by the timeout; a renewal after it fails (the slot may be another's by then).
+    pub async fn concurrent_slots_free_at_their_deadlines_and_renewal_moves_them<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: deadlines, renewal");
+        let r = c.rules("1 concurrent timeout=1s");
+        c.at(0);
+        let a = c.acquire(b"k", &r, 1, "first").await;
+        c.at(900 * MS);
+        assert!(c.renew(b"k", &r, a).await, "[{}] renewed", c.name);
+        c.at(1_500 * MS);
+        c.denied(b"k", &r, 1, Duration::from_millis(400), "renewed to 1.9 s")
+            .await;
+        c.at(1_900 * MS);
+        assert!(
+            !c.renew(b"k", &r, a).await,
+            "[{}] renewed at its deadline",
+            c.name
+        );
+        let b = c.acquire(b"k", &r, 1, "free at the deadline").await;
+        assert!(!c.renew(b"k", &r, a).await, "[{}] a's renewal", c.name);
+        assert!(!c.release(b"k", &r, a).await, "[{}] a's release", c.name);
+        c.denied(b"k", &r, 1, Duration::from_secs(1), "b held")
+            .await;
+        assert!(c.renew(b"k", &r, b).await, "[{}] b renewed", c.name);
+    }
+
+    /// `3/min; 1 concurrent`: a request refused for want of a slot consumes nothing from
+    /// the rate; one refused by the rate takes no slot.
+    pub async fn concurrent_with_a_rate_all_or_nothing<St: Store>(store: &St, clock: &ManualClock) {
+        let c = Case::new(store, clock, "concurrent: with a rate, all or nothing");
+        let r = c.rules("3/min fixed-window; 1 concurrent timeout=30s");
+        c.at(0);
+        let a = c.acquire(b"k", &r, 1, "first").await;
+        let d = c
+            .denied(b"k", &r, 1, Duration::from_secs(1), "no slot")
+            .await;
+        assert!(d.rules()[0].allowed, "[{}] {d:?}", c.name);
+        assert_eq!(d.rules()[0].remaining, 2, "[{}] the rate untouched", c.name);
+        assert!(!d.rules()[1].allowed, "[{}] {d:?}", c.name);
+        assert!(c.release(b"k", &r, a).await);
+        let b = c.acquire(b"k", &r, 1, "second").await;
+        assert!(c.release(b"k", &r, b).await);
+        let d = c.check(b"k", &r, 1).await;
+        assert_eq!(d.rules()[0].remaining, 0, "[{}] third: {d:?}", c.name);
+        assert_eq!(d.rules()[1].remaining, 0, "[{}] third: {d:?}", c.name);
+        assert!(c.release(b"k", &r, d.slot().expect("a slot")).await);
+        let d = c
+            .denied(b"k", &r, 1, Duration::from_secs(60), "the rate spent")
+            .await;
+        assert!(d.rules()[1].allowed, "[{}] {d:?}", c.name);
+        let peek = c.check(b"k", &r, 0).await;
+        assert_eq!(
+            peek.rules()[1].remaining,
+            1,
+            "[{}] a refusal by the rate took a slot: {peek:?}",
+            c.name
+        );
+    }
+
+    /// A peek reports the free slots and takes none; a check of cost 5 takes one slot.
+    pub async fn concurrent_peek_takes_no_slot_and_cost_takes_one<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: peek, cost");
+        let r = c.rules("2 concurrent; 10/s fixed-window");
+        c.at(0);
+        let d = c.check(b"k", &r, 5).await;
+        assert!(d.is_allowed() && d.slot().is_some(), "[{}] {d:?}", c.name);
+        assert_eq!(d.rules()[0].remaining, 1, "[{}] one slot: {d:?}", c.name);
+        assert_eq!(d.rules()[1].remaining, 5, "[{}] five units: {d:?}", c.name);
+        for _ in 0..3 {
+            let p = c.check(b"k", &r, 0).await;
+            assert!(p.is_allowed() && p.slot().is_none(), "[{}] {p:?}", c.name);
+            assert_eq!(p.rules()[0].remaining, 1, "[{}] {p:?}", c.name);
+        }
+        c.acquire(b"k", &r, 1, "the second slot").await;
+        let p = c.check(b"k", &r, 0).await;
+        assert!(!p.is_allowed() && p.slot().is_none(), "[{}] {p:?}", c.name);
+    }
+
+    /// Held slots carry over a changed limit and timeout: 3 held under `3 concurrent`
+    /// refuse under `2 concurrent` until two are released.
+    pub async fn concurrent_slots_carry_over_a_limit_change<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: slots carry over a change");
+        let three = c.rules("3 concurrent timeout=10s");
+        let two = c.rules("2 concurrent timeout=20s; 5/min fixed-window");
+        c.at(0);
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(c.acquire(b"k", &three, 1, "under three").await);
+        }
+        c.denied(b"k", &two, 1, Duration::from_secs(1), "3 held of 2")
+            .await;
+        assert!(
+            c.release(b"k", &two, held[0]).await,
+            "[{}] released",
+            c.name
+        );
+        c.denied(b"k", &two, 1, Duration::from_secs(1), "2 held of 2")
+            .await;
+        assert!(
+            c.release(b"k", &two, held[1]).await,
+            "[{}] released",
+            c.name
+        );
+        let d = c.acquire(b"k", &two, 1, "1 held of 2").await;
+        assert!(d > held[2], "[{}] numbers grow across the change", c.name);
+        // The slot kept from the old rules renews under the new timeout.
+        c.at(9 * S);
+        assert!(c.renew(b"k", &two, held[2]).await, "[{}] renewed", c.name);
+        c.at(15 * S);
+        c.denied(b"k", &two, 1, Duration::from_secs(1), "both held")
+            .await;
+    }
+
+    /// Charging by outcome beside a concurrency rule: a refund gives the rate's units
+    /// back and leaves the slot held (a slot goes back by release).
+    pub async fn concurrent_refund_gives_units_back_and_keeps_the_slot<St: Store>(
+        store: &St,
+        clock: &ManualClock,
+    ) {
+        let c = Case::new(store, clock, "concurrent: a refund keeps the slot");
+        let r = c.rules("3/min fixed-window; 1 concurrent timeout=10s");
+        c.at(0);
+        let t = T0_US;
+        let a = c.acquire(b"k", &r, 1, "first").await;
+        assert!(c.refund(b"k", &r, 1, t).await, "[{}] a unit back", c.name);
+        let d = c
+            .denied(b"k", &r, 1, Duration::from_secs(1), "the slot held")
+            .await;
+        assert_eq!(d.rules()[0].remaining, 3, "[{}] {d:?}", c.name);
+        assert!(c.release(b"k", &r, a).await, "[{}] released", c.name);
+        c.acquire(b"k", &r, 1, "free again").await;
+    }
+
     /// `n/h` of `algorithm`, with room for `n` at once (`size`: the parameter that gives
     /// it, or "shaper" for a shaper's burst and delay).
     fn per_hour<St: Store>(c: &Case<'_, St>, n: u64, algorithm: &str, size: &str) -> RuleSet {
@@ -1749,9 +2004,29 @@ pub enum Step {
         /// How long before now the charge was made, in µs.
         ago_us: u64,
     },
+    /// Release a slot the trace took before: the `nth` (modulo their number) of the
+    /// slots checks of this trace took, on `key` (perhaps not the key that took it, and
+    /// perhaps again). Nothing when no check took a slot yet.
+    Release {
+        /// Key number.
+        key: u8,
+        /// Which slot, of those taken so far.
+        nth: usize,
+    },
+    /// Renew a slot the trace took before, as [`Step::Release`] picks it, under rule set
+    /// number `rules`.
+    Renew {
+        /// Key number.
+        key: u8,
+        /// Index into the trace's rule sets.
+        rules: usize,
+        /// Which slot, of those taken so far.
+        nth: usize,
+    },
 }
 
-/// What a step produced: the decision of a check (or its error text), nothing otherwise.
+/// What a step produced: the decision of a check (or its error text), the answer of a
+/// release or renewal (or its error text), nothing otherwise.
 pub type StepResult = Option<Result<Decision, String>>;
 
 /// Replays `steps` against `store`, moving `clock` (which the store must read), with keys
@@ -1769,6 +2044,13 @@ pub async fn run_trace<St: Store>(
         key
     };
     let mut out = Vec::with_capacity(steps.len());
+    // The slots checks took, in order: every store numbers them alike.
+    let mut slots: Vec<u64> = Vec::new();
+    // A release's or renewal's answer, as a result of the one shape steps have: a
+    // decision allowing with a delay of 1 µs when the slot was live, of 0 otherwise.
+    let answer = |r: Result<bool, String>| {
+        Some(r.map(|live| Decision::from_rules([], Duration::from_micros(u64::from(live)))))
+    };
     for step in steps {
         out.push(match step {
             Step::Advance(us) => {
@@ -1783,12 +2065,34 @@ pub async fn run_trace<St: Store>(
                 key: k,
                 rules,
                 cost,
-            } => Some(
-                store
+            } => {
+                let decided = store
                     .check(&key(*k), &rulesets[*rules], *cost)
                     .await
-                    .map_err(|e| e.to_string()),
-            ),
+                    .map_err(|e| e.to_string());
+                if let Some(slot) = decided.as_ref().ok().and_then(Decision::slot) {
+                    slots.push(slot);
+                }
+                Some(decided)
+            }
+            Step::Release { key: k, nth } => match slots.get(nth % slots.len().max(1)) {
+                Some(&slot) => answer(
+                    store
+                        .release(&key(*k), &rulesets[0], slot)
+                        .await
+                        .map_err(|e| e.to_string()),
+                ),
+                None => None,
+            },
+            Step::Renew { key: k, rules, nth } => match slots.get(nth % slots.len().max(1)) {
+                Some(&slot) => answer(
+                    store
+                        .renew(&key(*k), &rulesets[*rules], slot)
+                        .await
+                        .map_err(|e| e.to_string()),
+                ),
+                None => None,
+            },
             Step::Block { key: k, ms } => {
                 let res = store.block(&key(*k), ms.map(Duration::from_millis)).await;
                 res.err().map(|e| Err(e.to_string()))
@@ -1877,10 +2181,24 @@ pub mod strategy {
         )
     }
 
-    /// A rule set of one to four rules.
+    /// A `N concurrent` rule: 1 to 4 slots, held 100 ms, 1 s or a minute.
+    pub fn concurrent_rule() -> impl Strategy<Value = Rule> {
+        let timeout = prop_oneof![Just(100_000u64), Just(1_000_000), Just(60_000_000)];
+        (1u64..=4, timeout).prop_map(|(limit, us)| {
+            Rule::concurrent(limit, Duration::from_micros(us)).expect("generated rules are valid")
+        })
+    }
+
+    /// A rule set of one to four rules, now and then with a concurrency rule besides.
     pub fn rule_set() -> impl Strategy<Value = RuleSet> {
-        proptest::collection::vec(rule(), 1..=4)
-            .prop_map(|rules| RuleSet::new(rules).expect("valid"))
+        (
+            proptest::collection::vec(rule(), 1..=4),
+            proptest::option::weighted(0.3, concurrent_rule()),
+        )
+            .prop_map(|(mut rules, concurrent)| {
+                rules.extend(concurrent);
+                RuleSet::new(rules).expect("valid")
+            })
     }
 
     /// `versions` rule sets (at least one) that one service could go through: the first
@@ -1898,8 +2216,9 @@ pub mod strategy {
         (
             proptest::collection::vec((rule(), any::<bool>()), 1..=4),
             proptest::collection::vec(version, versions.saturating_sub(1)),
+            proptest::option::weighted(0.3, concurrent_rule()),
         )
-            .prop_map(|(base, edits)| {
+            .prop_map(|(base, edits, concurrent)| {
                 let base: Vec<Rule> = base
                     .into_iter()
                     .enumerate()
@@ -1910,6 +2229,7 @@ pub mod strategy {
                             rule
                         }
                     })
+                    .chain(concurrent)
                     .collect();
                 let mut sets = vec![RuleSet::new(base.clone()).expect("valid")];
                 for (per_rule, added, reverse) in edits {
@@ -1956,6 +2276,7 @@ pub mod strategy {
                 _ => Rule::leaky_shaper(limit, period, extra, extra.min(limit)),
             },
             Algorithm::Gcra { .. } => Rule::gcra(limit, period, p),
+            Algorithm::Concurrent => Rule::concurrent(limit.min(crate::MAX_CONCURRENT), period),
         }
         .expect("generated rules are valid");
         named_as(new, rule)
@@ -1995,6 +2316,8 @@ pub mod strategy {
             1 => (0u8..3, proptest::option::of(1u64..3_000)).prop_map(|(key, ms)| Step::Block { key, ms }),
             1 => (0u8..3).prop_map(|key| Step::Unblock { key }),
             1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Reset { key, rules }),
+            3 => (0u8..3, 0usize..16).prop_map(|(key, nth)| Step::Release { key, nth }),
+            1 => (0u8..3, 0..rulesets, 0usize..16).prop_map(|(key, rules, nth)| Step::Renew { key, rules, nth }),
             2 => settle(rulesets),
         ];
         proptest::collection::vec(step, 1..len)

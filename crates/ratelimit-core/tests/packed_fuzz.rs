@@ -34,6 +34,8 @@ const RULE_SETS: &[&str] = &[
     "100/min sliding-window precision=1000",
     "1000/h fixed-window; 3/s token-bucket",
     "2/s leaky-bucket mode=shaper burst=10 delay=2",
+    "10/s; 3 concurrent timeout=1s",
+    "1000 concurrent timeout=1h; 5/s fixed-window",
 ];
 
 fn rules(i: usize) -> RuleSet {
@@ -152,11 +154,30 @@ fn run_check(bytes: &[u8], cached: Option<&PackedRules>, raw: &[u8], now: u64) {
     let before = states.clone();
     let transition = algo::decide(rules.rules(), &mut states, now, header.cost);
     let mut out = Vec::new();
-    packed::encode_decision(&mut out, &transition.decision, false);
+    packed::encode_decision(
+        &mut out,
+        &transition.decision,
+        rules.rules().concurrent(),
+        false,
+    );
     if transition.committed {
         let mut state = Vec::new();
         packed::encode_state(&mut state, &header, rules, &states, now);
-        assert_eq!(state.len(), 8 * header.width);
+        // The fixed part, and a concurrency rule's slots after it.
+        if rules.rules().concurrent().is_none() {
+            assert_eq!(state.len(), 8 * header.width);
+        } else {
+            assert!(state.len() >= 8 * header.width && state.len() <= MAX_STATE_BYTES);
+        }
+    }
+    // A slot released and renewed, as `RATELIMIT.RELEASE` and `RENEW` do on any value.
+    for edit in [
+        packed::SlotEdit::Release,
+        packed::SlotEdit::Renew(1_000_000),
+    ] {
+        if let Some((out, _, _)) = packed::edit_slots(raw, now, now, edit) {
+            assert!(out.len() <= raw.len().max(MAX_STATE_BYTES));
+        }
     }
     // A charge given back, as `GIVE_BACK` does on a state of the check's own layout.
     let mut given = before;

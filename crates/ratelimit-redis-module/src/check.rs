@@ -284,7 +284,12 @@ pub(crate) fn decide_one(
             &transition,
         )?;
     }
-    packed::encode_decision(out, &transition.decision, discarded);
+    packed::encode_decision(
+        out,
+        &transition.decision,
+        rules.rules().concurrent(),
+        discarded,
+    );
     Ok(())
 }
 

@@ -478,6 +478,20 @@ fn debit_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     integer_command(&args, |args| crate::refund::debit(ctx, args))
 }
 
+/// `RATELIMIT.RELEASE state now slot`: a concurrency slot freed (`check.lua`'s
+/// `release`).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+fn release_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    integer_command(&args, |args| crate::slots::release(ctx, args))
+}
+
+/// `RATELIMIT.RENEW state now slot timeout ttl_floor`: a live slot renewed (`check.lua`'s
+/// `renew`).
+#[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
+fn renew_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
+    integer_command(&args, |args| crate::slots::renew(ctx, args))
+}
+
 /// `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn block_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
@@ -538,6 +552,8 @@ at_the_boundary! {
     give_back => give_back_unguarded,
     debit => debit_unguarded,
     block => block_unguarded,
+    release => release_unguarded,
+    renew => renew_unguarded,
     version => version_unguarded,
     check_state => check_state_unguarded,
     stats => stats_unguarded,

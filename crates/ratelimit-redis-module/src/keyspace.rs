@@ -88,6 +88,15 @@ impl<'a> StateKey<'a> {
             Expiry::Kept => self.abs_expire(),
             _ => None,
         };
+        // Decided before the write: `StringSet` drops the key's expiry.
+        let expiry = match expiry {
+            Expiry::AtLeast(at_ms) => Expiry::At(
+                self.abs_expire()
+                    .and_then(|at| u64::try_from(at).ok())
+                    .map_or(at_ms, |at| at.max(at_ms)),
+            ),
+            other => other,
+        };
         let rewritten = match self.buffer_of_len(value.len()) {
             // The common case, a key checked again: its buffer rewritten, nothing
             // allocated for the key, its expiry untouched.
@@ -113,7 +122,9 @@ impl<'a> StateKey<'a> {
             return Err("RLSTATE the state's write could not be replicated".to_owned());
         }
         let at = match expiry {
-            Expiry::At(at_ms) => c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
+            Expiry::At(at_ms) | Expiry::AtLeast(at_ms) => {
+                c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX)
+            }
             Expiry::Kept => match (kept, &rewritten) {
                 (Some(at), Some(_)) => at,
                 _ => return Ok(()),
@@ -181,6 +192,9 @@ pub(crate) enum Expiry {
     Kept,
     /// Never: a block without end (`SET` without an expiry).
     Never,
+    /// At this time or when it did before the write, whichever is later: a renewed slot
+    /// makes a state matter longer, never shorter.
+    AtLeast(u64),
 }
 
 /// The value of a replicated `SET`: the string the key now holds, or the bytes of a
@@ -202,29 +216,33 @@ fn replicate_set(ctx: &Context, name: &RedisString, value: Value<'_>, expiry: Ex
     // length (copied into a new string), `l` a long long; every string and buffer is
     // alive for the call.
     match (value, expiry) {
-        (Value::Bytes(bytes), Expiry::At(at_ms)) => PXAT.with(|pxat| unsafe {
-            replicate(
-                ctx,
-                set,
-                c"sbsl".as_ptr(),
-                name.inner,
-                bytes.as_ptr().cast::<c_char>(),
-                bytes.len(),
-                pxat.inner,
-                c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
-            )
-        }),
-        (Value::String(string), Expiry::At(at_ms)) => PXAT.with(|pxat| unsafe {
-            replicate(
-                ctx,
-                set,
-                c"sssl".as_ptr(),
-                name.inner,
-                string.inner,
-                pxat.inner,
-                c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
-            )
-        }),
+        (Value::Bytes(bytes), Expiry::At(at_ms) | Expiry::AtLeast(at_ms)) => {
+            PXAT.with(|pxat| unsafe {
+                replicate(
+                    ctx,
+                    set,
+                    c"sbsl".as_ptr(),
+                    name.inner,
+                    bytes.as_ptr().cast::<c_char>(),
+                    bytes.len(),
+                    pxat.inner,
+                    c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
+                )
+            })
+        }
+        (Value::String(string), Expiry::At(at_ms) | Expiry::AtLeast(at_ms)) => {
+            PXAT.with(|pxat| unsafe {
+                replicate(
+                    ctx,
+                    set,
+                    c"sssl".as_ptr(),
+                    name.inner,
+                    string.inner,
+                    pxat.inner,
+                    c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
+                )
+            })
+        }
         (Value::Bytes(bytes), Expiry::Kept) => unsafe {
             replicate(
                 ctx,

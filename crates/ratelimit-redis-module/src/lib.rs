@@ -50,6 +50,10 @@
 //!   estimate its check charged (`debit`), by [`ratelimit_core::algo::debit`] (batch
 //!   protocol 3; a settle below the estimate is `RATELIMIT.GIVE_BACK`'s).
 //! - `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).
+//! - `RATELIMIT.RELEASE state now slot`: a concurrency slot freed (`release`), by
+//!   [`ratelimit_core::algo::release`]; 1 when it was held and live.
+//! - `RATELIMIT.RENEW state now slot timeout ttl_floor`: a live slot's deadline moved to
+//!   now plus `timeout` µs (`renew`), by [`ratelimit_core::algo::renew`].
 //! - `RATELIMIT.CHECK_STATE state refs packed`: one check in compact form (batch
 //!   protocol 2), its state key first so that a Cluster client routes it by the key.
 //!   The compact calls of protocol 2 may carry a call id after their `refs`
@@ -87,6 +91,7 @@ mod commands;
 mod keyspace;
 mod once;
 mod refund;
+mod slots;
 
 /// The message of the panic the `test-panic` feature puts in the module (see
 /// Cargo.toml); the test harness finds a build with the feature by it.
@@ -147,7 +152,7 @@ mod registration {
 
     use crate::commands::{
         block, check, check_local, check_local_states, check_many, check_state, check_states,
-        debit, give_back, refund, stats, version,
+        debit, give_back, refund, release, renew, stats, version,
     };
 
     /// Reads the load arguments; registers the compact batch commands unless loaded with
@@ -254,6 +259,8 @@ mod registration {
             // The state and, with a sliding log, the log: every argument but the last two.
             ["ratelimit.give_back", give_back, "write deny-oom", 1, -3, 1, ""],
             ["ratelimit.block", block, "write deny-oom", 1, 1, 1, ""],
+            ["ratelimit.release", release, "write deny-oom", 1, 1, 1, ""],
+            ["ratelimit.renew", renew, "write deny-oom", 1, 1, 1, ""],
             ["ratelimit.version", version, "readonly fast", 0, 0, 0, ""],
             ["ratelimit.stats", stats, "readonly fast", 0, 0, 0, ""],
         ],

@@ -194,7 +194,10 @@ fn own_states(
     now: u64,
 ) -> Option<packed::Stored> {
     let layout = packed::value(raw, 0)?;
-    let own = raw.len() == 8 * header.width && layout == header.layout;
+    // A concurrency rule's slots follow the fixed part: decoded, and written back, with it.
+    let fixed = 8 * header.width;
+    let sized = raw.len() == fixed || (rules.rules().concurrent().is_some() && raw.len() > fixed);
+    let own = sized && layout == header.layout;
     if !own && layout != packed::CARRIED + header.layout {
         return None;
     }

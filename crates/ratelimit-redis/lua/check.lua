@@ -32,8 +32,11 @@
 --          (index, c0 .. cp), ci = count of sub-window index - i; token bucket (limit,
 --          capacity of the rule that wrote it, level = tokens x period_us, last); leaky
 --          bucket and GCRA (limit, capacity of the rule that wrote it, tat_us,
---          tat_frac). The log marker is the entry {0, 1, until}: the shared log counts
+--          tat_frac); concurrent (next: the number the next slot gets at the least).
+--          The log marker is the entry {0, 1, until}: the shared log counts
 --          until then (the newest entry plus the writer's longest sliding-log period).
+--          Past these `width` values, when a concurrency rule holds slots, the slots
+--          trailer {SLOTS_MARKER, 2k, deadline, number, ...}: one pair per slot.
 --          A denial after a conversion (below) writes the layout 2^52, no rule set's,
 --          and entries only for the rules that carried a state.
 -- KEYS[3]  shared sliding log of the client key, only when a rule is a sliding log: list
@@ -56,6 +59,7 @@
 --            LEAKY_BUCKET    5   meter: a = capacity, b = 0
 --                                shaper: a = burst, b = delay + 1
 --            GCRA            6   a = burst
+--            CONCURRENT      7   period = the slots' timeout (see concurrent below)
 --
 -- A state of the same layout is read in place. One of another layout (the rules changed,
 -- or processes on two rule versions share the key) is read entry by entry: each rule
@@ -89,8 +93,12 @@
 -- every check reuses (FORMATS, OUT, NEXT, REPLIES). Loaded as a library (FCALL), the
 -- functions are made once and a captured local costs less than a global.
 
-local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA =
-  1, 2, 3, 4, 5, 6
+local FIXED_WINDOW, SLIDING_WINDOW, SLIDING_LOG, TOKEN_BUCKET, LEAKY_BUCKET, GCRA, CONCURRENT =
+  1, 2, 3, 4, 5, 6, 7
+-- The identity of the slots trailer (2^52 + 1): no rule's, no layout's.
+local SLOTS_MARKER = 4503599627370497
+-- The largest retry of a refusal for want of a slot, in µs: a hint.
+local RETRY_HINT_CAP = 1000000
 -- The identity of the log marker's entry; no rule has it.
 local LOG_MARKER = 0
 -- The layouts of states a denial wrote after a conversion (see write_carried): 2^52 plus
@@ -527,6 +535,68 @@ end
 -- changed rule (then a denial writes the carried state: see write_carried); nil when
 -- `raw` is not a state this script wrote. The core's `algo::carry_converting`, entry by
 -- entry.
+-- concurrent (the core's algo/concurrent.rs): at most `limit` slots live at `now`, a
+-- request taking one whatever its cost. `held` lists the slots read, {deadline, number,
+-- ...}, live or not; `next` (st[off + 1]) the number the next slot gets at the least. On
+-- commit the check keeps the live slots and adds one, numbered max(next, now), until
+-- now + period. Returns as the other algorithms, and the new slot's number and the
+-- latest deadline a commit leaves (the rule's expiry).
+local function concurrent(now, st, new, off, limit, period, held)
+  local nxt = 0
+  if st then
+    nxt = st[off + 1]
+  end
+  local live, earliest, latest = 0, nil, nxt
+  for j = 1, #held, 2 do
+    local d = held[j]
+    if d > latest then
+      latest = d
+    end
+    if d > now then
+      live = live + 1
+      if not earliest or d < earliest then
+        earliest = d
+      end
+    end
+  end
+  local slot = nxt
+  if now > slot then
+    slot = now
+  end
+  new[off + 1] = slot + 1
+  local exp = now + period
+  for j = 1, #held, 2 do
+    if held[j] > now and held[j] > exp then
+      exp = held[j]
+    end
+  end
+  if slot + 1 > exp then
+    exp = slot + 1
+  end
+  local retry = 0
+  if live >= limit then
+    retry = earliest - now
+    if retry > RETRY_HINT_CAP then
+      retry = RETRY_HINT_CAP
+    end
+  end
+  return live < limit, limit - live, latest - now, retry, exp, 0, slot
+end
+
+-- The slots trailer at value `p` of `t` (its marker), as a list {deadline, number, ...};
+-- nil when it is not one ending the state of `len` values.
+local function trailer(t, p, len)
+  local m = t[p + 1]
+  if not m or m % 2 ~= 0 or m > 2 * MAX_CONCURRENT or p + 1 + m ~= len then
+    return nil
+  end
+  local held = {}
+  for j = 1, m do
+    held[j] = t[p + 1 + j]
+  end
+  return held
+end
+
 local function carry(raw, v, n, now)
   local len = #raw / 8
   -- Longer than the widest state (MAX_STATE values): no state of this encoding, read
@@ -568,8 +638,10 @@ local function carry(raw, v, n, now)
       local p, width = at[id], 2
       if code == SLIDING_WINDOW then
         width = a + 2
+      elseif code == CONCURRENT then
+        width = 1
       end
-      if code >= TOKEN_BUCKET then
+      if code >= TOKEN_BUCKET and code ~= CONCURRENT then
         -- The header's writer limit and capacity.
         off = off + 4
         if p and t[p - 1] == width + 2 then
@@ -604,7 +676,12 @@ local function carry(raw, v, n, now)
       off = off + width
     end
   end
-  return st, fresh, log_counts, converted, lp and t[lp]
+  local held = {}
+  local sp = at[SLOTS_MARKER]
+  if sp then
+    held = trailer(t, sp - 2, len) or {}
+  end
+  return st, fresh, log_counts, converted, held, lp and t[lp]
 end
 
 -- The expiry option of a key whose state matters until `at` µs, and its value: exact on
@@ -640,6 +717,19 @@ local function expire_log(key3, injected, now, ttl_floor, at)
   end
 end
 
+-- The slots trailer of `held` ({deadline, number, ...}), '' when it holds none.
+local function slots_value(held)
+  local m = #held
+  if m == 0 then
+    return ''
+  end
+  local parts = {struct.pack('<dd', SLOTS_MARKER, m)}
+  for j = 1, m, 2 do
+    parts[#parts + 1] = struct.pack('<dd', held[j], held[j + 1])
+  end
+  return table.concat(parts)
+end
+
 -- Writes the state carried to this check's rules, on a denial after a carry that
 -- converted a state (see carry), as the core's MemoryStore does: a converted state
 -- depends on the time of the carry, so the next check reads it as it is instead of
@@ -653,7 +743,7 @@ end
 -- rules, and its key is kept as long. The state expires with its longest-lived rule,
 -- the largest reset in `out`. A peek, or a denial without a conversion, writes nothing.
 local function write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected,
-    ttl_floor, log_limit, log_period, newest, layout)
+    ttl_floor, log_limit, log_period, newest, layout, held)
   local unpack_ = struct.unpack
   local w, k, off, at, pos = {CARRIED + layout}, 1, 1, now, 8 * HEADER + 1
   for i = 1, n do
@@ -661,7 +751,9 @@ local function write_carried(key2, key3, packed, n, st, fresh, new, out, now, in
     code, _, _, a, _, _, pos = unpack_(RULE_FORMAT, packed, pos)
     if code ~= SLIDING_LOG then
       local head, width = 2, 2
-      if code >= TOKEN_BUCKET then
+      if code == CONCURRENT then
+        width = 1
+      elseif code >= TOKEN_BUCKET then
         head = 4
       elseif code == SLIDING_WINDOW then
         width = a + 2
@@ -692,7 +784,7 @@ local function write_carried(key2, key3, packed, n, st, fresh, new, out, now, in
     shape = FORMATS[k] or doubles(k)
   end
   local unit, ms = expiry_arg(injected, now, ttl_floor, at)
-  redis.call('SET', key2, encode(w, k, shape), unit, ms)
+  redis.call('SET', key2, encode(w, k, shape) .. slots_value(held), unit, ms)
 end
 
 -- The Redis server's time, in µs since the Unix epoch.
@@ -795,16 +887,46 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   -- carried entry by entry (rules in `fresh` start without state). The shared log counts
   -- when this rule set wrote the state, or the state's log marker says so.
   local st, fresh, log_counts, converted = nil, nil, false, false
+  -- The slots read, {deadline, number, ...}: a state longer than its width holds them
+  -- in its trailer (see KEYS[2]), read in place with it.
+  local held = {}
   if raw then
-    st = decode(raw, width, shape)
+    if #raw > 8 * width and width >= 1 then
+      local rest = string.sub(raw, 8 * width + 1)
+      local m = #rest / 8
+      local tr = nil
+      if m >= 2 and m % 1 == 0 and m <= 2 + 2 * MAX_CONCURRENT then
+        local tshape = ''
+        if m <= 1000 then
+          tshape = FORMATS[m] or doubles(m)
+        end
+        tr = decode(rest, m, tshape)
+      end
+      if tr and tr[1] == SLOTS_MARKER then
+        tr = trailer(tr, 1, m)
+      else
+        tr = nil
+      end
+      if tr then
+        st = decode(string.sub(raw, 1, 8 * width), width, shape)
+        if st and st[1] == layout then
+          held = tr
+        else
+          st = nil
+        end
+      end
+    else
+      st = decode(raw, width, shape)
+    end
     if st and st[1] == layout then
       log_counts = true
     else
-      st, fresh, log_counts, converted =
+      st, fresh, log_counts, converted, held =
         carry(raw, {unpack_(doubles(len / 8), packed)}, n, now)
       if not st then
         -- Read as fresh; the commit replaces it.
         status = 2
+        held = {}
       end
     end
   end
@@ -843,6 +965,8 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   out[1], out[2], new[1] = status, 0, layout
   local all_ok, delay, off = true, 0, 1
   local code, limit, period, a, b, id
+  -- The concurrency rule's position and the number a commit gives its slot.
+  local conc, slot, conc_period = nil, nil, 0
   for i = 1, n do
     code, limit, period, a, b, id, pos = unpack_(RULE_FORMAT, packed, pos)
     -- A rule no store sends, or a cost above what the rule can ever admit (the core's
@@ -853,6 +977,9 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
       if code == LEAKY_BUCKET and b > 0 then
         most = a + 1
       end
+    elseif code == CONCURRENT then
+      -- One slot whatever the cost.
+      most = TOP
     end
     if not (limit >= 1 and limit < TOP and period >= 1 and period < TOP and a >= 0
         and a < TOP and b >= 0 and b < TOP and c <= most) then
@@ -893,6 +1020,17 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
       allowed, remaining, reset, retry, exp, wait =
         token_bucket(now, c, s, new, off, limit, period, a)
       off = off + 2
+    elseif code == CONCURRENT then
+      if fresh and fresh[i] then
+        -- No entry of this rule's identity: its slots are no one's.
+        held = {}
+      end
+      new[off + 1], new[off + 2] = id, 1
+      off = off + 2
+      allowed, remaining, reset, retry, exp, wait, slot =
+        concurrent(now, s, new, off, limit, period, held)
+      conc, conc_period = i, period
+      off = off + 1
     elseif code == SLIDING_LOG then
       allowed, remaining, reset, retry, exp, wait =
         sliding_log(now, c, key3, log_len, newest, limit, period)
@@ -939,8 +1077,14 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
 
   if not all_ok or cost == 0 then
     if converted and cost > 0 then
+      -- Slots go with their rule: a set without one drops them, as it drops the
+      -- entries of rules it does not have.
+      local kept = {}
+      if conc then
+        kept = held
+      end
       write_carried(key2, key3, packed, n, st, fresh, new, out, now, injected, ttl_floor,
-        log_limit, log_period, newest, layout)
+        log_limit, log_period, newest, layout, kept)
     end
     return struct.pack(FORMATS[2 + 4 * n] or doubles(2 + 4 * n), unpack(out, 1, 2 + 4 * n))
   end
@@ -958,10 +1102,29 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     end
     out[4 * i + 1] = reset
     local left = out[4 * i] - cost
+    if i == conc then
+      -- One slot, whatever the cost; its number goes back as the rule's retry.
+      left = out[4 * i] - 1
+      out[4 * i + 2] = slot
+    end
     if left < 0 then
       left = 0
     end
     out[4 * i] = left
+  end
+  -- The slots the state keeps: the live ones and the new one.
+  local tail = ''
+  if conc then
+    local keep = {}
+    for j = 1, #held, 2 do
+      if held[j] > now then
+        keep[#keep + 1] = held[j]
+        keep[#keep + 1] = held[j + 1]
+      end
+    end
+    keep[#keep + 1] = now + conc_period
+    keep[#keep + 1] = slot
+    tail = slots_value(keep)
   end
 
   -- The log's time: now, or its newest entry when the clock went back (see sliding_log).
@@ -976,12 +1139,12 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   end
   local unit, ms = expiry_arg(injected, now, ttl_floor, state_expires)
   if raw then
-    redis.call('SET', key2, encode(new, width, shape), unit, ms)
-  elseif not redis.call('SET', key2, encode(new, width, shape), unit, ms, 'NX') then
+    redis.call('SET', key2, encode(new, width, shape) .. tail, unit, ms)
+  elseif not redis.call('SET', key2, encode(new, width, shape) .. tail, unit, ms, 'NX') then
     -- Nothing was read, yet the key exists: a value of another type (MGET reads it as
     -- nil), replaced, and said so.
     redis.call('DEL', key2)
-    redis.call('SET', key2, encode(new, width, shape), unit, ms)
+    redis.call('SET', key2, encode(new, width, shape) .. tail, unit, ms)
     out[1] = 2
   end
 
@@ -1415,6 +1578,15 @@ local function give_back(KEYS, ARGV)
   if width <= 1000 then
     shape = FORMATS[width] or doubles(width)
   end
+  -- A concurrency rule's slots follow the fixed part (see check): kept as they are.
+  local tail = ''
+  if #raw > 8 * width then
+    tail = string.sub(raw, 8 * width + 1)
+    raw = string.sub(raw, 1, 8 * width)
+    if string.sub(tail, 1, 8) ~= struct.pack('<d', SLOTS_MARKER) then
+      return 0
+    end
+  end
   local st = decode(raw, width, shape)
   local fresh, log_counts = nil, true
   if not st or st[1] ~= layout then
@@ -1492,6 +1664,9 @@ local function give_back(KEYS, ARGV)
         end
       end
       off = off + a + 2
+    elseif code == CONCURRENT then
+      -- A slot goes back by release, not by a refund.
+      off = off + 3
     elseif code == SLIDING_LOG and not logged and log_counts then
       logged = true
       -- Newest first: the entries at or after the charge are a prefix; its last `cost`
@@ -1521,7 +1696,7 @@ local function give_back(KEYS, ARGV)
     end
   end
   if dirty then
-    redis.call('SET', KEYS[1], encode(st, width, shape), 'KEEPTTL')
+    redis.call('SET', KEYS[1], encode(st, width, shape) .. tail, 'KEEPTTL')
     changed = true
   end
   if changed then
@@ -1602,7 +1777,7 @@ local function debit(KEYS, ARGV)
   for i = 1, n do
     local code, limit, period, a, b, id
     code, limit, period, a, b, id, pos = struct.unpack(RULE_FORMAT, packed, pos)
-    if not (code >= FIXED_WINDOW and code <= GCRA and code % 1 == 0 and limit >= 1
+    if not (code >= FIXED_WINDOW and code <= CONCURRENT and code % 1 == 0 and limit >= 1
         and limit < top and period >= 1 and period < top and a >= 0 and a < top
         and b >= 0 and b < top and id >= 0 and id < top) then
       return redis.error_reply(string.format('RLARGS debit: rule %d is out of range', i - 1)
@@ -1627,6 +1802,27 @@ local function debit(KEYS, ARGV)
     shape = FORMATS[width] or doubles(width)
   end
   local st, log_counts = nil, false
+  -- A concurrency rule's slots follow the fixed part (see check): kept as they are, the
+  -- key kept until their deadlines.
+  local tail, latest = '', 0
+  if raw and #raw > 8 * width then
+    tail = string.sub(raw, 8 * width + 1)
+    raw = string.sub(raw, 1, 8 * width)
+    local tl = #tail / 8
+    if tl % 1 ~= 0 or tl < 2 then
+      return 0
+    end
+    local t = {struct.unpack(doubles(tl), tail)}
+    local held = t[1] == SLOTS_MARKER and trailer(t, 1, tl)
+    if not held then
+      return 0
+    end
+    for j = 1, #held, 2 do
+      if held[j] > latest then
+        latest = held[j]
+      end
+    end
+  end
   if raw then
     st, log_counts = decode(raw, width, shape), true
     if not st or st[1] ~= layout then
@@ -1801,6 +1997,11 @@ local function debit(KEYS, ARGV)
         end
       end
       off = off + p + 2
+    elseif code == CONCURRENT then
+      -- Slots take no debt: the entry (the next slot's number) as it stands.
+      new[off + 1], new[off + 2], new[off + 3] = id, 1, (st and st[off + 3]) or 0
+      exp = new[off + 3]
+      off = off + 3
     elseif code == SLIDING_LOG and not logged then
       logged = true
     end
@@ -1832,8 +2033,11 @@ local function debit(KEYS, ARGV)
   if not changed then
     return 0
   end
+  if latest > expires then
+    expires = latest
+  end
   local unit, ms = expiry_arg(injected, now, ttl_floor, expires)
-  redis.call('SET', KEYS[1], encode(new, width, shape), unit, ms)
+  redis.call('SET', KEYS[1], encode(new, width, shape) .. tail, unit, ms)
   if log_limit > 0 then
     if drop_log then
       redis.call('DEL', KEYS[2])
@@ -1859,4 +2063,122 @@ local function debit(KEYS, ARGV)
     expire_log(KEYS[2], injected, now, ttl_floor, log_now + log_period)
   end
   return 1
+end
+
+-- release and renew: a concurrency slot freed, or its deadline moved on, by its number
+-- (the core's algo::release and algo::renew).
+--
+-- KEYS[1]  the client key's rule state (see check above)
+-- ARGV[1]  now in µs, or '' for the Redis server's TIME
+-- ARGV[2]  the slot's number
+-- renew only:
+-- ARGV[3]  the timeout in µs: the slot's new deadline is now plus this
+-- ARGV[4]  TTL floor in ms (under an injected clock, as for check)
+--
+-- Returns 1 when the slot was held and live (freed, or renewed), 0 otherwise: a release
+-- sent again frees nothing. The state is rewritten only when the slot was live, and only
+-- that slot changes; a release keeps the key's expiry, a
+-- renewal moves it on to the new deadline when that is later.
+local function edit_slot(KEYS, ARGV, timeout)
+  local raw = redis.pcall('GET', KEYS[1])
+  if type(raw) ~= 'string' or #raw % 8 ~= 0 or #raw < 16 or #raw > 8 * MAX_STATE then
+    return 0
+  end
+  local injected = ARGV[1] ~= ''
+  local now
+  if injected then
+    now = tonumber(ARGV[1])
+  else
+    now = redis_time()
+  end
+  local number = tonumber(ARGV[2])
+  if not now or not number then
+    return redis.error_reply('RLARGS release and renew take a time and a slot number; the '
+      .. 'store and the script are from different versions')
+  end
+  -- The trailer ends the state: walk the entries to it.
+  local len = #raw / 8
+  local pos, t = 2, nil
+  local unpack_ = struct.unpack
+  while pos <= len do
+    local id, m = unpack_('<dd', raw, 8 * (pos - 1) + 1)
+    if not (m and m >= 0 and m % 1 == 0 and pos + 1 + m <= len) then
+      return 0
+    end
+    if id == SLOTS_MARKER then
+      if m % 2 ~= 0 or m > 2 * MAX_CONCURRENT or pos + 1 + m ~= len then
+        return 0
+      end
+      t = {}
+      for j = 1, m, 2 do
+        local d, k = unpack_('<dd', raw, 8 * (pos + j) + 1)
+        t[#t + 1], t[#t + 2] = d, k
+      end
+      break
+    end
+    pos = pos + 2 + m
+  end
+  if not t then
+    return 0
+  end
+  -- Only the slot itself changes: the others, live or not, stay as they are (a check
+  -- drops those past their deadline when it writes).
+  local keep, live, latest = {}, false, 0
+  for j = 1, #t, 2 do
+    local d, k = t[j], t[j + 1]
+    local this = k == number and d > now and not live
+    if this then
+      live = true
+      if timeout then
+        local until_ = now + timeout
+        if until_ > d then
+          d = until_
+        end
+      end
+    end
+    if not this or timeout then
+      keep[#keep + 1], keep[#keep + 2] = d, k
+      if d > latest then
+        latest = d
+      end
+    end
+  end
+  if not live then
+    return 0
+  end
+  local value = string.sub(raw, 1, 8 * (pos - 1)) .. slots_value(keep)
+  if not timeout then
+    redis.call('SET', KEYS[1], value, 'KEEPTTL')
+    return 1
+  end
+  -- The new expiry, in ms from now: the latest deadline's, or the key's own when later.
+  local ttl_floor = tonumber(ARGV[4]) or 0
+  local unit, ms = expiry_arg(injected, now, ttl_floor, latest)
+  local rel = tonumber(ms)
+  if unit == 'PXAT' then
+    -- `now` is the server's time here (not injected).
+    rel = rel - math.floor(now / 1000)
+  end
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl > rel then
+    rel = pttl
+  end
+  if rel < 1 then
+    rel = 1
+  end
+  redis.call('SET', KEYS[1], value, 'PX', string.format('%d', rel))
+  return 1
+end
+
+local function release(KEYS, ARGV)
+  return edit_slot(KEYS, ARGV, nil)
+end
+
+local function renew(KEYS, ARGV)
+  local timeout = tonumber(ARGV[3])
+  if not timeout or timeout < 1 or timeout > 3600000000 then
+    return redis.error_reply('RLARGS renew takes a timeout of 1 to 3600000000 us; the store '
+      .. 'and the script are from different versions')
+  end
+  return edit_slot(KEYS, ARGV, timeout)
 end

@@ -15,7 +15,7 @@ use crate::batch::Batcher;
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 use crate::script::{
-    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, DEBIT, GIVE_BACK, REFUND,
+    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, DEBIT, GIVE_BACK, REFUND, RELEASE, RENEW,
 };
 use crate::shared::Shared;
 
@@ -202,6 +202,31 @@ impl Exact {
                 );
             }
         })?;
+        Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// Frees slot `slot` of `key` (`release`), or moves its deadline to now plus
+    /// `renew_us` (`renew`); whether it was held and live. One call on the key's state,
+    /// routed by it on a Cluster as every call on the key.
+    pub(crate) async fn edit_slot(
+        &self,
+        key: &[u8],
+        slot: u64,
+        renew_us: Option<u64>,
+    ) -> Result<bool, RedisStoreError> {
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        let (script, args) = match renew_us {
+            None => (&**RELEASE, 2),
+            Some(_) => (&**RENEW, 4),
+        };
+        let mut call = script.call(&self.shared.paths, names.state().as_bytes(), 1, 1 + args);
+        call.cmd.arg(names.state());
+        self.now_arg(&mut call.cmd);
+        call.cmd.arg(slot);
+        if let Some(timeout) = renew_us {
+            call.cmd.arg(timeout).arg(self.shared.ttl_floor_ms);
+        }
+        let reply = self.run(Request::Call(call)).await?;
         Ok(matches!(reply, Value::Int(1)))
     }
 

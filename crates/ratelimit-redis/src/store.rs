@@ -621,6 +621,31 @@ impl Store for RedisStore {
         }
     }
 
+    /// Frees a concurrency slot through the function library's `release` (the module's
+    /// `RATELIMIT.RELEASE`): one call on the key's state, whatever `rules` (held slots
+    /// carry over rule changes), sent again after a lost connection without freeing
+    /// twice (a slot is freed by its number, once). In lease mode too: slots are never
+    /// leased.
+    async fn release(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> Result<bool, RedisStoreError> {
+        let _ = rules;
+        self.inner.exact().edit_slot(key, slot, None).await
+    }
+
+    /// Renews a concurrency slot through `renew` (`RATELIMIT.RENEW`) to the timeout of
+    /// `rules`' concurrency rule.
+    async fn renew(&self, key: &[u8], rules: &RuleSet, slot: u64) -> Result<bool, RedisStoreError> {
+        let Some(at) = rules.concurrent() else {
+            return Ok(false);
+        };
+        let timeout = rules.rules()[at].period_us();
+        self.inner.exact().edit_slot(key, slot, Some(timeout)).await
+    }
+
     /// The injected clock's time when one is set; otherwise this host's reading of the
     /// Redis server's `TIME` (learned from `TIME` replies, never ahead of the server's
     /// own; on a Cluster, of the fastest master's), or this host's clock until a reading

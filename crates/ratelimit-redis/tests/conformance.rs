@@ -158,6 +158,24 @@ impl Store for Alternating {
         self.next().settle(key, rules, charged, actual, charged_at)
     }
 
+    fn release(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        self.next().release(key, rules, slot)
+    }
+
+    fn renew(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        slot: u64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        self.next().renew(key, rules, slot)
+    }
+
     fn now_us(&self) -> u64 {
         self.stores[0].now_us()
     }

@@ -21,11 +21,12 @@ const TAGS: [&str; 3] = ["{fz0}", "{fz1}", "{fz2}"];
 
 /// The rule sets of the checks sent: their bytes land in the module's rule cache, so a
 /// mutated header over known rule bytes meets the cache.
-const RULES: [&str; 4] = [
+const RULES: [&str; 5] = [
     "10/s",
     "5/s fixed-window; 6/s sliding-window precision=4; 8/s token-bucket capacity=9",
     "3/min sliding-log; 1/s sliding-log",
     "2/s leaky-bucket mode=shaper burst=10 delay=2; 100/h fixed-window",
+    "10/s; 3 concurrent timeout=1s",
 ];
 
 /// xorshift64*: a generator with a seed to replay, and no dependency.
@@ -83,7 +84,25 @@ fn seed_command(rng: &mut Rng) -> Vec<Vec<u8>> {
         refs.extend_from_slice(&(rng.below(64) as u128).to_le_bytes());
         refs.push(u8::from(rng.below(4) == 0));
     }
-    match rng.below(11) {
+    // A slot number the checks give (numbered from the injected time) or not.
+    let slot = (1_700_000_000_000_000 + rng.below(4) as u64)
+        .to_string()
+        .into_bytes();
+    let now = s(if rng.below(2) == 0 {
+        ""
+    } else {
+        "1700000000000000"
+    });
+    match rng.below(13) {
+        11 => vec![s("RATELIMIT.RELEASE"), name(tag, 's'), now, slot],
+        12 => vec![
+            s("RATELIMIT.RENEW"),
+            name(tag, 's'),
+            now,
+            slot,
+            s(if rng.below(4) == 0 { "0" } else { "1000000" }),
+            s("1000"),
+        ],
         10 => {
             // A settle's excess: a few units, or as many as the encoding holds.
             let units = *rng.pick(&[0, 1, 7, 1_000_000, packed::MAX_EXACT]);
@@ -611,4 +630,43 @@ fn refused_commands_write_nothing() {
         assert!(err.to_string().contains("RLARGS"), "{err}");
         assert!(unchanged(&before, &snapshot(&mut con)), "{rules}");
     }
+    // Slots: a state holding one, then releases and renewals with bad arguments.
+    let state = state_key(TAGS[0]);
+    redis::cmd("RATELIMIT.CHECK_STATE")
+        .arg(&state)
+        .arg({
+            let mut refs = Vec::new();
+            packed::write_ref(&mut refs, 0, None);
+            refs
+        })
+        .arg(pack(RULES[4], 1, true))
+        .query::<Value>(&mut con)
+        .unwrap();
+    let before = snapshot(&mut con);
+    for args in [
+        vec!["RATELIMIT.RELEASE", "", "x"],
+        vec!["RATELIMIT.RELEASE", "9007199254740993", "1700000000000000"],
+        vec!["RATELIMIT.RELEASE", ""],
+        vec!["RATELIMIT.RENEW", "", "1700000000000000", "0", "0"],
+        vec!["RATELIMIT.RENEW", "", "1700000000000000", "3600000001", "0"],
+        vec!["RATELIMIT.RENEW", "", "1700000000000000", "1000000", "-1"],
+    ] {
+        let err = redis::cmd(args[0])
+            .arg(&state)
+            .arg(&args[1..])
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert!(err.to_string().contains("RLARGS"), "{args:?}: {err}");
+        assert!(unchanged(&before, &snapshot(&mut con)), "{args:?}");
+    }
+    // The slot the check took, released once.
+    let release = || {
+        redis::cmd("RATELIMIT.RELEASE")
+            .arg(&state)
+            .arg("1700000000000000")
+            .arg("1700000000000000")
+            .query::<i64>(&mut common::conn(&server.url()))
+            .unwrap()
+    };
+    assert_eq!((release(), release()), (1, 0));
 }

@@ -9,6 +9,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::meter::Meter;
+use crate::slot::SlotGuard;
 
 pin_project! {
     /// The body of a [`RateLimit`](crate::RateLimit) response: the inner service's body
@@ -31,6 +32,8 @@ pin_project! {
         meter: Option<Box<Meter>>,
         // The body's last frame (`None`: its end), held while the settle is on its way.
         held: Option<Option<Frame<Bytes>>>,
+        // A concurrency rule's slot, let go of when the body ends or is dropped.
+        slot: Option<SlotGuard>,
     }
 }
 
@@ -49,6 +52,7 @@ impl<B> ResponseBody<B> {
             kind: Kind::Inner { body },
             meter: None,
             held: None,
+            slot: None,
         }
     }
 
@@ -58,7 +62,14 @@ impl<B> ResponseBody<B> {
             kind: Kind::Inner { body },
             meter: Some(meter),
             held: None,
+            slot: None,
         }
+    }
+
+    /// The body holding `slot` until it ends or is dropped.
+    pub(crate) fn holding(mut self, slot: Option<SlotGuard>) -> Self {
+        self.slot = slot;
+        self
     }
 
     pub(crate) fn own(data: Bytes) -> Self {
@@ -68,6 +79,7 @@ impl<B> ResponseBody<B> {
             },
             meter: None,
             held: None,
+            slot: None,
         }
     }
 }
@@ -97,6 +109,11 @@ where
             }
             KindProj::Own { data } => return Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
         };
+        // The end of the stream, or an error that ends it: the slot goes now, not when a
+        // server gets round to dropping the body.
+        if end || matches!(frame, None | Some(Err(_))) {
+            *this.slot = None;
+        }
         let Some(meter) = this.meter.as_mut() else {
             return Poll::Ready(frame);
         };

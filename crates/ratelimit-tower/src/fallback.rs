@@ -69,6 +69,8 @@ fn share(rule: &Rule, n: u64) -> Result<Rule, BuildError> {
             Rule::leaky_shaper(limit, period, burst, delay.min(burst))
         }
         Algorithm::Gcra { burst } => Rule::gcra(limit, period, part(burst, "burst")?),
+        // A share of the slots, held as long.
+        Algorithm::Concurrent => Rule::concurrent(limit, period),
     }?;
     Ok(match rule.name() {
         Some(name) => shared.named(name)?,

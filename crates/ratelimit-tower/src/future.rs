@@ -13,6 +13,7 @@ use crate::charge::{Charge, Refund, Settled};
 use crate::headers::Fields;
 use crate::limiter::{CheckFuture, Pass, Verdict};
 use crate::meter::Meter;
+use crate::slot::SlotGuard;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): waits for the store (when
@@ -28,6 +29,9 @@ pin_project! {
         // Inline rather than boxed: moving it with the future costs less than an
         // allocation per admitted request.
         charge: Option<Charge>,
+        // A concurrency rule's slot: released if the future is dropped before its
+        // response (cancelled, the handler panicked), else handed to the body.
+        slot: Option<SlotGuard>,
     }
 }
 
@@ -78,18 +82,21 @@ where
         // be one more move of the inner future.
         let later = pass.admission.insert_into(req.extensions_mut());
         Self {
-            state: if pass.delay.is_zero() {
+            state: if pass.delay_us == 0 {
                 State::Calling {
                     future: ready.call(req),
                 }
             } else {
                 State::Delaying {
-                    sleep: Box::pin(tokio::time::sleep(pass.delay)),
+                    sleep: Box::pin(tokio::time::sleep(std::time::Duration::from_micros(
+                        pass.delay_us,
+                    ))),
                     call: Some(Box::new((take_ready(ready), req))),
                 }
             },
             fields: pass.fields,
             charge: charge.or_else(|| later.map(|c| *c)),
+            slot: pass.slot,
         }
     }
 
@@ -100,6 +107,7 @@ where
             },
             fields: None,
             charge: None,
+            slot: None,
         }
     }
 
@@ -111,6 +119,7 @@ where
             },
             fields: None,
             charge: None,
+            slot: None,
         }
     }
 }
@@ -159,7 +168,10 @@ where
                         if let Some(fields) = this.fields.take() {
                             fields.apply(response.headers_mut());
                         }
-                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                        let slot = this.slot.take();
+                        return Poll::Ready(Ok(
+                            response.map(|b| ResponseBody::inner(b).holding(slot))
+                        ));
                     };
                     let (parts, body) = response.into_parts();
                     let ratelimit = this.fields.as_mut().map(|f| &mut f.ratelimit);
@@ -170,17 +182,21 @@ where
                             if let Some(fields) = this.fields.take() {
                                 fields.apply(response.headers_mut());
                             }
+                            let slot = this.slot.take();
                             match settled {
-                                Settled::Refunded(refund) | Settled::Metered(refund) => {
-                                    (response.map(ResponseBody::inner), refund)
-                                }
+                                Settled::Refunded(refund) | Settled::Metered(refund) => (
+                                    response.map(|b| ResponseBody::inner(b).holding(slot)),
+                                    refund,
+                                ),
                                 Settled::AtBodyEnd(charge, usage) => {
                                     let meter = Box::new(Meter::new(charge, usage));
-                                    (response.map(|b| ResponseBody::metered(b, meter)), None)
+                                    let body = |b| ResponseBody::metered(b, meter).holding(slot);
+                                    (response.map(body), None)
                                 }
-                                Settled::Counts | Settled::Panicked(_) => {
-                                    (response.map(ResponseBody::inner), None)
-                                }
+                                Settled::Counts | Settled::Panicked(_) => (
+                                    response.map(|b| ResponseBody::inner(b).holding(slot)),
+                                    None,
+                                ),
                             }
                         }
                     };

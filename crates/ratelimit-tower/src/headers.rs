@@ -79,12 +79,14 @@ pub(crate) fn retry_after_value(d: Duration) -> HeaderValue {
 }
 
 /// The names of a tier's rules in metric labels: the rule's own name, or
-/// `<limit>-per-<period>` (made unique within the set by a `-<index>` suffix).
+/// `<limit>-per-<period>` (`<limit>-concurrent` for a concurrency rule), made unique
+/// within the set by a `-<index>` suffix.
 pub(crate) fn rule_names(rules: &RuleSet) -> Vec<String> {
     let mut names: Vec<String> = Vec::with_capacity(rules.len());
     for (i, rule) in rules.rules().iter().enumerate() {
         let mut name = match rule.name() {
             Some(n) => n.to_owned(),
+            None if rule.is_concurrent() => format!("{}-concurrent", rule.limit()),
             None => {
                 let (count, unit) = period_parts(rule.period());
                 format!("{}-per-{count}{unit}", rule.limit())
@@ -132,8 +134,17 @@ fn quota(rule: &Rule) -> u64 {
 
 /// A tier's rate-limit fields as far as they are known when the layer is built: the whole
 /// `RateLimit-Policy` value, and per rule the start of its `RateLimit` item and its quota.
+///
+/// A `N concurrent` rule has no item: the fields describe rate rules only. The drafts
+/// since -08 name a quota unit for concurrent requests (`qu`), but a concurrency quota
+/// has no window to announce (`w`) and no time at which it resets (`t`), and a client
+/// that does not read `qu` would take `q=4` for four requests per window; its refusal
+/// says when to retry in `Retry-After` alone.
 pub(crate) struct Policy {
-    pub(crate) header: HeaderValue,
+    /// `None` when no rule has an item (a set of one concurrency rule).
+    pub(crate) header: Option<HeaderValue>,
+    /// The position of the concurrency rule's outcome, which has no item.
+    skip: Option<usize>,
     items: Box<[PolicyItem]>,
     /// The longest `RateLimit` value the items can make.
     max_len: usize,
@@ -181,6 +192,9 @@ impl Policy {
         let mut header = String::new();
         let mut items = Vec::with_capacity(rules.len());
         for (rule, name) in rules.rules().iter().zip(&names) {
+            if rule.is_concurrent() {
+                continue;
+            }
             if !header.is_empty() {
                 header.push_str(", ");
             }
@@ -201,7 +215,10 @@ impl Policy {
             .map(|i| ", ".len() + i.prefix.len() + U64_DIGITS + ";t=".len() + U64_DIGITS)
             .sum();
         Self {
-            header: HeaderValue::try_from(header).expect("names and digits are valid header text"),
+            header: (!header.is_empty()).then(|| {
+                HeaderValue::try_from(header).expect("names and digits are valid header text")
+            }),
+            skip: rules.concurrent(),
             items: items.into(),
             max_len,
         }
@@ -219,7 +236,7 @@ impl Policy {
         outcomes: &[RuleOutcome],
         elapsed: Duration,
     ) -> Option<HeaderValue> {
-        if outcomes.is_empty() {
+        if outcomes.is_empty() || self.items.is_empty() {
             return None;
         }
         // Written by hand into a buffer of the longest value's size rather than with
@@ -280,7 +297,13 @@ impl Policy {
             len += bytes.len();
         };
         let mut digits = itoa::Buffer::new();
-        for (i, (o, item)) in outcomes.iter().zip(self.items.iter()).enumerate() {
+        let skip = self.skip.unwrap_or(usize::MAX);
+        let rated = outcomes
+            .iter()
+            .enumerate()
+            .filter(|&(at, _)| at != skip)
+            .map(|(_, o)| o);
+        for (i, (o, item)) in rated.zip(self.items.iter()).enumerate() {
             if i > 0 {
                 put(b", ");
             }
@@ -315,7 +338,7 @@ mod tests {
             ["10-per-1min", "10-per-1min-1", "login", "1-per-500ms"]
         );
         assert_eq!(
-            Policy::new(&rules, "api").header,
+            Policy::new(&rules, "api").header.unwrap(),
             "\"10-per-1min@api\";q=10;w=60, \"10-per-1min-1@api\";q=10;w=60, \
              \"login\";q=5;w=2, \"1-per-500ms@api\";q=1"
         );
@@ -341,7 +364,7 @@ mod tests {
                 .parse()
                 .unwrap();
         assert_eq!(
-            Policy::new(&rules, "x").header,
+            Policy::new(&rules, "x").header.unwrap(),
             "\"s\";q=11;w=1, \"t\";q=9;w=1, \"g\";q=100;w=1"
         );
     }
@@ -352,7 +375,7 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(
-            Policy::new(&rules, "x").header,
+            Policy::new(&rules, "x").header.unwrap(),
             "\"a\";q=3, \"b\";q=1, \"c\";q=2;w=2"
         );
     }

@@ -800,6 +800,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             metering: self.metering,
             refund_log: Arc::new(BoundedLog::new()),
             metering_log: BoundedLog::new(),
+            slot_log: BoundedLog::new(),
             customers: self.resolver.map(|r| {
                 Arc::new(Customers::new(
                     r,

@@ -364,6 +364,20 @@
 //! charged with a `WARN` (at most every 10 s); a debt is retried once first. The `llm_gateway`
 //! example is a whole proxy: requests per minute, tokens per minute settled from the
 //! model's JSON answer and from the last event of its streams.
+//! # Requests in flight
+//!
+//! A `N concurrent` rule (`"100/min; 4 concurrent"`) limits a key's requests in flight,
+//! fleet-wide when the store is shared. An admitted request holds a slot until its
+//! response body ends or is dropped: the client went away, the handler panicked, or the
+//! response future was cancelled before a response. The slot goes back in one store
+//! call ([`Store::release`](ratelimit_core::Store::release)), and a store that fails it
+//! is asked again three times within about a second, after which the slot frees itself
+//! at its deadline (a `WARN` at most every 10 s says so). While the response runs the
+//! layer renews the slot every third of the rule's `timeout`, so a stream longer than
+//! the timeout keeps it. A slot taken from the fallback store is given back there. A
+//! concurrency refusal is an ordinary refusal: 429 (gRPC: `RESOURCE_EXHAUSTED`), its
+//! `Retry-After` a hint (the earliest deadline of a held slot, at most a second); the
+//! `RateLimit` fields describe the rate rules only.
 //!
 //! # Limits per customer
 //!
@@ -634,6 +648,7 @@ mod namespace;
 mod policy;
 mod rejection;
 mod service;
+mod slot;
 pub mod throttle;
 mod tier;
 mod usage;

@@ -131,6 +131,45 @@
 //! another rule set gets nothing, neither back nor as debt: its usage cannot be told
 //! apart from the charge's, and no rule it did not have is charged (the estimate
 //! stands).
+//! # Concurrent requests
+//!
+//! A `N concurrent` rule ([`Algorithm::Concurrent`]) counts requests in flight rather
+//! than requests started. An admitted check takes a slot, numbered and given a deadline
+//! `timeout` (the rule's period) ahead; [`Decision::slot`] carries its number back. The
+//! holder frees it with [`release`] when its response has ended, and moves its deadline
+//! on with [`renew`] while it runs; a slot whose deadline has passed is free whether or
+//! not it was released, so a process that dies holding slots loses them at their
+//! deadlines. In a rule set with rate rules it is decided in the same step as they are:
+//! a request refused by any rule takes no slot, and one refused for want of a slot
+//! consumes nothing from the rates.
+//!
+//! * A request takes one slot whatever its cost; a peek (cost 0) takes none.
+//! * A refusal's `retry_after` is a hint: the earliest deadline of a held slot, at most
+//!   one second ([`RETRY_HINT_CAP_US`]), since most slots are released long before their
+//!   deadlines. `remaining` is the slots free, `reset_after` the time until the last
+//!   held slot's deadline.
+//! * Slot numbers are unique per key for as long as its state lives, and a state that
+//!   has become fresh numbers from the clock, above every number it gave: releasing a
+//!   number twice frees one slot. Renewing a slot past its deadline fails (it was free,
+//!   and may have been taken since).
+//! * The held slots carry over any change of the rule's limit or timeout (its identity
+//!   is its name, else `concurrent`): a lowered limit refuses until enough are released.
+//!
+//! ```
+//! use ratelimit_core::algo::{self, RuleState};
+//! use ratelimit_core::RuleSet;
+//!
+//! let rules: RuleSet = "10/s; 2 concurrent timeout=5s".parse().unwrap();
+//! let mut states = vec![RuleState::Fresh; rules.len()];
+//! let now = 1_700_000_000_000_000;
+//! let a = algo::decide(&rules, &mut states, now, 1).decision.slot().unwrap();
+//! let _b = algo::decide(&rules, &mut states, now, 1).decision.slot().unwrap();
+//! let third = algo::decide(&rules, &mut states, now, 1);
+//! assert!(!third.decision.is_allowed() && !third.committed);
+//! assert!(algo::release(&mut states, a, now));
+//! assert!(!algo::release(&mut states, a, now), "a second release frees nothing");
+//! assert!(algo::decide(&rules, &mut states, now, 1).decision.is_allowed());
+//! ```
 //!
 //! # A clock that steps back
 //!
@@ -170,6 +209,9 @@ mod leaky_bucket;
 mod sliding_log;
 mod sliding_window;
 mod token_bucket;
+
+mod concurrent;
+pub use concurrent::RETRY_HINT_CAP_US;
 
 /// The stored state of one rule for one key.
 ///
@@ -211,6 +253,35 @@ pub enum RuleState {
         /// Fraction of a microsecond, in units of 1/limit.
         frac: u64,
     },
+    /// `N concurrent`: the held slots.
+    Slots(Box<SlotTable>),
+}
+
+/// The slots of a `N concurrent` rule for one key (see the [module
+/// docs](self#concurrent-requests)).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SlotTable {
+    /// The number the next slot is given at the earliest: slot numbers only grow.
+    pub next: u64,
+    /// The slots, `(deadline µs, number)`, oldest taken first; those past their deadline
+    /// are free and dropped at the next write.
+    pub held: Vec<(u64, u64)>,
+}
+
+impl SlotTable {
+    /// The slots live at `now` (deadline after it), and the earliest of their deadlines
+    /// (`u64::MAX` when none).
+    pub fn live(&self, now: u64) -> (u64, u64) {
+        let mut live = 0;
+        let mut earliest = u64::MAX;
+        for &(deadline, _) in &self.held {
+            if deadline > now {
+                live += 1;
+                earliest = earliest.min(deadline);
+            }
+        }
+        (live, earliest)
+    }
 }
 
 /// The result of [`decide`].
@@ -243,6 +314,7 @@ enum Next {
     Log,
     Tokens { level: u64, last: u64 },
     Tat { us: u64, frac: u64 },
+    Slot,
 }
 
 fn us(d: u64) -> Duration {
@@ -319,7 +391,10 @@ pub fn carry_converting(from: &RuleSet, states: &[RuleState], to: &RuleSet, now:
         };
         let (old, state) = (&from.rules()[at], &states[at]);
         let (state, changed) = match old.algorithm() {
-            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => (state.clone(), false),
+            // Held slots carry as they are too, under any limit or timeout.
+            Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::Concurrent => {
+                (state.clone(), false)
+            }
             Algorithm::TokenBucket { capacity } => {
                 token_bucket::carry(old, capacity, rule, state, now)
             }
@@ -351,6 +426,28 @@ pub fn expires_at_for(rules: &RuleSet, states: &[RuleState]) -> u64 {
         .unwrap_or(0)
 }
 
+/// Frees slot `slot` (a [`Decision::slot`]) among `states` at `now`, whatever the rule
+/// set that wrote them (held slots carry over rule changes, and numbers are unique per
+/// key); returns whether it was held and live (only then does anything change). A second
+/// release of one number frees nothing.
+pub fn release(states: &mut [RuleState], slot: u64, now: u64) -> bool {
+    states
+        .iter_mut()
+        .find(|s| matches!(s, RuleState::Slots(_)))
+        .is_some_and(|state| concurrent::release(state, slot, now))
+}
+
+/// Moves the deadline of live slot `slot` among `states` to `now + timeout_us` (the
+/// current rule's timeout); returns whether it was live. A slot past its deadline is not
+/// renewed: it was free and may be held by another request since; its holder runs on
+/// without one.
+pub fn renew(states: &mut [RuleState], slot: u64, timeout_us: u64, now: u64) -> bool {
+    states
+        .iter_mut()
+        .find(|s| matches!(s, RuleState::Slots(_)))
+        .is_some_and(|state| concurrent::renew(state, slot, timeout_us, now))
+}
+
 /// Gives back `cost` units that a check of `rules` charged at `charged_at` (a reading of
 /// the store's clock taken before the check), at `now`, to `states` (written under
 /// `rules`), as the [module docs](self#giving-units-back) say: never more than was
@@ -379,7 +476,8 @@ pub fn refund(
                 log_done = true;
                 sliding_log::refund(state, cost, charged_at)
             }
-            Algorithm::SlidingLog => false,
+            // A slot is given back by `release`, not by a refund.
+            Algorithm::SlidingLog | Algorithm::Concurrent => false,
             Algorithm::TokenBucket { capacity } => token_bucket::refund(
                 rule,
                 capacity,
@@ -450,6 +548,8 @@ pub fn debit(rules: &RuleSet, states: &mut [RuleState], units: u64, now: u64) ->
             Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
                 gcra::debit(rule, rule.capacity(), state, take, cap, now)
             }
+            // Slots count requests in flight, not units: they take no debt.
+            Algorithm::Concurrent => false,
         };
     }
     changed
@@ -457,9 +557,11 @@ pub fn debit(rules: &RuleSet, states: &mut [RuleState], units: u64, now: u64) ->
 
 /// The most one settle charges `rule` as debt, in units: one period's limit, and for
 /// the token bucket, GCRA and leaky bucket at most `2^51 / period_us` (every value of
-/// their states then stays below 2^53, exact in the Redis store's Lua). At least 1.
+/// their states then stays below 2^53, exact in the Redis store's Lua). At least 1, but
+/// 0 for a concurrency rule, which takes no debt.
 pub fn debt_cap(rule: &Rule) -> u64 {
     match rule.algorithm() {
+        Algorithm::Concurrent => 0,
         Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
             rule.limit()
         }
@@ -469,10 +571,15 @@ pub fn debt_cap(rule: &Rule) -> u64 {
     }
 }
 
-/// The largest excess one settle charges whole to every rule of `rules`: the least of
-/// their [`debt_cap`]s. An excess above it is capped for at least one rule.
+/// The largest excess one settle charges whole to every rule of `rules` that takes
+/// debt (a concurrency rule takes none): the least of their [`debt_cap`]s. An excess
+/// above it is capped for at least one rule.
 pub fn settle_cap(rules: &RuleSet) -> u64 {
-    rules.rules().iter().map(debt_cap).min().unwrap_or(0)
+    (rules.rules().iter())
+        .filter(|r| r.algorithm() != Algorithm::Concurrent)
+        .map(debt_cap)
+        .min()
+        .unwrap_or(0)
 }
 
 /// Gives back `unspent` of the `granted` units a lease reserved at `start` (one charge of
@@ -507,7 +614,7 @@ pub fn refund_unspent(
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
             gcra::refund(rule, state, give(), now)
         }
-        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => false,
+        Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog | Algorithm::Concurrent => false,
     }
 }
 
@@ -539,7 +646,9 @@ pub fn carry_stored(
     now: u64,
 ) -> (RuleState, bool) {
     match rule.algorithm() {
-        Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } => (state.clone(), false),
+        Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::Concurrent => {
+            (state.clone(), false)
+        }
         Algorithm::SlidingLog => (RuleState::Fresh, false),
         Algorithm::TokenBucket { .. } => token_bucket::carry_from(
             written_limit,
@@ -592,6 +701,7 @@ fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -
         };
     }
     let mut log_done = false;
+    let mut slot = None;
     for ((rule, state), e) in rules.rules().iter().zip(states.iter_mut()).zip(&evals) {
         // The log lives in the first sliding-log rule's slot and is shared.
         if matches!(e.next, Next::Log) {
@@ -599,6 +709,10 @@ fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -
                 continue;
             }
             log_done = true;
+        }
+        if matches!(e.next, Next::Slot) {
+            slot = Some(concurrent::commit(rule, state, now));
+            continue;
         }
         commit(rule, state, &e.next, rules.log_limit(), now, cost);
     }
@@ -610,13 +724,13 @@ fn decide_many(rules: &RuleSet, states: &mut [RuleState], now: u64, cost: u64) -
         outcomes.push(RuleOutcome {
             allowed: true,
             limit: rule.limit(),
-            remaining: e.remaining_before - cost,
+            remaining: e.remaining_before - taken(rule, cost),
             reset_after: us(expires.saturating_sub(now)),
             retry_after: None,
         });
     }
     Transition {
-        decision: Decision::from_outcomes(outcomes, us(delay)),
+        decision: Decision::from_outcomes(outcomes, us(delay)).with_slot(slot),
         committed: true,
         expires_at_us,
     }
@@ -671,8 +785,14 @@ pub(crate) fn decide_one_then(
 ) -> Decision {
     let e = evaluate(algorithm, rule, state, own_log(state), now, cost.max(1));
     let committed = cost > 0 && e.allowed;
+    let mut slot = None;
     let expires = if committed {
-        commit_expiring(rule, state, &e.next, log_limit, now, cost)
+        if matches!(e.next, Next::Slot) {
+            slot = Some(concurrent::commit(rule, state, now));
+            concurrent::expires_at(state)
+        } else {
+            commit_expiring(rule, state, &e.next, log_limit, now, cost)
+        }
     } else {
         expires_at_as(algorithm, rule, state, own_log(state))
     };
@@ -680,7 +800,7 @@ pub(crate) fn decide_one_then(
         allowed: e.allowed,
         limit: rule.limit(),
         remaining: if committed {
-            e.remaining_before - cost
+            e.remaining_before - taken(rule, cost)
         } else {
             e.remaining_before
         },
@@ -688,7 +808,18 @@ pub(crate) fn decide_one_then(
         retry_after: (!e.allowed).then(|| us(e.retry_us)),
     };
     then(committed, expires, &outcome);
-    Decision::single(outcome, us(e.delay_us))
+    Decision::single(outcome, us(e.delay_us)).with_slot(slot)
+}
+
+/// What an admitted check of `cost` takes from the rule's remaining: its cost, but one
+/// slot of a concurrency rule.
+#[inline(always)]
+fn taken(rule: &Rule, cost: u64) -> u64 {
+    if rule.is_concurrent() {
+        1
+    } else {
+        cost
+    }
 }
 
 fn own_log(state: &RuleState) -> Option<&VecDeque<u64>> {
@@ -727,6 +858,7 @@ fn evaluate(
         }
         Algorithm::LeakyBucket(mode) => leaky_bucket::evaluate(rule, mode, state, now, cost),
         Algorithm::Gcra { burst } => gcra::evaluate(rule, burst, state, now, cost),
+        Algorithm::Concurrent => concurrent::evaluate(rule, state, now),
     }
 }
 
@@ -744,6 +876,10 @@ fn commit(rule: &Rule, state: &mut RuleState, next: &Next, log_limit: u64, now: 
         Next::Log => sliding_log::commit(state, log_limit, now, cost),
         Next::Tokens { level, last } => token_bucket::commit(state, level, last),
         Next::Tat { us, frac } => gcra::commit(state, us, frac),
+        // Taken by the callers, which hand the slot's number on.
+        Next::Slot => {
+            concurrent::commit(rule, state, now);
+        }
     }
 }
 
@@ -797,6 +933,7 @@ fn expires_at_as(
         Algorithm::SlidingLog => sliding_log::expires_at(rule, log),
         Algorithm::TokenBucket { capacity } => token_bucket::expires_at(rule, capacity, state),
         Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => gcra::expires_at(state),
+        Algorithm::Concurrent => concurrent::expires_at(state),
     }
 }
 

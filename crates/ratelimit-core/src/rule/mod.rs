@@ -21,6 +21,17 @@ pub const MAX_LOG_LIMIT: u64 = 10_000;
 pub const MAX_PRECISION: u64 = 1_000;
 /// The most rules one rule set may hold.
 pub const MAX_RULES: usize = 16;
+/// The most slots a `N concurrent` rule may hold per key: its state is one deadline per
+/// held slot, read on every check.
+pub const MAX_CONCURRENT: u64 = 1_000;
+/// The shortest `timeout` of a concurrency rule, in microseconds (100 ms): a layer renews
+/// a slot at a fraction of it, so much less would be a store call per few milliseconds.
+pub const MIN_SLOT_TIMEOUT_US: u64 = 100_000;
+/// The longest `timeout` of a concurrency rule, in microseconds (1 hour): what a crashed
+/// process's slots may stay taken at most.
+pub const MAX_SLOT_TIMEOUT_US: u64 = 3_600_000_000;
+/// A concurrency rule's `timeout` when none is given, in microseconds (60 s).
+pub const DEFAULT_SLOT_TIMEOUT_US: u64 = 60_000_000;
 
 /// How a leaky bucket treats a request that finds the bucket non-empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,6 +80,11 @@ pub enum Algorithm {
         /// classic "burst of 5 on top of the regular request" is `burst = 6`).
         burst: u64,
     },
+    /// `N concurrent`: at most `limit` requests in flight per key, each holding a slot
+    /// from its admission until it is released, or until its deadline (the rule's period,
+    /// its `timeout`, after the admission or the last renewal) passes. A request holds one
+    /// slot whatever its cost. See [`algo`](crate::algo#concurrent-requests).
+    Concurrent,
 }
 
 impl Algorithm {
@@ -80,6 +96,8 @@ impl Algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingWindow { .. } | Algorithm::SlidingLog => {
                 limit
             }
+            // A request takes one slot whatever its cost: no cost is too large for it.
+            Algorithm::Concurrent => crate::packed::MAX_EXACT,
             Algorithm::TokenBucket { capacity }
             | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
             // Validation keeps `burst` below `MAX_EXACT_PRODUCT`.
@@ -128,6 +146,11 @@ impl Algorithm {
 /// | `leaky-bucket mode=shaper` | `burst` (queued beyond the rate), `delay` (of those, admitted without waiting) | 0 and 0 |
 /// | any | `name`: 1 to 64 of `A-Z a-z 0-9 _ - .` | none: the rule is known by its algorithm and period |
 ///
+/// A concurrency rule is `<limit> concurrent [timeout=<duration>] [name=...]`: at most
+/// `limit` (1 to 1,000) requests in flight per key, a slot held without renewal for at
+/// most `timeout` (100 ms to 1 h, default 60 s; `30s`, `500ms`, `2min`). Its identity is
+/// its name, else `concurrent` alone: a changed limit or timeout keeps the held slots.
+///
 /// An option the algorithm does not take, or the same option twice, is refused.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Rule {
@@ -166,6 +189,12 @@ impl Rule {
     /// `u64::MAX`) can overflow here or in a decision: each bound keeps every
     /// intermediate of the algorithms below 2^53.
     fn build(algorithm: Algorithm, limit: u64, period: Duration) -> Result<Self, ConfigError> {
+        if limit == 0 && algorithm == Algorithm::Concurrent {
+            return Err(ConfigError::BadConcurrency {
+                limit,
+                max: MAX_CONCURRENT,
+            });
+        }
         if limit == 0 {
             return Err(ConfigError::ZeroLimit);
         }
@@ -175,6 +204,22 @@ impl Rule {
         // span; fixed windows and logs only compare counts.
         let (field, count, span_us) = match algorithm {
             Algorithm::FixedWindow => ("limit", limit, 1),
+            Algorithm::Concurrent => {
+                if limit > MAX_CONCURRENT {
+                    return Err(ConfigError::BadConcurrency {
+                        limit,
+                        max: MAX_CONCURRENT,
+                    });
+                }
+                if !(MIN_SLOT_TIMEOUT_US..=MAX_SLOT_TIMEOUT_US).contains(&period_us) {
+                    return Err(ConfigError::BadTimeout {
+                        got: period,
+                        min_ms: MIN_SLOT_TIMEOUT_US / 1_000,
+                        max_s: MAX_SLOT_TIMEOUT_US / 1_000_000,
+                    });
+                }
+                ("limit", limit, 1)
+            }
             Algorithm::SlidingLog => {
                 if limit > MAX_LOG_LIMIT {
                     return Err(ConfigError::LogTooLong {
@@ -297,6 +342,27 @@ impl Rule {
         Self::build(Algorithm::Gcra { burst }, limit, period)
     }
 
+    /// `limit` concurrent requests per key (1 to [`MAX_CONCURRENT`]), a slot held without
+    /// renewal for at most `timeout` (100 ms to 1 h; [`Rule::period`] gives it back).
+    ///
+    /// ```
+    /// use ratelimit_core::Rule;
+    /// use std::time::Duration;
+    ///
+    /// let r = Rule::concurrent(4, Duration::from_secs(30)).unwrap();
+    /// assert_eq!(r, "4 concurrent timeout=30s".parse().unwrap());
+    /// assert!(Rule::concurrent(1001, Duration::from_secs(30)).is_err());
+    /// ```
+    pub fn concurrent(limit: u64, timeout: Duration) -> Result<Self, ConfigError> {
+        Self::build(Algorithm::Concurrent, limit, timeout)
+    }
+
+    /// Whether this is a `N concurrent` rule (a slot count, not a rate).
+    #[inline]
+    pub fn is_concurrent(&self) -> bool {
+        self.algorithm == Algorithm::Concurrent
+    }
+
     /// Whether `name` can name a rule (or anything else shown beside rules in
     /// `RateLimit-Policy`): 1 to 64 ASCII letters, digits, `_`, `-` or `.`, so it needs no
     /// quoting in a header or in the rule text.
@@ -382,6 +448,8 @@ impl Rule {
             Algorithm::TokenBucket { .. } => "token-bucket".to_owned(),
             Algorithm::LeakyBucket(_) => "leaky-bucket".to_owned(),
             Algorithm::Gcra { .. } => "gcra".to_owned(),
+            // Slots mean the same under any timeout: a changed timeout keeps them.
+            Algorithm::Concurrent => return "concurrent".to_owned(),
         };
         format!("{kind}/{}us", self.period_us)
     }
@@ -437,6 +505,8 @@ struct RuleSetInner {
     log_period_us: u64,
     /// The smallest capacity over the rules: the largest cost every rule can grant.
     max_cost: u64,
+    /// The position of the `N concurrent` rule, if any.
+    concurrent: Option<usize>,
 }
 
 impl PartialEq for RuleSet {
@@ -459,6 +529,10 @@ impl RuleSet {
                 max: MAX_RULES,
             });
         }
+        let concurrent = rules.iter().filter(|r| r.is_concurrent()).count();
+        if concurrent > 1 {
+            return Err(ConfigError::TwoConcurrencyRules(concurrent));
+        }
         let id = rules
             .iter()
             .map(ToString::to_string)
@@ -473,6 +547,7 @@ impl RuleSet {
         let log_limit = logs.clone().map(|r| r.limit).max().unwrap_or(0);
         let log_period_us = logs.map(|r| r.period_us).max().unwrap_or(0);
         let max_cost = rules.iter().map(Rule::capacity).min().unwrap_or(0);
+        let concurrent = rules.iter().position(Rule::is_concurrent);
         Ok(Self {
             inner: Arc::new(RuleSetInner {
                 rule_ids: rule_ids(&rules),
@@ -482,6 +557,7 @@ impl RuleSet {
                 log_limit,
                 log_period_us,
                 max_cost,
+                concurrent,
             }),
         })
     }
@@ -557,6 +633,13 @@ impl RuleSet {
     #[inline]
     pub fn log_limit(&self) -> u64 {
         self.inner.log_limit
+    }
+
+    /// The position of the set's `N concurrent` rule (at most one), if it has one: a
+    /// check that this set admits then holds a slot ([`Decision::slot`](crate::Decision::slot)).
+    #[inline]
+    pub fn concurrent(&self) -> Option<usize> {
+        self.inner.concurrent
     }
 
     /// The longest sliding-log period in microseconds, 0 if none.

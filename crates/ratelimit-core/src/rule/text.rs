@@ -18,8 +18,18 @@ fn fmt_period(us: u64) -> String {
 impl fmt::Display for Rule {
     /// The canonical text form; parsing it gives the same rule back.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.limit, fmt_period(self.period_us))?;
+        if self.algorithm == Algorithm::Concurrent {
+            write!(
+                f,
+                "{} concurrent timeout={}",
+                self.limit,
+                fmt_period(self.period_us)
+            )?;
+        } else {
+            write!(f, "{}/{}", self.limit, fmt_period(self.period_us))?;
+        }
         match self.algorithm {
+            Algorithm::Concurrent => {}
             Algorithm::FixedWindow => write!(f, " fixed-window")?,
             Algorithm::SlidingWindow { precision } => {
                 write!(f, " sliding-window precision={precision}")?
@@ -54,6 +64,53 @@ fn unit_us(unit: &str) -> Option<u64> {
     })
 }
 
+/// A duration written as one token, `30s`, `500ms`, `2min` (the count defaults to 1).
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (count, unit) = text.split_at(split);
+    let count: u64 = if count.is_empty() {
+        1
+    } else {
+        count
+            .parse()
+            .map_err(|_| format!("{text:?}: the count must be a whole number"))?
+    };
+    let unit = unit_us(unit).ok_or_else(|| format!("{text:?}: a duration such as `30s`"))?;
+    Ok(Duration::from_micros(count.saturating_mul(unit)))
+}
+
+/// `<limit> concurrent [timeout=<duration>] [name=<name>]`, after the limit.
+fn parse_concurrent<'a>(
+    limit: u64,
+    tokens: impl Iterator<Item = &'a str>,
+) -> Result<Rule, ParseFailure> {
+    let (mut timeout, mut name) = (None, None);
+    for token in tokens {
+        let Some((k, v)) = token.split_once('=') else {
+            return Err(format!("unexpected {token:?} after `concurrent`").into());
+        };
+        let slot = match k.to_ascii_lowercase().as_str() {
+            "timeout" => &mut timeout,
+            "name" => &mut name,
+            _ => return Err(format!("option `{k}` does not apply to concurrent").into()),
+        };
+        if slot.replace(v).is_some() {
+            return Err(format!("`{k}` given twice").into());
+        }
+    }
+    let timeout = match timeout {
+        Some(t) => parse_duration(t)?,
+        None => Duration::from_micros(super::DEFAULT_SLOT_TIMEOUT_US),
+    };
+    let mut rule = Rule::concurrent(limit, timeout).map_err(ParseFailure::Invalid)?;
+    if let Some(name) = name {
+        rule = rule.named(name).map_err(ParseFailure::Invalid)?;
+    }
+    Ok(rule)
+}
+
 fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
     let spaced = input.replace('/', " / ");
     let mut tokens = spaced.split_whitespace().peekable();
@@ -62,6 +119,13 @@ fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
         .ok_or("empty rule")?
         .parse()
         .map_err(|_| "`limit` must be a whole number")?;
+    if tokens
+        .peek()
+        .is_some_and(|t| t.eq_ignore_ascii_case("concurrent"))
+    {
+        tokens.next();
+        return parse_concurrent(limit, tokens);
+    }
     match tokens.next() {
         Some("/") => {}
         Some(t) if t.eq_ignore_ascii_case("per") => {}

@@ -287,15 +287,16 @@ impl Script {
 
     /// check.lua as one script per entry point (`ENTRIES`), and one function library
     /// registering all of them under names tagged with the SHA1 of the first.
-    fn decision_scripts() -> [Self; 6] {
+    fn decision_scripts() -> [Self; 8] {
         // A library's top level cannot reach `string` while it loads, so the struct
         // formats come made.
         let code = format!(
-            "local HEADER, PER_RULE, MAX_RULES, MAX_STATE, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, {}, '<{}', '<{}'\n{}",
+            "local HEADER, PER_RULE, MAX_RULES, MAX_STATE, MAX_CONCURRENT, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, {}, {}, '<{}', '<{}'\n{}",
             CheckArgs::HEADER,
             CheckArgs::PER_RULE,
             ratelimit_core::MAX_RULES,
             ratelimit_core::packed::MAX_STATE_VALUES,
+            ratelimit_core::MAX_CONCURRENT,
             "d".repeat(CheckArgs::HEADER),
             "d".repeat(CheckArgs::PER_RULE),
             include_str!("../../lua/check.lua")
@@ -324,6 +325,8 @@ impl Script {
                     debt: true,
                     ..ModuleCommand::new("RATELIMIT.DEBIT", false)
                 }),
+                "release" => Some(ModuleCommand::new("RATELIMIT.RELEASE", false)),
+                "renew" => Some(ModuleCommand::new("RATELIMIT.RENEW", false)),
                 _ => None,
             },
             compact: match name {
@@ -448,18 +451,20 @@ impl Script {
 
 /// check.lua's entry points: the name in the library (after `ratelimit_`), the Lua
 /// function and the function's flags.
-const ENTRIES: [(&str, &str, &str); 6] = [
+const ENTRIES: [(&str, &str, &str); 8] = [
     ("check", "check", ""),
     ("batch", "check_many", ""),
     ("local", "check_local", "'allow-cross-slot-keys'"),
     ("refund", "refund", ""),
     ("give_back", "give_back", ""),
     ("debit", "debit", ""),
+    ("release", "release", ""),
+    ("renew", "renew", ""),
 ];
 
 /// check.lua's scripts, in the order of `ENTRIES`; see `lua/check.lua` for their
 /// contracts.
-static DECISIONS: LazyLock<[Script; 6]> = LazyLock::new(Script::decision_scripts);
+static DECISIONS: LazyLock<[Script; 8]> = LazyLock::new(Script::decision_scripts);
 /// The decision script: one check.
 pub(crate) static CHECK: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[0]);
 /// The batch script: many checks in one call.
@@ -473,6 +478,10 @@ pub(crate) static GIVE_BACK: LazyLock<&'static Script> = LazyLock::new(|| &DECIS
 /// The debt of a metered request settled above its estimate: units charged
 /// unconditionally.
 pub(crate) static DEBIT: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[5]);
+/// A concurrency slot freed.
+pub(crate) static RELEASE: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[6]);
+/// A concurrency slot's deadline moved on.
+pub(crate) static RENEW: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS[7]);
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> = LazyLock::new(|| Script {
     module: Some(ModuleCommand::new("RATELIMIT.BLOCK", false)),

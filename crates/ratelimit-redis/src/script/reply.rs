@@ -100,7 +100,13 @@ impl CheckReply {
                         retry_after: (!allowed).then_some(retry),
                     });
                 }
-                Ok(Ok((Decision::from_rules(outcomes, delay), *status == 2)))
+                // A slot's number comes as its rule's retry (an admitting rule has none).
+                let slot = rules
+                    .concurrent()
+                    .and_then(|at| per_rule.get(4 * at..4 * at + 4))
+                    .and_then(|r| (r[0] == 1 && r[3] > 0).then(|| r[3].unsigned_abs()));
+                let decision = Decision::from_rules(outcomes, delay).with_slot(slot);
+                Ok(Ok((decision, *status == 2)))
             }
             _ => Err(unexpected(
                 &format!(

@@ -5,7 +5,6 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::{Extensions, HeaderValue, Request};
 use ratelimit_core::{Decision, Outcome, Store};
@@ -21,6 +20,7 @@ use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
 use crate::limits::{TierRef, Version};
 use crate::policy::{FailurePolicy, MissingKey};
 use crate::rejection::RejectReason;
+use crate::slot::SlotGuard;
 use crate::tier::{SelectTier, StoreKey, Tier};
 use crate::usage::Usage;
 
@@ -133,8 +133,9 @@ where
                 // Decided where the store wrote it: the decision is not moved.
                 let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
                 let verdict = this.decided(tier, &check, result, Some(req.extensions_mut()));
-                let verdict = this.finish(verdict);
-                if let Verdict::Pass(_) = verdict {
+                let mut verdict = this.finish(verdict);
+                if let Verdict::Pass(pass) = &mut verdict {
+                    Self::bind_slot(this, pass, charged, tier, &check);
                     *charge = Self::charge(this, charged, &check, charged_at, || {
                         arc_swap::Guard::into_inner(version)
                     });
@@ -190,6 +191,25 @@ where
             judged: this.charge_when.is_some() || this.metering.is_on(),
             usage: check.usage.clone(),
         })
+    }
+
+    /// Binds the slot an admitted request took, if any, to the store that gave it (the
+    /// fallback store's rules when it was that one), so that it is released there.
+    fn bind_slot(this: &Arc<Self>, pass: &mut Pass, charged: Charged, tier: &Tier, check: &Check) {
+        let Some(slot) = &mut pass.slot else {
+            return;
+        };
+        let by_fallback = charged == Charged::Fallback;
+        let rules = match (by_fallback, &tier.fallback_rules) {
+            (true, Some(rules)) => rules,
+            _ => &tier.rules,
+        };
+        slot.bind(
+            Arc::clone(this) as Arc<dyn crate::slot::Slots>,
+            &check.key,
+            rules,
+            by_fallback,
+        );
     }
 
     /// Who charges a request on the store's answer `result`, should the layer pass it.
@@ -287,6 +307,7 @@ where
             let verdict = limiter.decided(tier, &check, result, None);
             let mut verdict = limiter.finish(verdict);
             if let Verdict::Pass(pass) = &mut verdict {
+                Self::bind_slot(&limiter, pass, charged, tier, &check);
                 if let Some(charge) =
                     Self::charge(&limiter, charged, &check, charged_at, || version)
                 {
@@ -368,7 +389,13 @@ where
         if decision.outcome() == Outcome::Allowed {
             return self.admitted(tier, key, decision, by, extensions);
         }
-        if let Some(cache) = &self.deny_cache {
+        // A refusal for want of a slot is not remembered: its retry time is a hint, and a
+        // slot released meanwhile admits the next request at once.
+        let by_slots = tier
+            .rules
+            .concurrent()
+            .is_some_and(|at| decision.rules().get(at).is_some_and(|r| !r.allowed));
+        if let (Some(cache), false) = (&self.deny_cache, by_slots) {
             cache.insert(
                 key,
                 tier.generation,
@@ -406,10 +433,11 @@ where
             tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: admitted");
         }
         let fields = self.admitted_headers.then(|| Fields {
-            policy: Some(tier.policy.header.clone()),
+            policy: tier.policy.header.clone(),
             ratelimit: tier.policy.ratelimit(decision),
             shadow: None,
         });
+        let slot = decision.slot().map(SlotGuard::taken);
         let admission = self
             .admission_extension
             .then(|| Admission::decided(by, decision));
@@ -433,9 +461,11 @@ where
             })),
         };
         Verdict::Pass(Pass {
-            delay,
+            // At most `max_delay`, far below `u64::MAX` µs.
+            delay_us: delay.as_micros() as u64,
             fields,
             admission,
+            slot,
         })
     }
 
@@ -545,7 +575,7 @@ where
     fn shadowed(&self, verdict: Verdict) -> Verdict {
         let (label, binding) = match verdict {
             // Admitted anyway: nothing to report, and no rate-limit fields in shadow mode.
-            Verdict::Pass(pass) if pass.delay.is_zero() => {
+            Verdict::Pass(pass) if pass.delay_us == 0 => {
                 return Verdict::Pass(Pass {
                     fields: None,
                     ..pass
@@ -572,7 +602,7 @@ where
             "rate limit (shadow mode): would have refused or delayed; passing"
         );
         Verdict::Pass(Pass {
-            delay: Duration::ZERO,
+            delay_us: 0,
             fields: Some(Fields {
                 shadow: Some(label),
                 ..Fields::default()
@@ -586,6 +616,7 @@ where
             } else {
                 Admitted::Inserted
             },
+            slot: None,
         })
     }
 }

@@ -6,6 +6,7 @@
 mod decide;
 mod refuse;
 mod settle;
+mod slot;
 mod state;
 mod verdict;
 

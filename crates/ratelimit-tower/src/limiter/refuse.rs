@@ -107,7 +107,7 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
         fields: Option<(&Tier, Option<HeaderValue>)>,
     ) -> Verdict {
         let (policy, ratelimit) = match fields {
-            Some((tier, ratelimit)) => (Some(tier.policy.header.clone()), ratelimit),
+            Some((tier, ratelimit)) => (tier.policy.header.clone(), ratelimit),
             None => (None, None),
         };
         Verdict::Refuse(Box::new(Refusal {

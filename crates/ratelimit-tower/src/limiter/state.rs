@@ -54,6 +54,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) refund_log: Arc<BoundedLog>,
     /// Actual costs cut to `max_debt`.
     pub(crate) metering_log: BoundedLog,
+    /// Releases of concurrency slots that failed.
+    pub(crate) slot_log: BoundedLog,
     /// Limits per customer, when the layer has a resolver.
     pub(crate) customers: Option<Arc<Customers>>,
     /// The namespace, shared with the customers' tiers built later.

@@ -1,6 +1,5 @@
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
 
 use http::Extensions;
 use ratelimit_core::Decision;
@@ -9,6 +8,7 @@ use crate::admission::{Admission, AdmittedBy, Binding};
 use crate::charge::Charge;
 use crate::headers::Fields;
 use crate::rejection::Refusal;
+use crate::slot::SlotGuard;
 
 /// What becomes of a request.
 pub(crate) enum Verdict {
@@ -18,13 +18,17 @@ pub(crate) enum Verdict {
     Refuse(Box<Refusal>),
 }
 
-/// An admitted request: call the inner service after `delay`, adding `fields` to its
+/// An admitted request: call the inner service after `delay_us`, adding `fields` to its
 /// response; its [`Admission`] (always) and the store's decision (when kept) go into the
 /// request's extensions.
 pub(crate) struct Pass {
-    pub(crate) delay: Duration,
+    /// In microseconds rather than a `Duration`: 8 bytes less keeps the verdict small
+    /// with its slot (see the test below).
+    pub(crate) delay_us: u64,
     pub(crate) fields: Option<Fields>,
     pub(crate) admission: Admitted,
+    /// The slot a concurrency rule gave the request, held to its response's end.
+    pub(crate) slot: Option<SlotGuard>,
 }
 
 /// Who charged a request the store's answer admits.
@@ -123,13 +127,14 @@ impl Verdict {
     /// admission saying so when `admission` (the layer puts admissions into requests).
     pub(crate) const fn unchecked(by: AdmittedBy, admission: bool) -> Verdict {
         Verdict::Pass(Pass {
-            delay: Duration::ZERO,
+            delay_us: 0,
             fields: None,
             admission: if admission {
                 Admitted::Unchecked(by)
             } else {
                 Admitted::Inserted
             },
+            slot: None,
         })
     }
 }

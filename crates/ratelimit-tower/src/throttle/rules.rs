@@ -16,11 +16,14 @@ use ratelimit_core::{Algorithm, LeakyMode, Rule, RuleSet, MAX_LOG_LIMIT};
 /// when none can (a sliding log is exact; a shaper paces at its rate, and its `delay`
 /// is a burst asked for).
 pub(super) fn as_partners_count(rules: RuleSet) -> RuleSet {
+    let rules = without_slots(rules);
     let mut bounds: Vec<Rule> = Vec::new();
     for rule in rules.rules() {
         if matches!(
             rule.algorithm(),
-            Algorithm::SlidingLog | Algorithm::LeakyBucket(LeakyMode::Shaper { .. })
+            Algorithm::SlidingLog
+                | Algorithm::LeakyBucket(LeakyMode::Shaper { .. })
+                | Algorithm::Concurrent
         ) {
             continue;
         }
@@ -61,12 +64,49 @@ pub(super) fn as_partners_count(rules: RuleSet) -> RuleSet {
     }
 }
 
+/// `rules` without a `N concurrent` rule, with a `WARN`: a throttle waits for a turn and
+/// holds nothing while the call runs, so a slot it took would never be released (only
+/// its deadline would free it). Kept, with the same `WARN`, when it is the only rule.
+fn without_slots(rules: RuleSet) -> RuleSet {
+    let Some(at) = rules.concurrent() else {
+        return rules;
+    };
+    let rest = rules
+        .rules()
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != at)
+        .map(|(_, r)| r.clone());
+    let kept = RuleSet::new(rest).ok();
+    tracing::warn!(
+        rules = %rules,
+        "throttle: a `concurrent` rule limits calls in flight, which a throttle does not \
+         track (it holds no slot while a call runs); {}",
+        if kept.is_some() {
+            "the rule is left out"
+        } else {
+            "each call holds a slot until its timeout"
+        }
+    );
+    kept.unwrap_or(rules)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn bounded(text: &str) -> String {
         as_partners_count(text.parse().unwrap()).to_string()
+    }
+
+    #[test]
+    fn a_concurrency_rule_is_left_out_of_a_throttle() {
+        assert_eq!(
+            bounded("10/s sliding-log; 4 concurrent"),
+            "10/1s sliding-log"
+        );
+        // Alone, kept: each call then holds a slot until its timeout.
+        assert_eq!(bounded("4 concurrent"), "4 concurrent timeout=1m");
     }
 
     #[test]
