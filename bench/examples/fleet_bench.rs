@@ -18,8 +18,8 @@
 //!   with what that cost allows: the decisions/s 3 masters could serve with a core each,
 //!   if the load spread as it did here (the busiest master is the limit) and if it spread
 //!   evenly;
-//! * Redis calls per decision (`FCALL`, `EVALSHA` and the module's `RATELIMIT.CHECK*`
-//!   from `INFO commandstats`, all masters);
+//! * Redis calls per decision (`FCALL`, `EVALSHA`, the module's `RATELIMIT.CHECK*` and
+//!   `RATELIMIT.RELEASE` from `INFO commandstats`, all masters);
 //! * Redis socket reads and writes per decision (`total_reads_processed`,
 //!   `total_writes_processed`, all masters) and the kernel's share of the masters' CPU:
 //!   pipelined calls share a read and a write, so these, more than the calls, set what a
@@ -35,7 +35,9 @@
 //!   min(offered, B + r x elapsed).
 //!
 //! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
-//! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `POOL` (the
+//! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `CONCURRENT`
+//! (0; N: a `N concurrent timeout=60s` rule beside `RULE`, each slot an admitted check
+//! takes released by the task at once, a store call of its own), `POOL` (the
 //! store's default), `LEASE` in ms (0: exact mode; else the stores are built with
 //! `.lease(..)` and the bound widens by the lease length), `MODULE` (1: every node loads
 //! the native module, `$RATELIMIT_MODULE` or one `testing::module_file` builds; build it
@@ -105,6 +107,19 @@ async fn main() -> Result<(), Error> {
     let rule_text = std::env::var("RULE").unwrap_or_else(|_| "100/s gcra burst=50".to_owned());
     let rules: RuleSet = rule_text.parse()?;
     let (burst, rate_per_s) = gcra_bound(&rules)?;
+    // The rate rule's bound holds with a concurrency rule beside it: a slot only refuses.
+    let concurrent = env_or("CONCURRENT", 0);
+    let rules = if concurrent > 0 {
+        RuleSet::new(
+            rules
+                .rules()
+                .iter()
+                .cloned()
+                .chain([Rule::concurrent(concurrent, Duration::from_secs(60))?]),
+        )?
+    } else {
+        rules
+    };
     // Read before the cluster starts, so a bad value stops the run at once.
     let pool = env_set("POOL")?;
     let max_batch = env_set("MAX_BATCH")?;
@@ -384,6 +399,14 @@ async fn drive(
                         Ok(d) => {
                             entry.0 += 1;
                             entry.1 += u32::from(d.is_allowed());
+                            if let Some(slot) = d.slot() {
+                                if let Err(e) =
+                                    store.release(&keys[k as usize - 1], &rules, slot).await
+                                {
+                                    tally.errors += 1;
+                                    tally.first_error.get_or_insert_with(|| e.to_string());
+                                }
+                            }
                         }
                         Err(e) => {
                             tally.errors += 1;
@@ -420,7 +443,10 @@ fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats,
             .sum()
     };
     let calls = calls_of(&|name| {
-        name == "fcall" || name == "evalsha" || name.starts_with("ratelimit.check")
+        name == "fcall"
+            || name == "evalsha"
+            || name.starts_with("ratelimit.check")
+            || name == "ratelimit.release"
     });
     let slot_checks = calls_of(&|name| name == "exists");
     let info_stats = node.command("INFO stats")?;

@@ -62,6 +62,11 @@ pub trait StoreExt: Store {
     /// Dropping the future while it sleeps on a slot gives the slot back where the
     /// algorithm allows (the refund of a shaper's arrival time) on a store that answers
     /// in process; on a remote store the slot stays taken (it limits more, never less).
+    ///
+    /// With a `N concurrent` rule the admitting decision holds a slot
+    /// ([`Decision::slot`](crate::Decision::slot)): the caller releases it with
+    /// [`Store::release`] once its call has ended (or it frees itself at its deadline).
+    /// A wait that gives up releases the slot its check took, as it refunds the units.
     fn until_ready(
         &self,
         key: &[u8],
@@ -91,6 +96,9 @@ pub trait StoreExt: Store {
                         }
                         if delay > left {
                             let _ = self.refund(key, rules, cost, charged_at).await;
+                            if let Some(taken) = decision.slot() {
+                                let _ = self.release(key, rules, taken).await;
+                            }
                             return Err(WaitError::TooLong {
                                 wait: waited + delay,
                                 max_wait,
@@ -102,6 +110,7 @@ pub trait StoreExt: Store {
                             rules,
                             cost,
                             charged_at,
+                            taken: decision.slot(),
                             armed: true,
                         };
                         tokio::time::sleep(delay).await;
@@ -162,6 +171,8 @@ struct Slot<'a, S: Store + ?Sized> {
     rules: &'a RuleSet,
     cost: u64,
     charged_at: u64,
+    /// A concurrency rule's slot the check took, released with the rest.
+    taken: Option<u64>,
     armed: bool,
 }
 
@@ -175,5 +186,8 @@ impl<S: Store + ?Sized> Drop for Slot<'_, S> {
         let _ = self
             .store
             .refund_sync(self.key, self.rules, self.cost, self.charged_at);
+        if let Some(taken) = self.taken {
+            let _ = self.store.release_sync(self.key, self.rules, taken);
+        }
     }
 }

@@ -165,3 +165,29 @@ proptest! {
         }
     }
 }
+
+/// A wait that gives up (its turn is later than its maximum wait) releases the slot its
+/// check took, as it gives the units back.
+#[tokio::test]
+async fn a_wait_that_gives_up_releases_its_slot() {
+    use ratelimit_core::{Store, StoreExt, WaitError};
+    let store = MemoryStore::builder()
+        .clock(ManualClock::new(1_700_000_000_000_000))
+        .build();
+    let rules: RuleSet = "1/s leaky-bucket mode=shaper burst=5; 2 concurrent"
+        .parse()
+        .unwrap();
+    let first = store
+        .until_ready(b"k", &rules, 1, Duration::from_millis(100))
+        .await
+        .unwrap();
+    assert!(first.slot().is_some());
+    let late = store
+        .until_ready(b"k", &rules, 1, Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    assert!(matches!(late, WaitError::TooLong { .. }), "{late:?}");
+    // One slot held (the first's), the second given back.
+    let peek = store.check(b"k", &rules, 0).await.unwrap();
+    assert_eq!(peek.rules()[1].remaining, 1, "{peek:?}");
+}

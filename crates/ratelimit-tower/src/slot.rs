@@ -30,6 +30,8 @@ pub(crate) trait Slots: Send + Sync + 'static {
         self: Arc<Self>,
         held: &Held,
     ) -> Pin<Box<dyn Future<Output = Result<bool, String>> + Send>>;
+    /// Reports a slot found gone when renewed, at a bounded rate.
+    fn lost(&self, held: &Held);
 }
 
 /// What a release or renewal needs: the store key, the rules, the slot's number and
@@ -112,12 +114,7 @@ fn renew_every(
             match Arc::clone(&slots).renew(&copy).await {
                 Ok(true) => {}
                 Ok(false) => {
-                    tracing::warn!(
-                        slot = copy.slot,
-                        "rate limit: a request's concurrency slot was gone when renewed \
-                         (it ran past its deadline, or the store lost it); the request \
-                         runs on without one"
-                    );
+                    slots.lost(&copy);
                     return;
                 }
                 // Tried again at the next tick: the deadline is three ticks away.

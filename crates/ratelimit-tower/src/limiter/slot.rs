@@ -68,6 +68,10 @@ where
         });
     }
 
+    fn lost(&self, held: &Held) {
+        self.slot_lost(held);
+    }
+
     fn renew(
         self: Arc<Self>,
         held: &Held,
@@ -94,6 +98,21 @@ where
 }
 
 impl<S: Store, K, C, T> Limiter<S, K, C, T> {
+    /// A slot gone when renewed (it ran past its deadline, or the store lost it, as a
+    /// failover to a replica that missed it does): its request runs on without one.
+    fn slot_lost(&self, held: &Held) {
+        if let Some(count) = self.slot_log.hit(self.store.now_us()) {
+            tracing::warn!(
+                key = %KeyDigest(&held.key),
+                slot = held.slot,
+                requests = count,
+                "rate limit: a request's concurrency slot was gone when renewed; the \
+                 request runs on without one (reported at most every 10 s, with the \
+                 slots lost or not released since the last report)"
+            );
+        }
+    }
+
     /// A release that failed leaves the slot taken until its deadline: the key admits
     /// one request fewer at once until then, never one more.
     fn release_failed(&self, held: &Held, error: &str) {
