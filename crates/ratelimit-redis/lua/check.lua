@@ -1330,7 +1330,7 @@ local function own_carried(raw, packed, n, now, layout, width)
     return nil
   end
   local v = {struct.unpack(doubles(#packed / 8), packed)}
-  local st, fresh, log_counts, _, marked = carry(raw, v, n, now)
+  local st, fresh, log_counts, _, _, marked = carry(raw, v, n, now)
   if not st then
     return nil
   end
