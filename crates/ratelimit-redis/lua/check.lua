@@ -1330,7 +1330,7 @@ local function own_carried(raw, packed, n, now, layout, width)
     return nil
   end
   local v = {struct.unpack(doubles(#packed / 8), packed)}
-  local st, fresh, log_counts, _, _, marked = carry(raw, v, n, now)
+  local st, fresh, log_counts, _, held, marked = carry(raw, v, n, now)
   if not st then
     return nil
   end
@@ -1341,7 +1341,9 @@ local function own_carried(raw, packed, n, now, layout, width)
     local code, limit, a, b, id = v[o], v[o + 1], v[o + 3], v[o + 4], v[o + 5]
     if code ~= SLIDING_LOG then
       local m = 2
-      if code >= TOKEN_BUCKET then
+      if code == CONCURRENT then
+        m = 1
+      elseif code >= TOKEN_BUCKET then
         local cap = a
         if code == LEAKY_BUCKET and b > 0 then
           cap = a + 1
@@ -1366,7 +1368,50 @@ local function own_carried(raw, packed, n, now, layout, width)
   if off + 3 == width then
     st[off + 1], st[off + 2], st[off + 3] = LOG_MARKER, 1, marked or 0
   end
-  return st, fresh, log_counts
+  return st, fresh, log_counts, held
+end
+
+-- A key's stored state `raw` as a give_back or debit under these rules reads it: its
+-- fixed part in this layout (its own, or carried by own_carried), the rules without an
+-- entry, whether the log counts, and its slots trailer as stored (kept as it is: slots
+-- go back by release, and take no debt) with the latest of their deadlines. Nil for a
+-- value of any other layout.
+local function own_state(raw, packed, n, now, layout, width, shape)
+  local st = decode(string.sub(raw, 1, 8 * width), width, shape)
+  if st and st[1] == layout then
+    if #raw == 8 * width then
+      return st, nil, true, '', 0
+    end
+    local tail = string.sub(raw, 8 * width + 1)
+    local tl = #tail / 8
+    if tl % 1 ~= 0 or tl < 2 then
+      return nil
+    end
+    local t = {struct.unpack(doubles(tl), tail)}
+    local held = t[1] == SLOTS_MARKER and trailer(t, 1, tl)
+    if not held then
+      return nil
+    end
+    local latest = 0
+    for j = 1, #held, 2 do
+      if held[j] > latest then
+        latest = held[j]
+      end
+    end
+    return st, nil, true, tail, latest
+  end
+  local fresh, log_counts, held
+  st, fresh, log_counts, held = own_carried(raw, packed, n, now, layout, width)
+  if not st then
+    return nil
+  end
+  local latest = 0
+  for j = 1, #(held or {}), 2 do
+    if held[j] > latest then
+      latest = held[j]
+    end
+  end
+  return st, fresh, log_counts, slots_value(held or {}), latest
 end
 
 -- What of `give` (tokens x period) a token bucket whose refill resumes at `last` puts
@@ -1579,21 +1624,9 @@ local function give_back(KEYS, ARGV)
     shape = FORMATS[width] or doubles(width)
   end
   -- A concurrency rule's slots follow the fixed part (see check): kept as they are.
-  local tail = ''
-  if #raw > 8 * width then
-    tail = string.sub(raw, 8 * width + 1)
-    raw = string.sub(raw, 1, 8 * width)
-    if string.sub(tail, 1, 8) ~= struct.pack('<d', SLOTS_MARKER) then
-      return 0
-    end
-  end
-  local st = decode(raw, width, shape)
-  local fresh, log_counts = nil, true
-  if not st or st[1] ~= layout then
-    st, fresh, log_counts = own_carried(raw, packed, n, now, layout, width)
-    if not st then
-      return 0
-    end
+  local st, fresh, log_counts, tail = own_state(raw, packed, n, now, layout, width, shape)
+  if not st then
+    return 0
   end
 
   local changed, logged, off = false, false, 1
@@ -1801,35 +1834,13 @@ local function debit(KEYS, ARGV)
   if width <= 1000 then
     shape = FORMATS[width] or doubles(width)
   end
-  local st, log_counts = nil, false
   -- A concurrency rule's slots follow the fixed part (see check): kept as they are, the
   -- key kept until their deadlines.
-  local tail, latest = '', 0
-  if raw and #raw > 8 * width then
-    tail = string.sub(raw, 8 * width + 1)
-    raw = string.sub(raw, 1, 8 * width)
-    local tl = #tail / 8
-    if tl % 1 ~= 0 or tl < 2 then
-      return 0
-    end
-    local t = {struct.unpack(doubles(tl), tail)}
-    local held = t[1] == SLOTS_MARKER and trailer(t, 1, tl)
-    if not held then
-      return 0
-    end
-    for j = 1, #held, 2 do
-      if held[j] > latest then
-        latest = held[j]
-      end
-    end
-  end
+  local st, log_counts, tail, latest = nil, false, '', 0
   if raw then
-    st, log_counts = decode(raw, width, shape), true
-    if not st or st[1] ~= layout then
-      st, _, log_counts = own_carried(raw, packed, n, now, layout, width)
-      if not st then
-        return 0
-      end
+    st, _, log_counts, tail, latest = own_state(raw, packed, n, now, layout, width, shape)
+    if not st then
+      return 0
     end
   end
 
