@@ -8,7 +8,8 @@ use slab::Slab;
 use smallvec::{smallvec, SmallVec};
 
 use crate::algo::{
-    self, carry_converting, debit, decide, decide_one_then, expires_at_for, refund, Carried, RuleState,
+    self, carry_converting, debit, decide, decide_one_then, expires_at_for, refund, Carried,
+    RuleState,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;

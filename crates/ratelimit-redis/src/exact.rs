@@ -15,7 +15,8 @@ use crate::batch::Batcher;
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 use crate::script::{
-    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, DEBIT, GIVE_BACK, REFUND, RELEASE, RENEW,
+    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, DEBIT, GIVE_BACK, REFUND,
+    RELEASE, RENEW,
 };
 use crate::shared::Shared;
 

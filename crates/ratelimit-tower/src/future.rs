@@ -193,10 +193,9 @@ where
                                     let body = |b| ResponseBody::metered(b, meter).holding(slot);
                                     (response.map(body), None)
                                 }
-                                Settled::Counts | Settled::Panicked(_) => (
-                                    response.map(|b| ResponseBody::inner(b).holding(slot)),
-                                    None,
-                                ),
+                                Settled::Counts | Settled::Panicked(_) => {
+                                    (response.map(|b| ResponseBody::inner(b).holding(slot)), None)
+                                }
                             }
                         }
                     };

@@ -541,15 +541,15 @@ pub fn debit(rules: &RuleSet, states: &mut [RuleState], units: u64, now: u64) ->
                 log_done = true;
                 sliding_log::debit(state, rules.log_limit(), units, now)
             }
-            Algorithm::SlidingLog => false,
+            // The log's other rules share the first one's; slots count requests in
+            // flight, not units, and take no debt.
+            Algorithm::SlidingLog | Algorithm::Concurrent => false,
             Algorithm::TokenBucket { capacity } => {
                 token_bucket::debit(rule, capacity, state, take, cap, now)
             }
             Algorithm::Gcra { .. } | Algorithm::LeakyBucket(_) => {
                 gcra::debit(rule, rule.capacity(), state, take, cap, now)
             }
-            // Slots count requests in flight, not units: they take no debt.
-            Algorithm::Concurrent => false,
         };
     }
     changed
