@@ -58,7 +58,7 @@ use crate::rule::{Algorithm, LeakyMode, Rule, RuleSet, MAX_RULES};
 /// store's own.
 pub const STATE_FORMAT: u64 = 2;
 /// The largest value the encoding holds exactly (2^53 - 1).
-pub const MAX_EXACT: u64 = (1 << 53) - 1;
+pub const MAX_EXACT: u64 = crate::rule::MAX_EXACT;
 /// Values of a check's header.
 pub const HEADER: usize = 10;
 /// Values per rule of a check.

@@ -11,6 +11,10 @@ mod text;
 
 pub(crate) use divisor::Divisor;
 
+/// The largest integer every store holds exactly (2^53 - 1): the Redis store's Lua
+/// computes with doubles. The packed encoding holds it as its `MAX_EXACT`.
+pub(crate) const MAX_EXACT: u64 = (1 << 53) - 1;
+
 /// The largest `capacity × period_us` accepted. Every intermediate product of the
 /// algorithms stays below 2^53, so Rust's `u64` and Redis Lua's doubles compute the very
 /// same integers.
@@ -83,7 +87,7 @@ pub enum Algorithm {
     /// `N concurrent`: at most `limit` requests in flight per key, each holding a slot
     /// from its admission until it is released, or until its deadline (the rule's period,
     /// its `timeout`, after the admission or the last renewal) passes. A request holds one
-    /// slot whatever its cost. See [`algo`](crate::algo#concurrent-requests).
+    /// slot whatever its cost. See "Concurrent requests" in the `algo` module.
     Concurrent,
 }
 
@@ -97,7 +101,7 @@ impl Algorithm {
                 limit
             }
             // A request takes one slot whatever its cost: no cost is too large for it.
-            Algorithm::Concurrent => crate::packed::MAX_EXACT,
+            Algorithm::Concurrent => MAX_EXACT,
             Algorithm::TokenBucket { capacity }
             | Algorithm::LeakyBucket(LeakyMode::Meter { capacity }) => capacity,
             // Validation keeps `burst` below `MAX_EXACT_PRODUCT`.
