@@ -809,28 +809,47 @@ impl<C: Clock> MemoryStore<C> {
             (0..rules.len()).map(|_| RuleState::Fresh).collect();
         let t = decide(rules, &mut states, now, cost);
         if t.committed {
-            shard.make_room(self.shard_cap, now);
-            let Shard {
-                index,
-                entries,
-                long_keys,
-                spills,
-                ..
-            } = shard;
-            let key = Entry::hold(held, is_digest, long_keys);
-            let mut entry = Entry {
-                words: [0; 2],
-                rules: rules.clone(),
-                key: key.0,
-                tag: Tag(key.1).with_tier(tier(rules, &t.decision)),
-            };
-            entry.set_states(spills, states, t.expires_at_us);
-            let at = entries.len();
-            entries.push(entry);
-            let hasher = &self.hasher;
-            index.insert(hash, at, |i| hasher.hash_one(entries[i].held(long_keys)));
+            let tier = tier(rules, &t.decision);
+            let key = (held, is_digest, hash);
+            self.add(shard, key, rules, states, t.expires_at_us, tier, now);
         }
         t.decision
+    }
+
+    /// Makes room in `shard` and adds the entry of a key it does not hold (`key`: its
+    /// held bytes, whether they are a digest, and its hash), its `states` written under
+    /// `rules`.
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &self,
+        shard: &mut Shard,
+        (held, is_digest, hash): (&[u8], bool, u64),
+        rules: &RuleSet,
+        states: SmallVec<[RuleState; 1]>,
+        expires_at: u64,
+        tier: u8,
+        now: u64,
+    ) {
+        shard.make_room(self.shard_cap, now);
+        let Shard {
+            index,
+            entries,
+            long_keys,
+            spills,
+            ..
+        } = shard;
+        let key = Entry::hold(held, is_digest, long_keys);
+        let mut entry = Entry {
+            words: [0; 2],
+            rules: rules.clone(),
+            key: key.0,
+            tag: Tag(key.1).with_tier(tier),
+        };
+        entry.set_states(spills, states, expires_at);
+        let at = entries.len();
+        entries.push(entry);
+        let hasher = &self.hasher;
+        index.insert(hash, at, |i| hasher.hash_one(entries[i].held(long_keys)));
     }
 
     /// The synchronous form of [`Store::refund`]: gives back `cost` units that a check
@@ -854,27 +873,10 @@ impl<C: Clock> MemoryStore<C> {
         if !entry.rules.same_as(rules) {
             return false;
         }
-        if entry.tag.is_spilled() {
-            let spill = &mut spills[entry.words[0] as usize];
-            return refund(rules, &mut spill.states, cost, charged_at, now);
-        }
-        let rule = &rules.rules()[0];
-        let mut state = unpack(rule, entry.words);
-        let changed = refund(
-            rules,
-            std::slice::from_mut(&mut state),
-            cost,
-            charged_at,
-            now,
-        );
-        match pack(rule, &state) {
-            Some(words) => entry.words = words,
-            None => {
-                let expires = expires_at_for(rules, std::slice::from_ref(&state));
-                entry.spill(spills, smallvec![state], expires);
-            }
-        }
-        changed
+        // A refund only brings the expiry nearer: the one held stays good.
+        entry.edit_states(spills, false, |states| {
+            refund(rules, states, cost, charged_at, now)
+        })
     }
 
     /// The synchronous form of [`Store::settle`]: settles a charge of `charged` units
@@ -912,27 +914,9 @@ impl<C: Clock> MemoryStore<C> {
                 return false;
             }
             let expires = expires_at_for(rules, &states);
-            shard.make_room(self.shard_cap, now);
-            let Shard {
-                index,
-                entries,
-                long_keys,
-                spills,
-                ..
-            } = &mut *shard;
-            let key = Entry::hold(held.as_bytes(), held.is_digest(), long_keys);
-            let mut entry = Entry {
-                words: [0; 2],
-                rules: rules.clone(),
-                key: key.0,
-                // A key in debt is at its limit, or near it: the last to forget.
-                tag: Tag(key.1).with_tier(Tag::AT_LIMIT),
-            };
-            entry.set_states(spills, states, expires);
-            let at = entries.len();
-            entries.push(entry);
-            let hasher = &self.hasher;
-            index.insert(hash, at, |i| hasher.hash_one(entries[i].held(long_keys)));
+            let key = (held.as_bytes(), held.is_digest(), hash);
+            // A key in debt is at its limit, or near it: the last to forget.
+            self.add(&mut shard, key, rules, states, expires, Tag::AT_LIMIT, now);
             return true;
         };
         let Shard {
@@ -942,27 +926,8 @@ impl<C: Clock> MemoryStore<C> {
         if !entry.rules.same_as(rules) {
             return false;
         }
-        let changed = if entry.tag.is_spilled() {
-            let spill = &mut spills[entry.words[0] as usize];
-            let changed = debit(rules, &mut spill.states, units, now);
-            if changed {
-                // A debt lasts longer than the charge it adds to.
-                spill.expires_at = expires_at_for(rules, &spill.states);
-            }
-            changed
-        } else {
-            let rule = &rules.rules()[0];
-            let mut state = unpack(rule, entry.words);
-            let changed = debit(rules, std::slice::from_mut(&mut state), units, now);
-            match pack(rule, &state) {
-                Some(words) => entry.words = words,
-                None => {
-                    let expires = expires_at_for(rules, std::slice::from_ref(&state));
-                    entry.spill(spills, smallvec![state], expires);
-                }
-            }
-            changed
-        };
+        // A debt lasts longer than the charge it adds to: the expiry moves on.
+        let changed = entry.edit_states(spills, true, |states| debit(rules, states, units, now));
         if changed {
             entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
         }
@@ -1114,6 +1079,37 @@ impl Entry {
             }
         }
         self.spill(spills, states, expires_at);
+    }
+
+    /// Runs `edit` on the states the entry holds (written under `self.rules`) in place
+    /// and keeps them: packed while they still fit, else out of line. With `reexpire`,
+    /// states held out of line have their expiry recomputed after a change. Answers what
+    /// `edit` answers.
+    fn edit_states(
+        &mut self,
+        spills: &mut Slab<Spill>,
+        reexpire: bool,
+        edit: impl FnOnce(&mut [RuleState]) -> bool,
+    ) -> bool {
+        if self.tag.is_spilled() {
+            let spill = &mut spills[self.words[0] as usize];
+            let changed = edit(&mut spill.states);
+            if changed && reexpire {
+                spill.expires_at = expires_at_for(&self.rules, &spill.states);
+            }
+            return changed;
+        }
+        let rule = &self.rules.rules()[0];
+        let mut state = unpack(rule, self.words);
+        let changed = edit(std::slice::from_mut(&mut state));
+        match pack(rule, &state) {
+            Some(words) => self.words = words,
+            None => {
+                let expires = expires_at_for(&self.rules, std::slice::from_ref(&state));
+                self.spill(spills, smallvec![state], expires);
+            }
+        }
+        changed
     }
 
     /// Holds `states` out of line.
