@@ -232,6 +232,34 @@ local function sub_count(st, off, idx, p, kk)
   return 0
 end
 
+-- Writes to new[off + 1 ..] the sliding window counter of st (nil: fresh) as a commit
+-- leaves it: counts shifted to sub-window cur (a clock that went back counts into the
+-- newest sub-window), `add` units added to the newest. Returns the newest sub-window.
+local function shift_counts(st, new, off, p, cur, add)
+  local idx = st and st[off + 1]
+  local nidx, shift = cur, p + 1
+  if idx then
+    if idx < cur then
+      shift = cur - idx
+      if shift > p + 1 then
+        shift = p + 1
+      end
+    else
+      nidx, shift = idx, 0
+    end
+  end
+  new[off + 1] = nidx
+  for d = 0, p do
+    if d < shift then
+      new[off + 2 + d] = 0
+    else
+      new[off + 2 + d] = st[off + 2 + d - shift]
+    end
+  end
+  new[off + 2] = new[off + 2] + add
+  return nidx
+end
+
 local function sliding_window(now, c, st, new, off, limit, period, p, sub)
   local cur, elapsed = divmod(now, sub)
   local idx = st and st[off + 1]
@@ -305,27 +333,7 @@ local function sliding_window(now, c, st, new, off, limit, period, p, sub)
     end
   end
   -- The next state: counts shifted to sub-window cur, cost added to the newest.
-  local nidx, shift = cur, p + 1
-  if idx then
-    if idx < cur then
-      shift = cur - idx
-      if shift > p + 1 then
-        shift = p + 1
-      end
-    else
-      -- A clock that went back counts into the newest sub-window.
-      nidx, shift = idx, 0
-    end
-  end
-  new[off + 1] = nidx
-  for d = 0, p do
-    if d < shift then
-      new[off + 2 + d] = 0
-    else
-      new[off + 2 + d] = st[off + 2 + d - shift]
-    end
-  end
-  new[off + 2] = new[off + 2] + c
+  local nidx = shift_counts(st, new, off, p, cur, c)
   -- The newest sub-window then holds units: the state lasts p + 1 sub-windows past it.
   return allowed, remaining, reset, retry, (nidx + p + 1) * sub, 0
 end
@@ -1971,30 +1979,9 @@ local function debit(KEYS, ARGV)
       if add > take then
         add = take
       end
-      local idx = st and st[off + 1]
       if add > 0 then
-        -- As a check's commit: counts shifted to sub-window cur (a clock that went back
-        -- counts into the newest), the units added to the newest.
-        local nidx, shift = cur, p + 1
-        if idx then
-          if idx < cur then
-            shift = cur - idx
-            if shift > p + 1 then
-              shift = p + 1
-            end
-          else
-            nidx, shift = idx, 0
-          end
-        end
-        new[off + 1] = nidx
-        for d = 0, p do
-          if d < shift then
-            new[off + 2 + d] = 0
-          else
-            new[off + 2 + d] = st[off + 2 + d - shift]
-          end
-        end
-        new[off + 2] = new[off + 2] + add
+        -- As a check's commit.
+        shift_counts(st, new, off, p, cur, add)
         changed = true
       else
         for d = 1, p + 2 do

@@ -15,8 +15,8 @@ use crate::batch::Batcher;
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 use crate::script::{
-    block_us, CheckArgs, CheckJob, CheckReply, Request, Time, BLOCK, DEBIT, GIVE_BACK, REFUND,
-    RELEASE, RENEW,
+    block_us, Call, CheckArgs, CheckJob, CheckReply, Request, Script, Time, BLOCK, DEBIT,
+    GIVE_BACK, REFUND, RELEASE, RENEW,
 };
 use crate::shared::Shared;
 
@@ -130,6 +130,38 @@ impl Exact {
         Ok(decision)
     }
 
+    /// A call of `script` in the form `give_back` and `debit` share: the key's state (and
+    /// its sliding log, when a rule is one), then the check's packed values for `units`;
+    /// `extra` arguments are to follow.
+    fn state_call(
+        &self,
+        script: &'static Script,
+        key: &[u8],
+        rules: &RuleSet,
+        units: u64,
+        extra: usize,
+    ) -> Call<'_> {
+        let has_log = rules.log_limit() > 0;
+        let keys = 1 + usize::from(has_log);
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        let mut call = script.call(
+            &self.shared.paths,
+            names.state().as_bytes(),
+            keys,
+            keys + 1 + extra,
+        );
+        call.cmd.arg(names.state());
+        if has_log {
+            call.cmd.arg(names.log());
+        }
+        let time = Time {
+            now: self.injected_now(),
+            deadline: None,
+        };
+        CheckArgs::write(&mut call.cmd, time, units, self.shared.ttl_floor_ms, rules);
+        call
+    }
+
     /// Gives back `cost` units a check of `key` under `rules` charged at `charged_at`;
     /// whether anything changed.
     pub(crate) async fn give_back(
@@ -139,19 +171,7 @@ impl Exact {
         cost: u64,
         charged_at: u64,
     ) -> Result<bool, RedisStoreError> {
-        let has_log = rules.log_limit() > 0;
-        let keys = 1 + usize::from(has_log);
-        let mut names = KeyNames::new(&self.shared.prefix, key);
-        let mut call = GIVE_BACK.call(&self.shared.paths, names.state().as_bytes(), keys, keys + 2);
-        call.cmd.arg(names.state());
-        if has_log {
-            call.cmd.arg(names.log());
-        }
-        let time = Time {
-            now: self.injected_now(),
-            deadline: None,
-        };
-        CheckArgs::write(&mut call.cmd, time, cost, self.shared.ttl_floor_ms, rules);
+        let mut call = self.state_call(&GIVE_BACK, key, rules, cost, 1);
         call.cmd.arg(charged_at);
         let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
@@ -176,22 +196,10 @@ impl Exact {
         rules: &RuleSet,
         units: u64,
     ) -> Result<bool, RedisStoreError> {
-        let has_log = rules.log_limit() > 0;
-        let keys = 1 + usize::from(has_log);
-        let mut names = KeyNames::new(&self.shared.prefix, key);
-        let mut call = DEBIT.call(&self.shared.paths, names.state().as_bytes(), keys, keys + 1);
-        call.cmd.arg(names.state());
-        if has_log {
-            call.cmd.arg(names.log());
-        }
-        let time = Time {
-            now: self.injected_now(),
-            deadline: None,
-        };
         // No rule takes more than its limit (below 2^53) from one settle: the units sent
         // are the most any rule takes, so they fit the encoding.
         let units = units.min(max_debt(rules));
-        CheckArgs::write(&mut call.cmd, time, units, self.shared.ttl_floor_ms, rules);
+        let call = self.state_call(&DEBIT, key, rules, units, 0);
         let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(

@@ -21,6 +21,6 @@ pub(crate) use load::check_forms;
 pub(crate) use load::{
     already_loaded, function_delete_cmd, function_list_cmd, function_missing, is_other_version,
     library_missing, library_names, lists_own_library, own_library_list_cmd, scripts,
-    unknown_command, Call, Paths, Request, BLOCK, DEBIT, GIVE_BACK, REFUND, RELEASE, RENEW,
+    unknown_command, Call, Paths, Request, Script, BLOCK, DEBIT, GIVE_BACK, REFUND, RELEASE, RENEW,
 };
 pub(crate) use reply::CheckReply;
