@@ -860,22 +860,12 @@ impl<C: Clock> MemoryStore<C> {
             return false;
         }
         let now = self.clock.now_us();
-        let held = StoredKey::new(key);
-        let (hash, shard) = self.locate(held.as_bytes());
-        let mut shard = shard.lock();
-        let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
-            return false;
-        };
-        let Shard {
-            entries, spills, ..
-        } = &mut *shard;
-        let entry = &mut entries[at];
-        if !entry.rules.same_as(rules) {
-            return false;
-        }
-        // A refund only brings the expiry nearer: the one held stays good.
-        entry.edit_states(spills, false, |states| {
-            refund(rules, states, cost, charged_at, now)
+        self.with_entry(key, |entry, spills| {
+            // A refund only brings the expiry nearer: the one held stays good.
+            entry.rules.same_as(rules)
+                && entry.edit_states(spills, false, |states| {
+                    refund(rules, states, cost, charged_at, now)
+                })
         })
     }
 
@@ -955,6 +945,14 @@ impl<C: Clock> MemoryStore<C> {
     /// Runs `f` on the states of `key` when they may hold slots (held out of line), and
     /// moves the entry's expiry to the states' own afterwards: a renewal pushes it on.
     fn with_slots(&self, key: &[u8], f: impl FnOnce(&mut [RuleState]) -> bool) -> bool {
+        self.with_entry(key, |entry, spills| {
+            entry.tag.is_spilled() && entry.edit_states(spills, true, f)
+        })
+    }
+
+    /// Runs `f` on the entry of `key` and the shard's states held out of line, under the
+    /// shard's lock; `false` when the store holds nothing for `key`.
+    fn with_entry(&self, key: &[u8], f: impl FnOnce(&mut Entry, &mut Slab<Spill>) -> bool) -> bool {
         let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held.as_bytes());
         let mut shard = shard.lock();
@@ -964,16 +962,7 @@ impl<C: Clock> MemoryStore<C> {
         let Shard {
             entries, spills, ..
         } = &mut *shard;
-        let entry = &entries[at];
-        if !entry.tag.is_spilled() {
-            return false;
-        }
-        let spill = &mut spills[entry.words[0] as usize];
-        let changed = f(&mut spill.states);
-        if changed {
-            spill.expires_at = expires_at_for(&entry.rules, &spill.states);
-        }
-        changed
+        f(&mut entries[at], spills)
     }
 
     /// The synchronous form of [`Store::block`].
