@@ -293,6 +293,13 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         packed::encode_state(&mut out, &header, &rules, &states, log_until);
         key.write(state_name, &out, Expiry::Kept)?;
         changed = true;
+        // The state is written in the rules' own layout, which vouches for the log: a
+        // log the carried state did not vouch for is no one's (MemoryStore dropped it
+        // with the rules that had no log), so it goes rather than count again.
+        if let (Some(log_name), false) = (log_name, stored.log_counts) {
+            drop(key);
+            crate::check::replicated(ctx, "DEL", &[log_name.as_slice()])?;
+        }
     }
     Ok(i64::from(changed))
 }

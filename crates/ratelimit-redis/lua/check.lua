@@ -1739,6 +1739,12 @@ local function give_back(KEYS, ARGV)
   if dirty then
     redis.call('SET', KEYS[1], encode(st, width, shape) .. tail, 'KEEPTTL')
     changed = true
+    -- The state is written in the rules' own layout, which vouches for the log: a log
+    -- the carried state did not vouch for is no one's (MemoryStore dropped it with the
+    -- rules that had no log), so it goes rather than count again.
+    if log_limit > 0 and not log_counts then
+      redis.call('DEL', KEYS[2])
+    end
   end
   if changed then
     return 1
