@@ -262,6 +262,8 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     }
     algo::refund(rules.rules(), &mut states, header.cost, charged, now);
     let mut changed = false;
+    // The log marker's new time, when entries left the log.
+    let mut marker = None;
     if let (Some(slot), Some(log_name), Some(old)) = (log_slot, log_name, logged) {
         // `logged` is set only where the slot was given the log just above, and
         // `algo::refund` drains a log in place, never replacing it: no argument or
@@ -280,15 +282,20 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
             }
             replicated(ctx, "LREM", &[name, take.to_string().as_bytes(), b"x"])?;
             changed = true;
+            // The marker counts from the newest entry left, as a commit sets it: the
+            // entries given back no longer keep the log alive.
+            marker = Some(new.front().map_or(0, |t| t + header.log_period_us));
         }
         states[slot] = RuleState::Fresh;
     }
-    if states[..] != before[..] {
+    if states[..] != before[..] || marker.is_some() {
         // The log marker's time, where the state has one.
-        let log_until = entries(&raw)
-            .and_then(|at| at.iter().find(|(id, _)| *id == packed::LOG_MARKER).copied())
-            .and_then(|(_, o)| packed::value(&raw, o))
-            .unwrap_or(0);
+        let log_until = marker.unwrap_or_else(|| {
+            entries(&raw)
+                .and_then(|at| at.iter().find(|(id, _)| *id == packed::LOG_MARKER).copied())
+                .and_then(|(_, o)| packed::value(&raw, o))
+                .unwrap_or(0)
+        });
         let mut out = Vec::with_capacity(raw.len());
         packed::encode_state(&mut out, &header, &rules, &states, log_until);
         key.write(state_name, &out, Expiry::Kept)?;

@@ -442,6 +442,11 @@ end
 -- least 0 left, as of now; and whether it was converted so. As the core's
 -- token_bucket::carry.
 local function token_bucket_carry(now, ol, oc, level, last, limit, period, capacity)
+  -- Unchanged, the state is used as it is, refilled or not: a state carried earlier is
+  -- carried again at every read, and must read as a store that kept it holds it.
+  if ol == limit and oc == capacity then
+    return level, last, false
+  end
   local full = oc * period
   local lvl = level
   if now > last then
@@ -450,9 +455,6 @@ local function token_bucket_carry(now, ol, oc, level, last, limit, period, capac
   end
   if lvl >= full then
     return nil
-  end
-  if ol == limit and oc == capacity then
-    return level, last, false
   end
   local left = capacity * period - (full - lvl)
   if left < 0 then
@@ -527,11 +529,12 @@ end
 -- whatever the limit), as a TAT now + owed / limit, exactly; and whether it was
 -- converted so. As the core's gcra::carry.
 local function gcra_carry(now, ol, us, frac, limit)
-  if not (us > now or (us == now and frac > 0)) then
-    return nil
-  end
+  -- Unchanged, the state is used as it is, past or not (see token_bucket_carry).
   if ol == limit then
     return us, frac, false
+  end
+  if not (us > now or (us == now and frac > 0)) then
+    return nil
   end
   local q, r = divmod((us - now) * ol + frac, limit)
   return now + q, r, true
@@ -1605,7 +1608,7 @@ local function give_back(KEYS, ARGV)
     return redis.error_reply(string.format('RLARGS give_back takes its values as doubles, '
       .. 'got %d bytes', len) .. VERSION_SKEW)
   end
-  local injected, injected_now, cost, _, n, width, log_limit, _, layout, _, pos =
+  local injected, injected_now, cost, _, n, width, log_limit, log_period, layout, _, pos =
     struct.unpack(HEADER_FORMAT, packed)
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(string.format('RLARGS give_back expects %d packed values for '
@@ -1732,6 +1735,10 @@ local function give_back(KEYS, ARGV)
           end
           redis.call('LREM', KEYS[2], take, 'x')
           changed = true
+          -- The log marker counts from the newest entry left, as a commit sets it: the
+          -- entries given back no longer keep the log alive.
+          local newest = tonumber(redis.call('LINDEX', KEYS[2], 0))
+          st[width], dirty = (newest and newest + log_period) or 0, true
         end
       end
     end

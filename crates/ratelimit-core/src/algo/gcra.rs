@@ -106,11 +106,12 @@ pub(super) fn carry_from(
     let RuleState::Tat { us, frac } = *state else {
         return (RuleState::Fresh, false);
     };
-    if !(us > now || (us == now && frac > 0)) {
-        return (RuleState::Fresh, false);
-    }
+    // Unchanged, the state is used as it is, past or not (see token_bucket::carry_from).
     if old_limit == rule.limit() {
         return (RuleState::Tat { us, frac }, false);
+    }
+    if !(us > now || (us == now && frac > 0)) {
+        return (RuleState::Fresh, false);
     }
     let owed = (us - now).saturating_mul(old_limit).saturating_add(frac);
     let (whole, frac) = rule.limit_div().div_rem(owed);

@@ -100,14 +100,17 @@ pub(super) fn carry_from(
     let RuleState::Tokens { level, last } = *state else {
         return (RuleState::Fresh, false);
     };
+    // Unchanged, the state is used as it is, refilled or not: a store that reads a
+    // state carried earlier carries it again, and must find what a store that kept the
+    // carried state holds.
+    if old_limit == rule.limit() && old_capacity == rule.capacity() {
+        return (RuleState::Tokens { level, last }, false);
+    }
     let old_full = old_capacity.saturating_mul(old_period_us);
     let refill = now.saturating_sub(last).saturating_mul(old_limit);
     let held = old_full.min(level.saturating_add(refill));
     if held >= old_full {
         return (RuleState::Fresh, false);
-    }
-    if old_limit == rule.limit() && old_capacity == rule.capacity() {
-        return (RuleState::Tokens { level, last }, false);
     }
     let used = old_full - held;
     (
