@@ -5,7 +5,7 @@ use redis_module::{Context, KeyType, RedisString};
 
 use crate::check::args_error;
 use crate::keyspace::{Expiry, StateKey};
-use crate::refund::{now_arg, number};
+use crate::refund::{now_arg, number, ttl_floor_arg};
 
 /// `RATELIMIT.BLOCK marker now length ttl_floor`: blocks a client key, replacing any
 /// earlier block. `now` empty reads the server's clock; `length` in µs, empty for a
@@ -21,6 +21,7 @@ pub(crate) fn block(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     };
     // Every value is read and checked before the key is touched: a refused command
     // writes nothing.
+    let floor = ttl_floor_arg(floor)?;
     let written = if length.as_slice().is_empty() {
         None
     } else {
@@ -54,11 +55,7 @@ const MAX_LENGTH_US: u64 = 1 << 52;
 
 /// A timed block's end in µs and its marker's expiry in ms, from the arguments; an
 /// error, before anything is written, for a value out of range.
-fn marker(
-    now: &RedisString,
-    length: &RedisString,
-    floor: &RedisString,
-) -> Result<(u64, u64), String> {
+fn marker(now: &RedisString, length: &RedisString, floor: u64) -> Result<(u64, u64), String> {
     let injected = !now.as_slice().is_empty();
     let now = now_arg(now)?;
     let length = number(length, "the block's length")?;
@@ -74,12 +71,6 @@ fn marker(
     let at_ms = if injected {
         // Under an injected clock, which need not run at the server's pace: relative to
         // the server's, with the TTL floor, and at least 1 ms.
-        let floor = number(floor, "the TTL floor")?;
-        if floor > packed::MAX_EXACT / 1000 {
-            return Err(args_error(&format_args!(
-                "the TTL floor is at most 2^53 us in ms, got {floor}"
-            )));
-        }
         crate::check::server_now_us() / 1000 + length.div_ceil(1000).max(floor).max(1)
     } else {
         until.div_ceil(1000)

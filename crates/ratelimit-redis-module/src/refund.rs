@@ -29,6 +29,20 @@ pub(crate) fn number(arg: &RedisString, what: &str) -> Result<u64, String> {
         })
 }
 
+/// A TTL floor in ms as the store sends it: an integer of at most 2^53 µs in ms, checked
+/// on every call (even where it goes unused, under the server's clock), so that a
+/// command with a bad floor is refused whole rather than written with the floor wrapped
+/// or ignored.
+pub(crate) fn ttl_floor_arg(arg: &RedisString) -> Result<u64, String> {
+    let floor = number(arg, "the TTL floor")?;
+    if floor > packed::MAX_EXACT / 1000 {
+        return Err(args_error(&format_args!(
+            "the TTL floor is at most 2^53 us in ms, got {floor}"
+        )));
+    }
+    Ok(floor)
+}
+
 /// `now` as the store sends it: empty for the server's clock; a time below 2^53 µs
 /// (as every time of the encoding) otherwise.
 pub(crate) fn now_arg(arg: &RedisString) -> Result<u64, String> {

@@ -8,7 +8,7 @@ use redis_module::{Context, KeyType, RedisString};
 
 use crate::check::args_error;
 use crate::keyspace::{Expiry, StateKey};
-use crate::refund::{now_arg, number};
+use crate::refund::{now_arg, number, ttl_floor_arg};
 
 /// `RATELIMIT.RELEASE state now slot`: frees slot `slot` of the state. Returns 1 when it
 /// was held and live, 0 otherwise (a release sent again frees nothing).
@@ -44,7 +44,7 @@ pub(crate) fn renew(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
             "timeout is 1 to {MAX_SLOT_TIMEOUT_US} us, got {timeout}"
         )));
     }
-    let ttl_floor = number(ttl_floor, "ttl_floor")?;
+    let ttl_floor = ttl_floor_arg(ttl_floor)?;
     edit(ctx, name, slot, now, SlotEdit::Renew(timeout), |latest| {
         // As a check's expiry: on the server's clock, or relative to an injected one.
         let ms = if injected {

@@ -594,6 +594,11 @@ fn refused_commands_write_nothing() {
         ("18446744073709551615", "1", "0"),
         ("", "4503599627370497", "0"),
         ("abc", "1", "0"),
+        // A TTL floor is checked under the server's clock too, where it goes unused.
+        ("", "1", "abc"),
+        ("", "", "abc"),
+        ("", "1", "18446744073709551615"),
+        ("", "", "9007199254740993"),
     ] {
         let err = redis::cmd("RATELIMIT.BLOCK")
             .arg(&marker)
@@ -650,6 +655,22 @@ fn refused_commands_write_nothing() {
         vec!["RATELIMIT.RENEW", "", "1700000000000000", "0", "0"],
         vec!["RATELIMIT.RENEW", "", "1700000000000000", "3600000001", "0"],
         vec!["RATELIMIT.RENEW", "", "1700000000000000", "1000000", "-1"],
+        // A TTL floor near 2^64 would wrap the key's expiry: refused, the deadline kept.
+        vec![
+            "RATELIMIT.RENEW",
+            "",
+            "1700000000000000",
+            "1000000",
+            "18446744073709551614",
+        ],
+        vec![
+            "RATELIMIT.RENEW",
+            "1700000000000000",
+            "1700000000000000",
+            "1000000",
+            "18446744073709551614",
+        ],
+        vec!["RATELIMIT.RENEW", "", "1700000000000000", "1000000", "abc"],
     ] {
         let err = redis::cmd(args[0])
             .arg(&state)
