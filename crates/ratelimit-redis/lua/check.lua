@@ -1351,7 +1351,10 @@ local function own_carried(raw, packed, n, now, layout, width)
     local o = HEADER + PER_RULE * i - 5
     local code, limit, a, b, id = v[o], v[o + 1], v[o + 3], v[o + 4], v[o + 5]
     if code ~= SLIDING_LOG then
-      local m = 2
+      -- An entry's values start after its header: for a bucket or a TAT, after the
+      -- writer's limit and capacity too (told by the code: a sliding window counter of
+      -- precision 2 also holds 4 values).
+      local m, values = 2, off + 2
       if code == CONCURRENT then
         m = 1
       elseif code >= TOKEN_BUCKET then
@@ -1359,15 +1362,11 @@ local function own_carried(raw, packed, n, now, layout, width)
         if code == LEAKY_BUCKET and b > 0 then
           cap = a + 1
         end
-        st[off + 3], st[off + 4], m = limit, cap, 4
+        st[off + 3], st[off + 4], m, values = limit, cap, 4, off + 4
       elseif code == SLIDING_WINDOW then
         m = a + 2
       end
       st[off + 1], st[off + 2] = id, m
-      local values = off + 2
-      if m == 4 then
-        values = off + 4
-      end
       if fresh[i] then
         for j = values + 1, off + 2 + m do
           st[j] = 0
