@@ -457,39 +457,88 @@ fn integer_command(
     Ok(RedisValue::Integer(reply))
 }
 
+/// An edit of a state after its check ([`integer_command`]), decided once when it
+/// carries a call id as its last argument (protocol 4): [`once::TEXT_ID_LEN`] bytes, 32
+/// hex digits and a byte 0 or 1, which none of the edits' own arguments is (times and
+/// numbers are decimal text, packed values a multiple of 8 bytes). Its reply is kept as
+/// the compact calls' are, as 8 bytes (little-endian); an error reply is not kept
+/// (nothing was written).
+fn edit_command(
+    args: &[RedisString],
+    f: impl FnOnce(&[RedisString]) -> Result<i64, String>,
+) -> RedisResult {
+    let id = match args.split_last() {
+        Some((last, _)) if crate::protocol() >= 4 && args.len() > 2 => {
+            let bytes = last.as_slice();
+            (bytes.len() == once::TEXT_ID_LEN)
+                .then(|| once::parse_text_id(bytes))
+                .flatten()
+        }
+        _ => None,
+    };
+    let Some((id, resent)) = id else {
+        return integer_command(args, f);
+    };
+    let args = &args[..args.len() - 1];
+    let now = server_now_us();
+    match once::seen(&id, resent, now) {
+        once::Seen::Ran(reply) => {
+            let bytes: [u8; 8] =
+                reply
+                    .get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or(RedisError::Str(
+                        "RLUNKNOWN the record of the call's first run is not an edit's",
+                    ))?;
+            Ok(RedisValue::Integer(i64::from_le_bytes(bytes)))
+        }
+        once::Seen::Unknown => Err(RedisError::Str(
+            "RLUNKNOWN the call was sent again and its first run is no longer known (the \
+             module's record of recent replies is full); nothing ran now",
+        )),
+        once::Seen::New => {
+            let reply = integer_command(args, f)?;
+            if let RedisValue::Integer(n) = reply {
+                once::record(id, &n.to_le_bytes(), now);
+            }
+            Ok(reply)
+        }
+    }
+}
+
 /// `RATELIMIT.REFUND state now units start granted (id code limit period window)..`:
 /// a lease's unspent units given back (`check.lua`'s `refund`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn refund_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
-    integer_command(&args, |args| crate::refund::lease_refund(ctx, args))
+    edit_command(&args, |args| crate::refund::lease_refund(ctx, args))
 }
 
 /// `RATELIMIT.GIVE_BACK state [log] packed charged_at`: a check's charge given back
 /// (`check.lua`'s `give_back`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn give_back_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
-    integer_command(&args, |args| crate::refund::give_back(ctx, args))
+    edit_command(&args, |args| crate::refund::give_back(ctx, args))
 }
 
 /// `RATELIMIT.DEBIT state [log] packed`: units charged as debt, a metered request's
 /// excess over its estimate (`check.lua`'s `debit`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn debit_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
-    integer_command(&args, |args| crate::refund::debit(ctx, args))
+    edit_command(&args, |args| crate::refund::debit(ctx, args))
 }
 
 /// `RATELIMIT.RELEASE state now slot`: a concurrency slot freed (`check.lua`'s
 /// `release`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn release_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
-    integer_command(&args, |args| crate::slots::release(ctx, args))
+    edit_command(&args, |args| crate::slots::release(ctx, args))
 }
 
 /// `RATELIMIT.RENEW state now slot timeout ttl_floor`: a live slot renewed (`check.lua`'s
 /// `renew`).
 #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
 fn renew_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
-    integer_command(&args, |args| crate::slots::renew(ctx, args))
+    edit_command(&args, |args| crate::slots::renew(ctx, args))
 }
 
 /// `RATELIMIT.BLOCK marker now length ttl_floor`: a client key blocked (`block.lua`).

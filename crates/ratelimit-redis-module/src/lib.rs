@@ -60,6 +60,11 @@
 //!   ([`ratelimit_core::packed::CALL_ID_LEN`] bytes): the module keeps the reply a few
 //!   seconds, and a call sent again after a lost connection gets its first run's reply,
 //!   or runs if there was none (see the README, "Calls decided once").
+//! - Edits decided once (protocol 4): `RATELIMIT.REFUND`, `GIVE_BACK`, `DEBIT`,
+//!   `RELEASE` and `RENEW` may take a call id as their last argument (32 hex digits and
+//!   a byte 0 or 1, which no argument of theirs is: times and numbers are decimal text,
+//!   packed values a multiple of 8 bytes), kept and answered as the compact calls' ids
+//!   are.
 //! - `RATELIMIT.STATS`: what the module keeps across calls (rule sets cached, replies
 //!   kept and their bytes).
 //! - `RATELIMIT.VERSION`: the module's version, the state format it reads and writes
@@ -67,7 +72,7 @@
 //!   compact form answer without it); a store uses the module only when the format is
 //!   its own, and the compact form only when every module master reports it.
 //!
-//! Loaded with the arguments `protocol 0`, `protocol 1` or `protocol 2` (`--loadmodule <path>
+//! Loaded with the arguments `protocol 0` to `protocol 3` (`--loadmodule <path>
 //! protocol 0`), the module serves and reports only what a module of that protocol
 //! does: for tests of a rollout across module versions. Other load arguments refuse the
 //! load.
@@ -108,9 +113,12 @@ pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 /// compact call may carry an id after its `refs` (see the `once` module), whose reply
 /// the module keeps a few seconds for a resend after a lost connection, and one check
 /// goes as `RATELIMIT.CHECK_STATE state refs packed`; 3, debt: `RATELIMIT.DEBIT`, the
-/// excess of a metered request settled above its estimate. A module before the compact
-/// batches answers `RATELIMIT.VERSION` with two elements (protocol 0).
-pub const PROTOCOL: u8 = 3;
+/// excess of a metered request settled above its estimate; 4, edits decided once: the
+/// commands that edit a state after its check (`RATELIMIT.GIVE_BACK`, `DEBIT`,
+/// `REFUND`, `RELEASE`, `RENEW`) may carry a call id as their last argument, and answer
+/// a resend as the compact calls of protocol 2 do. A module before the compact batches
+/// answers `RATELIMIT.VERSION` with two elements (protocol 0).
+pub const PROTOCOL: u8 = 4;
 
 /// The protocol served, [`PROTOCOL`] unless the module was loaded with a lower one.
 static SERVED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(PROTOCOL);
@@ -120,7 +128,7 @@ pub(crate) fn protocol() -> u8 {
     SERVED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The module's load arguments: none, or `protocol 0` to `protocol 2` (the module then
+/// The module's load arguments: none, or `protocol 0` to `protocol 3` (the module then
 /// serves and reports only what a module of that protocol does: a Cluster's masters
 /// with modules of two versions during a rollout, as tests build them). Anything else
 /// refuses the load with a message saying what is accepted.
@@ -135,7 +143,7 @@ fn protocol_arg(args: &[String]) -> Result<u8, String> {
         },
         _ => Err(format!(
             "ratelimit: unknown load arguments {args:?}; the module takes none, or \
-             `protocol 0` to `protocol 2` to serve only the commands of modules of that \
+             `protocol 0` to `protocol 3` to serve only the commands of modules of that \
              protocol"
         )),
     }
@@ -229,17 +237,10 @@ mod registration {
     fn register_debit(ctx: *mut raw::RedisModuleCtx) -> c_int {
         // SAFETY: as in `register_compact`.
         unsafe {
-            // The state and, with a sliding log, the log: every argument but the last.
-            redis_command!(
-                ctx,
-                "ratelimit.debit",
-                debit,
-                "write deny-oom",
-                1,
-                -2,
-                1,
-                ""
-            );
+            // The state alone: the log (of the same hash tag, so of the same slot) may
+            // follow it, and a call id the packed values (protocol 4), so that the key
+            // range cannot be counted from either end.
+            redis_command!(ctx, "ratelimit.debit", debit, "write deny-oom", 1, 1, 1, "");
         }
         raw::Status::Ok as c_int
     }
@@ -256,8 +257,8 @@ mod registration {
             ["ratelimit.check_many", check_many, "write deny-oom", 0, 0, 0, ""],
             ["ratelimit.check_local", check_local, "write deny-oom", 0, 0, 0, ""],
             ["ratelimit.refund", refund, "write deny-oom", 1, 1, 1, ""],
-            // The state and, with a sliding log, the log: every argument but the last two.
-            ["ratelimit.give_back", give_back, "write deny-oom", 1, -3, 1, ""],
+            // The state alone, as for `ratelimit.debit`.
+            ["ratelimit.give_back", give_back, "write deny-oom", 1, 1, 1, ""],
             ["ratelimit.block", block, "write deny-oom", 1, 1, 1, ""],
             ["ratelimit.release", release, "write deny-oom", 1, 1, 1, ""],
             ["ratelimit.renew", renew, "write deny-oom", 1, 1, 1, ""],

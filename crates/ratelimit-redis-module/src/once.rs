@@ -65,6 +65,31 @@ pub(crate) fn parse_id(bytes: &[u8]) -> Option<(Id, bool)> {
     }
 }
 
+/// Bytes of an edit's call id (protocol 4), its last argument: the 16-byte id as 32
+/// lowercase hex digits, then the flag byte (1: sent again). Printable but for the flag:
+/// a server without the module echoes an unknown command's arguments in its error, which
+/// the client must parse; the echo stops at a first send's flag, 0.
+pub(crate) const TEXT_ID_LEN: usize = 2 * 16 + 1;
+
+/// An edit's call id and whether it is sent again, from its [`TEXT_ID_LEN`] bytes.
+pub(crate) fn parse_text_id(bytes: &[u8]) -> Option<(Id, bool)> {
+    let (hex, flag) = bytes.split_at_checked(2 * 16)?;
+    let mut id: Id = [0; 16];
+    for (byte, pair) in id.iter_mut().zip(hex.chunks_exact(2)) {
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        *byte = digit(pair[0])? << 4 | digit(pair[1])?;
+    }
+    match flag {
+        [0] => Some((id, false)),
+        [1] => Some((id, true)),
+        _ => None,
+    }
+}
+
 /// What to do with a call of id `id`.
 pub(crate) enum Seen {
     /// It ran: its reply.

@@ -196,7 +196,11 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     if batch.is_empty() {
         return;
     }
-    let call = batch_call(&shared.paths, batch.iter().map(|job| &job.check));
+    let call = batch_call(
+        &shared.paths,
+        shared.record_keep_ms(),
+        batch.iter().map(|job| &job.check),
+    );
     let reply = transport.call(&Request::Call(call), shared.timeout).await;
     answer(batch, reply, shared.timeout);
 }
@@ -235,7 +239,11 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
         }
         return;
     }
-    let call = node_batch_call(&shared.paths, jobs.iter().map(|job| &job.check));
+    let call = node_batch_call(
+        &shared.paths,
+        shared.record_keep_ms(),
+        jobs.iter().map(|job| &job.check),
+    );
     let reply = transport.call_on(slot, &call, shared.timeout).await;
     // Only an answer that says nothing ran sends the checks again: a call lost with its
     // connection may have charged them.
@@ -319,7 +327,7 @@ async fn single(
 ) -> Result<Vec<u8>, RedisStoreError> {
     let reply = transport
         .call(
-            &Request::Call(check.single_call(&shared.paths)),
+            &Request::Call(check.single_call(&shared.paths, shared.record_keep_ms())),
             shared.timeout,
         )
         .await?;

@@ -173,6 +173,7 @@ impl Exact {
     ) -> Result<bool, RedisStoreError> {
         let mut call = self.state_call(&GIVE_BACK, key, rules, cost, 1);
         call.cmd.arg(charged_at);
+        self.once(&mut call, key);
         let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(
@@ -199,7 +200,8 @@ impl Exact {
         // No rule takes more than its limit (below 2^53) from one settle: the units sent
         // are the most any rule takes, so they fit the encoding.
         let units = units.min(max_debt(rules));
-        let call = self.state_call(&DEBIT, key, rules, units, 0);
+        let mut call = self.state_call(&DEBIT, key, rules, units, 0);
+        self.once(&mut call, key);
         let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(
@@ -235,6 +237,7 @@ impl Exact {
         if let Some(timeout) = renew_us {
             call.cmd.arg(timeout).arg(self.shared.ttl_floor_ms);
         }
+        call.arg_once(names.state(), self.shared.record_keep_ms());
         let reply = self.run(Request::Call(call)).await?;
         Ok(matches!(reply, Value::Int(1)))
     }
@@ -266,6 +269,7 @@ impl Exact {
                 .arg(rule.period_us())
                 .arg(window);
         }
+        call.arg_once(state, self.shared.record_keep_ms());
         self.run(Request::Call(call)).await.map(drop)
     }
 
@@ -299,6 +303,13 @@ impl Exact {
         let mut cmd = redis::cmd("DEL");
         cmd.arg(names.state()).arg(names.log());
         self.run(Request::Cmd(cmd)).await.map(drop)
+    }
+
+    /// Makes `call`, on `key`'s state, one decided once (see `Call::arg_once`): sent
+    /// again after a lost connection, it answers its first run's reply.
+    fn once(&self, call: &mut Call<'_>, key: &[u8]) {
+        let mut names = KeyNames::new(&self.shared.prefix, key);
+        call.arg_once(names.state(), self.shared.record_keep_ms());
     }
 
     /// The injected clock's time; `None` under Redis `TIME`.

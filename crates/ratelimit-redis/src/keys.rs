@@ -79,6 +79,21 @@ impl KeyNames {
     }
 }
 
+/// The record of a call decided once on the Lua functions (check.lua's `once`), beside
+/// the state key `state` of the call's first client key, so in its slot:
+/// `<prefix>:{<tag>}:r<the call's id in 32 hex digits>` (`hex_id`, as the call sends
+/// it, flag byte and all). It expires with the keep the call sets; no other name of the
+/// store ends in `:r` and hex digits.
+pub(crate) fn record_name(state: &str, hex_id: &[u8]) -> String {
+    let base = state.strip_suffix('s').unwrap_or(state);
+    let hex = hex_id.get(..32).unwrap_or(hex_id);
+    let mut name = String::with_capacity(base.len() + 1 + hex.len());
+    name.push_str(base);
+    name.push('r');
+    name.push_str(&String::from_utf8_lossy(hex));
+    name
+}
+
 /// The Redis Cluster slot of the key `name`: CRC16 (XMODEM) of its hash tag (the text
 /// between the first `{` and the next `}`, when not empty), else of the whole name.
 pub(crate) fn key_slot(name: &[u8]) -> u16 {
@@ -107,6 +122,15 @@ mod tests {
             n.state().to_owned(),
             n.log().to_owned(),
         ]
+    }
+
+    #[test]
+    fn a_record_shares_its_state_key_s_slot() {
+        let mut names = KeyNames::new("rl", b"a{b}");
+        let state = names.state().to_owned();
+        let record = record_name(&state, &[&b"ab".repeat(16)[..], &[0]].concat());
+        assert_eq!(record, format!("rl:{{k617b627d}}:r{}", "ab".repeat(16)));
+        assert_eq!(key_slot(record.as_bytes()), key_slot(state.as_bytes()));
     }
 
     #[test]

@@ -28,6 +28,17 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// How long Redis keeps the record of a call decided once on the Lua functions, in
+    /// ms: a call is sent again only within the store's timeout of its first send, and
+    /// its record is written when it runs, after that send; twice the timeout and a
+    /// second more leaves room for a slow reply. A record is one small key per call.
+    pub(crate) fn record_keep_ms(&self) -> u64 {
+        u64::try_from(self.timeout.as_millis())
+            .unwrap_or(u64::MAX / 4)
+            .saturating_mul(2)
+            .saturating_add(1_000)
+    }
+
     /// The time on the store's clock: the injected one, else the system's.
     pub(crate) fn now_us(&self) -> u64 {
         match &self.clock {

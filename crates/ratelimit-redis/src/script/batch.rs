@@ -80,8 +80,9 @@ impl CheckJob {
         })
     }
 
-    /// The call that decides this check alone: the call of an unbatched check.
-    pub(crate) fn single_call<'a>(&self, paths: &'a Paths) -> Call<'a> {
+    /// The call that decides this check alone: the call of an unbatched check, decided
+    /// once (its records kept `keep_ms` on the Lua functions).
+    pub(crate) fn single_call<'a>(&self, paths: &'a Paths, keep_ms: u64) -> Call<'a> {
         // Where the module decides calls once (protocol 2): `state refs packed`, which
         // a lost connection does not fail.
         if let Some(mut call) = CHECK.compact_call(paths, self.block_name(), 1, 3) {
@@ -98,30 +99,40 @@ impl CheckJob {
             call.cmd.arg(name);
         }
         call.cmd.arg(&self.packed[..]);
+        call.arg_once(self.state_str(), keep_ms);
         call
+    }
+
+    /// The state key's name as text (every name is printable: see `keys`).
+    fn state_str(&self) -> &str {
+        &self.names[self.ends[0]..self.ends[1]]
     }
 }
 
-/// The call that decides `jobs` in order, in one run of `check_many`.
+/// The call that decides `jobs` in order, in one run of `check_many`, decided once (its
+/// record kept `keep_ms` on the Lua functions).
 pub(crate) fn batch_call<'a, 'j>(
     paths: &'a Paths,
+    keep_ms: u64,
     jobs: impl Iterator<Item = &'j CheckJob> + Clone,
 ) -> Call<'a> {
-    many_call(&BATCH, paths, jobs)
+    many_call(&BATCH, paths, keep_ms, jobs)
 }
 
 /// The call that decides `jobs` in order, in one run of `check_local` on the Cluster
 /// node it is sent to: the keys travel as arguments, after the packed values.
 pub(crate) fn node_batch_call<'a, 'j>(
     paths: &'a Paths,
+    keep_ms: u64,
     jobs: impl Iterator<Item = &'j CheckJob> + Clone,
 ) -> Call<'a> {
-    many_call(&LOCAL, paths, jobs)
+    many_call(&LOCAL, paths, keep_ms, jobs)
 }
 
 fn many_call<'a, 'j>(
     script: &'static Script,
     paths: &'a Paths,
+    keep_ms: u64,
     jobs: impl Iterator<Item = &'j CheckJob> + Clone,
 ) -> Call<'a> {
     let (count, keys) = jobs
@@ -155,12 +166,19 @@ fn many_call<'a, 'j>(
     for job in jobs.clone() {
         call.cmd.arg(&job.packed[..]);
     }
+    let mut jobs = jobs;
+    // The record beside the first check's keys: on a Cluster, of the slot the node
+    // serves, by which the batch went to it.
+    let first = jobs.clone().next().map(CheckJob::state_str);
     if !declared {
-        for job in jobs {
+        for job in jobs.by_ref() {
             for name in job.key_names() {
                 call.cmd.arg(name);
             }
         }
+    }
+    if let Some(first) = first {
+        call.arg_once(first, keep_ms);
     }
     call
 }

@@ -199,6 +199,22 @@ pub(crate) fn call_id() -> [u8; packed::CALL_ID_LEN] {
     id
 }
 
+/// A call id as the calls that carry it alone take it (check.lua's `once`, the module's
+/// edits of protocol 4): the 16 bytes of [`call_id`] as 32 lowercase hex digits, then
+/// the flag byte (0: a first send; 1: sent again). Printable but for the flag: a server
+/// that does not know the command echoes its arguments in the error, which a client
+/// must be able to parse, and the echo stops at the flag's 0 (C strings).
+pub(crate) fn text_call_id() -> [u8; 2 * 16 + 1] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let id = call_id();
+    let mut text = [0; 2 * 16 + 1];
+    for (i, b) in id[..16].iter().enumerate() {
+        text[2 * i] = HEX[usize::from(b >> 4)];
+        text[2 * i + 1] = HEX[usize::from(b & 15)];
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

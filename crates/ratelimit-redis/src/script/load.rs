@@ -45,6 +45,10 @@ struct ModuleCommand {
     /// the module only where every module primary reports that protocol, and a server
     /// that answers it as unknown (an older module) gets the Lua function instead.
     debt: bool,
+    /// Whether it edits a state after its check (a give-back, a debit, a lease's refund,
+    /// a release, a renewal) and so, on a module of protocol 4, takes a call id as its
+    /// last argument, to be decided once.
+    edit: bool,
 }
 
 impl ModuleCommand {
@@ -54,6 +58,15 @@ impl ModuleCommand {
             numkeys,
             compact: false,
             debt: false,
+            edit: false,
+        }
+    }
+
+    /// A command that edits a state after its check (see [`ModuleCommand::edit`]).
+    const fn edit(name: &'static str) -> Self {
+        Self {
+            edit: true,
+            ..Self::new(name, false)
         }
     }
 }
@@ -81,6 +94,10 @@ pub(crate) struct Paths {
     /// Every primary found with the module serves its protocol 3: debt (a settle above
     /// the estimate) goes to `RATELIMIT.DEBIT`, else to the Lua function.
     pub(crate) debt: AtomicBool,
+    /// Every primary found with the module serves its protocol 4: the commands that edit
+    /// a state after its check (`RATELIMIT.GIVE_BACK`, `DEBIT`, `REFUND`, `RELEASE`,
+    /// `RENEW`) carry a call id and are decided once.
+    pub(crate) edits_once: AtomicBool,
     /// On a Cluster where only some primaries have the module: the slots whose node has
     /// it, one bit each, as of the last node map; a call on a key of such a slot goes as
     /// the module's command, any other as Lua. `None` otherwise.
@@ -107,6 +124,7 @@ impl Paths {
             compact: AtomicBool::new(false),
             once: AtomicBool::new(false),
             debt: AtomicBool::new(false),
+            edits_once: AtomicBool::new(false),
             module_slots: RwLock::new(None),
             module_nodes: RwLock::new(Vec::new()),
             remap: AtomicBool::new(false),
@@ -169,6 +187,7 @@ impl Paths {
     fn compact_missing(&self) {
         self.compact.store(false, Ordering::Relaxed);
         self.once.store(false, Ordering::Relaxed);
+        self.edits_once.store(false, Ordering::Relaxed);
         let cluster = !self
             .module_nodes
             .read()
@@ -319,14 +338,14 @@ impl Script {
                 "check" => Some(ModuleCommand::new("RATELIMIT.CHECK", false)),
                 "batch" => Some(ModuleCommand::new("RATELIMIT.CHECK_MANY", true)),
                 "local" => Some(ModuleCommand::new("RATELIMIT.CHECK_LOCAL", true)),
-                "refund" => Some(ModuleCommand::new("RATELIMIT.REFUND", false)),
-                "give_back" => Some(ModuleCommand::new("RATELIMIT.GIVE_BACK", false)),
+                "refund" => Some(ModuleCommand::edit("RATELIMIT.REFUND")),
+                "give_back" => Some(ModuleCommand::edit("RATELIMIT.GIVE_BACK")),
                 "debit" => Some(ModuleCommand {
                     debt: true,
-                    ..ModuleCommand::new("RATELIMIT.DEBIT", false)
+                    ..ModuleCommand::edit("RATELIMIT.DEBIT")
                 }),
-                "release" => Some(ModuleCommand::new("RATELIMIT.RELEASE", false)),
-                "renew" => Some(ModuleCommand::new("RATELIMIT.RENEW", false)),
+                "release" => Some(ModuleCommand::edit("RATELIMIT.RELEASE")),
+                "renew" => Some(ModuleCommand::edit("RATELIMIT.RENEW")),
                 _ => None,
             },
             compact: match name {
@@ -424,6 +443,7 @@ impl Script {
                 keys,
                 paths,
                 once: None,
+                keep_ms: 0,
             };
         }
         let fcall = match &self.function {
@@ -445,6 +465,7 @@ impl Script {
             keys,
             paths,
             once: None,
+            keep_ms: 0,
         }
     }
 }
@@ -452,14 +473,14 @@ impl Script {
 /// check.lua's entry points: the name in the library (after `ratelimit_`), the Lua
 /// function and the function's flags.
 const ENTRIES: [(&str, &str, &str); 8] = [
-    ("check", "check", ""),
-    ("batch", "check_many", ""),
-    ("local", "check_local", "'allow-cross-slot-keys'"),
-    ("refund", "refund", ""),
-    ("give_back", "give_back", ""),
-    ("debit", "debit", ""),
-    ("release", "release", ""),
-    ("renew", "renew", ""),
+    ("check", "check_once", ""),
+    ("batch", "check_many_once", ""),
+    ("local", "check_local_once", "'allow-cross-slot-keys'"),
+    ("refund", "refund_once", ""),
+    ("give_back", "give_back_once", ""),
+    ("debit", "debit_once", ""),
+    ("release", "release_once", ""),
+    ("renew", "renew_once", ""),
 ];
 
 /// check.lua's scripts, in the order of `ENTRIES`; see `lua/check.lua` for their
@@ -637,9 +658,11 @@ pub(crate) struct Call<'a> {
     /// Its `functions` cleared, for every later call of the store, when the server has
     /// no FCALL; its `module` when the server has no module.
     paths: &'a Paths,
-    /// A call decided once (module protocol 2): the position among the command's
-    /// arguments of its `refs`, which end with the call's id.
+    /// A call decided once: the position among the command's arguments of the one
+    /// that ends with the call's id (a compact call's `refs`, or the id alone).
     once: Option<usize>,
+    /// How long Redis keeps a Lua call's record, in ms (see [`Call::arg_once`]).
+    keep_ms: u64,
 }
 
 impl<'a> Call<'a> {
@@ -657,6 +680,31 @@ impl<'a> Call<'a> {
         refs.extend_from_slice(&super::compact::call_id());
         self.once = Some(self.cmd.args_iter().count());
         self.cmd.arg(refs);
+    }
+
+    /// Makes this call one decided once where its path keeps the replies of recent
+    /// calls: on the Lua functions, its record's name (beside `state`, the state key of
+    /// its first client key), how long Redis keeps the record (`keep_ms`, longer than the
+    /// store waits to send a call again) and a new call id follow its arguments
+    /// (check.lua's `once`); on a module of protocol 4, a command that edits a state
+    /// after its check takes the id alone. Other module calls are left as they are (a
+    /// check's compact form takes its id with [`arg_refs_once`](Self::arg_refs_once)).
+    /// Sent again after a lost connection ([`resent`](Self::resent)), the call answers
+    /// its first run's reply, or runs if there was none.
+    pub(crate) fn arg_once(&mut self, state: &str, keep_ms: u64) {
+        let id = super::compact::text_call_id();
+        self.keep_ms = keep_ms;
+        match self.module {
+            None => {
+                self.cmd
+                    .arg(crate::keys::record_name(state, &id))
+                    .arg(keep_ms);
+            }
+            Some(m) if m.edit && self.paths.edits_once.load(Ordering::Relaxed) => {}
+            Some(_) => return,
+        }
+        self.once = Some(self.cmd.args_iter().count());
+        self.cmd.arg(&id[..]);
     }
 
     /// This call as sent again after its connection broke with it in flight, when it
@@ -685,6 +733,7 @@ impl<'a> Call<'a> {
             keys: self.keys,
             paths: self.paths,
             once: self.once,
+            keep_ms: self.keep_ms,
         })
     }
 
@@ -750,9 +799,17 @@ impl<'a> Call<'a> {
             self.paths.module_missing(first_key);
         }
         let mut call = self.script.call_as(self.paths, self.keys, 0, None);
-        for arg in self.cmd.args_iter().skip(head) {
+        for (i, arg) in self.cmd.args_iter().enumerate().skip(head) {
             if let redis::Arg::Simple(bytes) = arg {
-                call.cmd.arg(bytes);
+                // The module's call id: the Lua call takes one of its own, with a record.
+                if Some(i) != self.once {
+                    call.cmd.arg(bytes);
+                }
+            }
+        }
+        if self.once.is_some() {
+            if let Some(state) = first_key.and_then(|key| std::str::from_utf8(key).ok()) {
+                call.arg_once(state, self.keep_ms);
             }
         }
         call

@@ -218,6 +218,14 @@ pub(super) async fn detect_module(
             .filter(|(_, f)| has(f))
             .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 3));
     shared.paths.debt.store(debt, Ordering::Relaxed);
+    // Edits decided once (protocol 4) likewise: an edit carries an id only where every
+    // module primary keeps the replies, so that a resend finds the first run.
+    let edits_once = (!with.is_empty() || all)
+        && found
+            .iter()
+            .filter(|(_, f)| has(f))
+            .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 4));
+    shared.paths.edits_once.store(edits_once, Ordering::Relaxed);
     shared.paths.module.store(all, Ordering::Relaxed);
     shared.paths.set_module_nodes(with.clone());
     let mixed = !all && !with.is_empty();

@@ -79,6 +79,17 @@ pub(crate) fn all_keys(con: &mut Connection) -> Vec<Vec<u8>> {
     redis::cmd("KEYS").arg("*").query(con).expect("KEYS")
 }
 
+/// Whether `name` is the record of a call decided once on the Lua functions
+/// (`<prefix>:{<tag>}:r<32 hex digits>`): a key of its own per call, kept seconds.
+#[allow(dead_code)]
+pub(crate) fn is_record(name: &[u8]) -> bool {
+    name.len() > 35
+        && name[name.len() - 34..].starts_with(b":r")
+        && name[name.len() - 32..]
+            .iter()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
 /// The client key as the hash tag of a store key holds it, `<prefix>:{k<hex>}:...` for a
 /// short key, `<prefix>:{d<hex>}:...` for a long key's digest.
 pub(crate) fn held_key_of(name: &[u8]) -> StoredKeyBuf {
