@@ -259,13 +259,30 @@ fn traces_agree<St, F>(
     segmented_traces_agree(rt, cases, segments, make);
 }
 
+/// How many times the cases each trace test names run: `RATELIMIT_TRACE_SCALE`, 10 by
+/// default (what CI runs), more for a soak (`scripts/soak-traces`). Every run draws a
+/// fresh seed; a failure is shrunk and kept in `proptest-regressions/conformance.txt`,
+/// replayed first from then on.
+fn trace_scale() -> u32 {
+    std::env::var("RATELIMIT_TRACE_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10)
+}
+
+/// Traces run in this test binary, all told (printed by each trace test).
+static CASES_RUN: AtomicU64 = AtomicU64::new(0);
+
 /// As [`traces_agree`], for traces in segments: after each segment both clocks are set
 /// back by its number of µs (an injected clock can go back; never before `T0_US`).
+///
+/// One store serves every case (a store per case would cost more than the case): each
+/// case has keys of its own and starts its clock at `T0_US` again.
 fn segmented_traces_agree<St, F>(
     rt: &Runtime,
     cases: u32,
     traces: impl Strategy<Value = (Vec<RuleSet>, Vec<(Vec<Step>, u64)>)>,
-    make: F,
+    mut make: F,
 ) where
     St: Store,
     F: FnMut(ManualClock) -> std::pin::Pin<Box<dyn Future<Output = St>>>,
@@ -273,25 +290,26 @@ fn segmented_traces_agree<St, F>(
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|c| c.parse().ok())
-        .unwrap_or(cases);
+        .unwrap_or(cases.saturating_mul(trace_scale()));
     // Shrunk failures are kept, and replayed first on later runs.
     let mut runner = TestRunner::new(testing::proptest_config(
         cases,
         "proptest-regressions/conformance.txt",
     ));
-    // proptest wants a `Fn` test; each case builds its store through the cell.
-    let make = std::cell::RefCell::new(make);
+    let clock = ManualClock::new(T0_US);
+    let store = rt.block_on(make(clock.clone()));
+    let case = std::cell::Cell::new(0u64);
     let result = runner.run(&traces, |(sets, segments)| {
+        case.set(case.get() + 1);
+        let prefix = format!("c{}:", case.get()).into_bytes();
         let (want, got) = rt.block_on(async {
             let mem_clock = ManualClock::new(T0_US);
             let memory = MemoryStore::builder().clock(mem_clock.clone()).build();
-            let clock = ManualClock::new(T0_US);
-            let pending = (make.borrow_mut())(clock.clone());
-            let store = pending.await;
+            clock.set(T0_US);
             let (mut want, mut got) = (Vec::new(), Vec::new());
             for (steps, back) in &segments {
-                want.extend(run_trace(&memory, &mem_clock, b"k", &sets, steps).await);
-                got.extend(run_trace(&store, &clock, b"k", &sets, steps).await);
+                want.extend(run_trace(&memory, &mem_clock, &prefix, &sets, steps).await);
+                got.extend(run_trace(&store, &clock, &prefix, &sets, steps).await);
                 for c in [&mem_clock, &clock] {
                     c.set(c.now_us().saturating_sub(*back).max(T0_US));
                 }
@@ -306,6 +324,11 @@ fn segmented_traces_agree<St, F>(
         );
         Ok(())
     });
+    let all = CASES_RUN.fetch_add(case.get(), Ordering::Relaxed) + case.get();
+    eprintln!(
+        "{} random traces agreed with MemoryStore ({all} in this binary so far)",
+        case.get()
+    );
     if let Err(e) = result {
         panic!("{e}");
     }
