@@ -120,6 +120,66 @@ fn nonsense_is_refused_with_the_field_and_the_fix() {
 }
 
 #[test]
+fn a_misspelt_algorithm_is_told_the_one_it_meant() {
+    let cases = [
+        ("60/min slidng-window", "sliding-window"),
+        ("60/min sliding-windwo", "sliding-window"),
+        ("60/min slidng", "sliding-window"),
+        ("60/min slidng-log", "sliding-log"),
+        ("60/min fixd-window", "fixed-window"),
+        ("60/min token-buket", "token-bucket"),
+        ("60/min leaky-buckt mode=shaper", "leaky-bucket"),
+        ("60/min gcar", "gcra"),
+        ("60/min GCAR", "gcra"),
+    ];
+    for (text, meant) in cases {
+        let err = text.parse::<Rule>().unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("did you mean `{meant}`?")),
+            "{text}: {err}"
+        );
+        // The list of algorithms stays in the message.
+        assert!(
+            err.contains(
+                "algorithms: fixed-window, sliding-window, sliding-log, token-bucket, \
+                 leaky-bucket, gcra"
+            ),
+            "{text}: {err}"
+        );
+    }
+    // Nothing near: no guess.
+    let err = "60/min bogus".parse::<Rule>().unwrap_err().to_string();
+    assert!(err.contains("unknown algorithm \"bogus\";"), "{err}");
+    assert!(!err.contains("did you mean"), "{err}");
+    // In a set, the rule's own reason.
+    let err = "10/s; 60/min slidng-window".parse::<RuleSet>().unwrap_err();
+    assert!(
+        err.to_string().contains("did you mean `sliding-window`?"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_concurrency_rule_written_with_a_period_is_told_it_has_none() {
+    for text in [
+        "60/min concurrent",
+        "4/s concurrent",
+        "4 per minute concurent",
+    ] {
+        let err = text.parse::<Rule>().unwrap_err().to_string();
+        let limit = text.split(['/', ' ']).next().unwrap();
+        assert!(
+            err.contains(&format!(
+                "a concurrency rule has no period: write `{limit} concurrent`"
+            )),
+            "{text}: {err}"
+        );
+    }
+    // As the message says.
+    assert!("60 concurrent".parse::<Rule>().unwrap().is_concurrent());
+}
+
+#[test]
 fn rule_sets_deserialize_from_config_files() {
     #[derive(Debug, serde::Deserialize)]
     struct Config {
