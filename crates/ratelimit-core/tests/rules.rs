@@ -180,6 +180,44 @@ fn a_concurrency_rule_written_with_a_period_is_told_it_has_none() {
 }
 
 #[test]
+fn two_rules_of_a_set_with_one_name_are_refused_naming_it() {
+    for (text, name) in [
+        ("10/min name=a; 5/min name=a", "a"),
+        (
+            "60/min name=requests; 4 concurrent name=requests",
+            "requests",
+        ),
+        (
+            "1/s name=x; 10/min sliding-log name=y; 100/h fixed-window name=x",
+            "x",
+        ),
+    ] {
+        let err = text.parse::<RuleSet>().unwrap_err();
+        assert_eq!(err, ConfigError::DuplicateName(name.to_owned()), "{text}");
+        assert!(
+            err.to_string()
+                .starts_with(&format!("two rules of one set are named `{name}`")),
+            "{err}"
+        );
+    }
+    // The programmatic constructor refuses them too.
+    let min = Duration::from_secs(60);
+    let err = RuleSet::new([
+        Rule::gcra(10, min, 10).unwrap().named("a").unwrap(),
+        Rule::fixed_window(5, min).unwrap().named("a").unwrap(),
+    ])
+    .unwrap_err();
+    assert_eq!(err, ConfigError::DuplicateName("a".to_owned()));
+    // Names differing in case are two names, and unnamed rules of one algorithm and
+    // period are told apart by their position, as before.
+    let set: RuleSet = "10/min name=a; 5/min name=A".parse().unwrap();
+    assert_eq!(set.len(), 2);
+    let set: RuleSet = "10/min; 5/min; 10/min name=a".parse().unwrap();
+    let ids = set.rule_ids();
+    assert!(ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2]);
+}
+
+#[test]
 fn rule_sets_deserialize_from_config_files() {
     #[derive(Debug, serde::Deserialize)]
     struct Config {
