@@ -312,10 +312,12 @@
 //! [`settle_with`](RateLimitLayerBuilder::settle_with) (or
 //! [`settle_from_header`](RateLimitLayerBuilder::settle_from_header)), or from a
 //! [`Usage`] in the request's extensions that the handler or its streaming body
-//! reports to before the body ends ([`usage_extension`](RateLimitLayerBuilder::usage_extension)).
+//! reports to before the body ends ([`usage_extension(true)`](RateLimitLayerBuilder::usage_extension);
+//! a handler extracting `usage: Usage` from a layer built without it is answered 500
+//! with a body that says to turn it on, [`MissingUsage`]).
 //!
 //! ```
-//! use axum::{body::Body, routing::post, Extension, Router};
+//! use axum::{body::Body, routing::post, Router};
 //! use ratelimit_core::MemoryStore;
 //! use ratelimit_tower::{HeaderKey, RateLimitLayer, Usage};
 //!
@@ -328,7 +330,7 @@
 //! let app: Router = Router::new()
 //!     .route(
 //!         "/v1/chat/completions",
-//!         post(|Extension(usage): Extension<Usage>| async move {
+//!         post(|usage: Usage| async move {
 //!             // ... call the model, count what it answered ...
 //!             usage.report(1_234);
 //!             "answer"
@@ -675,4 +677,6 @@ pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectRe
 pub use service::RateLimit;
 pub use throttle::{Throttle, ThrottleError, ThrottleLayer};
 pub use tier::{OneTier, SelectTier};
+#[cfg(feature = "axum")]
+pub use usage::MissingUsage;
 pub use usage::Usage;
