@@ -356,6 +356,19 @@
 //!   Each window keeps the bound above, so over a long horizon the average exceeds the
 //!   rate by at most C × (A − E) per period.
 //!
+//! **What a give-back keeps.** On GCRA, the token bucket and the leaky bucket, a settle
+//! below the estimate gives back the difference less what refilled since the check
+//! (which other requests may have taken meanwhile): what refilled while the request ran
+//! stays charged, up to the whole difference. At `40000/min` that is 40,000 / 60 =
+//! 666⅔ tokens per second (a token every 1,500 µs), counted from a clock reading just
+//! before the check to the settle, so the check and the handler's work before the
+//! stream count as well: a measure over a one-second stream sees a little more. An
+//! estimate of 2,000 settled to 200 after a 1 s stream gives back 1,133⅓ tokens, not
+//! 1,800: a key otherwise idle is left with its 200 in use as of the settle; a key
+//! with other requests charged is left 666⅔ tokens fewer than had the door charged
+//! 200. An estimate near the actual keeps this small.
+//! The arithmetic is worked out in [`algo`](ratelimit_core::algo#settling-a-charge).
+//!
 //! One settle adds at most one period's limit of each rule
 //! ([`debt_cap`](ratelimit_core::algo::debt_cap); and no more than
 //! [`max_debt`](RateLimitLayerBuilder::max_debt)), so a hostile actual (`u64::MAX`)
