@@ -69,11 +69,7 @@ pub fn app<S: Store + Clone>(store: S, model: Router) -> Router {
 
 /// Forwards the call to the model and reports the tokens it answered with: from the JSON
 /// answer at once, from a stream's events as they pass.
-async fn proxy(
-    Extension(model): Extension<Router>,
-    Extension(usage): Extension<Usage>,
-    req: Request,
-) -> Response {
+async fn proxy(Extension(model): Extension<Router>, usage: Usage, req: Request) -> Response {
     let answer = match model.oneshot(req).await {
         Ok(answer) => answer,
         Err(never) => match never {},
