@@ -4,6 +4,10 @@
 //!
 //! ```sh
 //! cargo run -p ratelimit-examples --example llm_gateway
+//! # each answer costs 2,000 tokens: 20 are answered, the 21st is refused (429)
+//! for i in $(seq 21); do curl -s -o /dev/null -w '%{http_code} ' -H 'x-api-key: demo' -H 'content-type: application/json' -d '{"max_tokens": 1996, "messages": [{"role": "user", "content": "one two three four"}]}' localhost:3000/v1/chat/completions; done; echo
+//! # a stream, its usage in its last event; the RateLimit field shows the tokens left
+//! curl -iN -H 'x-api-key: demo2' -H 'content-type: application/json' -d '{"stream": true, "max_tokens": 30, "messages": []}' localhost:3000/v1/chat/completions
 //! ```
 //!
 //! Serves on 127.0.0.1:3000 (`PORT` to change it), in front of an in-process stand-in

@@ -3,6 +3,10 @@
 //!
 //! ```sh
 //! cargo run -p ratelimit-examples --example login
+//! # successes never run out:
+//! for i in $(seq 10); do curl -s -o /dev/null -w '%{http_code} ' -X POST -H 'x-password: hunter2' localhost:3000/login; done; echo
+//! # the 6th failure gets 429:
+//! for i in $(seq 6); do curl -s -o /dev/null -w '%{http_code} ' -X POST -H 'x-password: guess' localhost:3000/login; done; echo
 //! ```
 //!
 //! Serves on 127.0.0.1:3000 (`PORT` to change it).

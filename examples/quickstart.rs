@@ -2,6 +2,9 @@
 //!
 //! ```sh
 //! cargo run -p ratelimit-examples --example quickstart
+//! curl -i localhost:3000/                # 200, with RateLimit-Policy and RateLimit
+//! # the 6th login within a minute gets 429 with a plain-text body:
+//! for i in $(seq 6); do sleep 1; curl -si -X POST localhost:3000/login | grep -iE '^(HTTP|retry-after|ratelimit)|limit'; done
 //! ```
 //!
 //! Every route admits 60 requests per minute per client IP (sliding window counter);

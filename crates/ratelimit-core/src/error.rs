@@ -140,6 +140,12 @@ pub enum ConfigError {
         /// The largest accepted count.
         max: usize,
     },
+    /// Two rules of one set had the same name.
+    #[error(
+        "two rules of one set are named `{0}`: a name identifies a rule's state and its \
+         `RateLimit-Policy` item, so each rule needs a name of its own; rename one"
+    )]
+    DuplicateName(String),
     /// A rule name contains characters that cannot appear in a header or store key.
     #[error("rule name {0:?} must be 1-64 characters of [A-Za-z0-9_.-]")]
     BadName(String),

@@ -403,3 +403,58 @@ fn settles_charge_debt_where_the_key_is_held() {
     let left = store.check_now(b"changed", &other, 0).unwrap().rules()[0].remaining;
     assert_eq!(left, 19);
 }
+
+/// The worked example of the `algo` docs ("Settling a charge"): at `40000/min gcra` (a
+/// token every 1,500 µs, 666⅔ a second), an estimate of 2,000 charged at the door and
+/// settled to 200 after a 1 s stream gives back the 1,800 less the 666⅔ that refilled
+/// meanwhile.
+#[test]
+fn a_settle_below_the_estimate_keeps_what_refilled_while_the_request_ran() {
+    let clock = ManualClock::new(T0);
+    let store = capped(&clock, 1, 100);
+    let rules: RuleSet = "40000/min gcra".parse().unwrap();
+    let left = |key: &[u8]| store.check_now(key, &rules, 0).unwrap().rules()[0].remaining;
+    let t0 = clock.now_us();
+    // An idle key: the estimate at the door (TAT t0 + 3 s), the actual at the settle.
+    let check = store.check_now(b"idle", &rules, 2_000).unwrap();
+    assert_eq!(check.rules()[0].remaining, 38_000);
+    // Beside it, a key charged the actual at the door: TAT t0 + 0.3 s.
+    assert!(store.check_now(b"ideal", &rules, 200).unwrap().is_allowed());
+    clock.advance(Duration::from_secs(1));
+    // 2 s of TAT ahead: 1,333⅓ in use.
+    assert_eq!(left(b"idle"), 38_666);
+    assert!(store.settle_now(b"idle", &rules, 2_000, 200, t0));
+    // 1,800 tokens (2.7 s) less 1 s drained: 1.7 s goes back, TAT t0 + 1.3 s, 0.3 s
+    // ahead of now: the 200 in use as if charged now, where the door's 200 have drained.
+    assert_eq!(left(b"idle"), 39_800);
+    assert_eq!(left(b"ideal"), 40_000);
+
+    // A key kept busy by another request's 10,000 (never settled): the settle leaves its
+    // TAT 1 s (666⅔ tokens) later than charging the actual at the door would have.
+    let t0 = clock.now_us();
+    for key in [&b"busy"[..], b"busy ideal"] {
+        assert!(store.check_now(key, &rules, 10_000).unwrap().is_allowed());
+    }
+    assert!(store
+        .check_now(b"busy", &rules, 2_000)
+        .unwrap()
+        .is_allowed());
+    assert!(store
+        .check_now(b"busy ideal", &rules, 200)
+        .unwrap()
+        .is_allowed());
+    clock.advance(Duration::from_secs(1));
+    assert!(store.settle_now(b"busy", &rules, 2_000, 200, t0));
+    // TAT t0 + 16.3 s against t0 + 15.3 s: 10,200 in use against 9,533⅓.
+    assert_eq!(left(b"busy"), 29_800);
+    assert_eq!(left(b"busy ideal"), 30_466);
+    // A stream long enough to drain the whole difference (2.7 s) gets nothing back.
+    let t0 = clock.now_us();
+    assert!(store
+        .check_now(b"long", &rules, 2_000)
+        .unwrap()
+        .is_allowed());
+    clock.advance(Duration::from_millis(2_700));
+    assert!(!store.settle_now(b"long", &rules, 2_000, 200, t0));
+    assert_eq!(left(b"long"), 39_800);
+}

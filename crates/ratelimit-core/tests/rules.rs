@@ -120,6 +120,104 @@ fn nonsense_is_refused_with_the_field_and_the_fix() {
 }
 
 #[test]
+fn a_misspelt_algorithm_is_told_the_one_it_meant() {
+    let cases = [
+        ("60/min slidng-window", "sliding-window"),
+        ("60/min sliding-windwo", "sliding-window"),
+        ("60/min slidng", "sliding-window"),
+        ("60/min slidng-log", "sliding-log"),
+        ("60/min fixd-window", "fixed-window"),
+        ("60/min token-buket", "token-bucket"),
+        ("60/min leaky-buckt mode=shaper", "leaky-bucket"),
+        ("60/min gcar", "gcra"),
+        ("60/min GCAR", "gcra"),
+    ];
+    for (text, meant) in cases {
+        let err = text.parse::<Rule>().unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("did you mean `{meant}`?")),
+            "{text}: {err}"
+        );
+        // The list of algorithms stays in the message.
+        assert!(
+            err.contains(
+                "algorithms: fixed-window, sliding-window, sliding-log, token-bucket, \
+                 leaky-bucket, gcra"
+            ),
+            "{text}: {err}"
+        );
+    }
+    // Nothing near: no guess.
+    let err = "60/min bogus".parse::<Rule>().unwrap_err().to_string();
+    assert!(err.contains("unknown algorithm \"bogus\";"), "{err}");
+    assert!(!err.contains("did you mean"), "{err}");
+    // In a set, the rule's own reason.
+    let err = "10/s; 60/min slidng-window".parse::<RuleSet>().unwrap_err();
+    assert!(
+        err.to_string().contains("did you mean `sliding-window`?"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_concurrency_rule_written_with_a_period_is_told_it_has_none() {
+    for text in [
+        "60/min concurrent",
+        "4/s concurrent",
+        "4 per minute concurent",
+    ] {
+        let err = text.parse::<Rule>().unwrap_err().to_string();
+        let limit = text.split(['/', ' ']).next().unwrap();
+        assert!(
+            err.contains(&format!(
+                "a concurrency rule has no period: write `{limit} concurrent`"
+            )),
+            "{text}: {err}"
+        );
+    }
+    // As the message says.
+    assert!("60 concurrent".parse::<Rule>().unwrap().is_concurrent());
+}
+
+#[test]
+fn two_rules_of_a_set_with_one_name_are_refused_naming_it() {
+    for (text, name) in [
+        ("10/min name=a; 5/min name=a", "a"),
+        (
+            "60/min name=requests; 4 concurrent name=requests",
+            "requests",
+        ),
+        (
+            "1/s name=x; 10/min sliding-log name=y; 100/h fixed-window name=x",
+            "x",
+        ),
+    ] {
+        let err = text.parse::<RuleSet>().unwrap_err();
+        assert_eq!(err, ConfigError::DuplicateName(name.to_owned()), "{text}");
+        assert!(
+            err.to_string()
+                .starts_with(&format!("two rules of one set are named `{name}`")),
+            "{err}"
+        );
+    }
+    // The programmatic constructor refuses them too.
+    let min = Duration::from_secs(60);
+    let err = RuleSet::new([
+        Rule::gcra(10, min, 10).unwrap().named("a").unwrap(),
+        Rule::fixed_window(5, min).unwrap().named("a").unwrap(),
+    ])
+    .unwrap_err();
+    assert_eq!(err, ConfigError::DuplicateName("a".to_owned()));
+    // Names differing in case are two names, and unnamed rules of one algorithm and
+    // period are told apart by their position, as before.
+    let set: RuleSet = "10/min name=a; 5/min name=A".parse().unwrap();
+    assert_eq!(set.len(), 2);
+    let set: RuleSet = "10/min; 5/min; 10/min name=a".parse().unwrap();
+    let ids = set.rule_ids();
+    assert!(ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2]);
+}
+
+#[test]
 fn rule_sets_deserialize_from_config_files() {
     #[derive(Debug, serde::Deserialize)]
     struct Config {

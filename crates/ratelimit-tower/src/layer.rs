@@ -633,7 +633,9 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// request finds the settle made. A body dropped before its end (the client went
     /// away) settles what was reported by then, in the background; nothing reported,
     /// the estimate stands. With both, a value from [`settle_with`](Self::settle_with)
-    /// settles on the head and the body's report is not consulted.
+    /// settles on the head and the body's report is not consulted. An axum handler reads
+    /// it as `usage: Usage`; with this off, such a handler is answered 500 with a body
+    /// that says to turn this on ([`MissingUsage`](crate::MissingUsage)).
     pub fn usage_extension(mut self, enabled: bool) -> Self {
         self.metering.usage_extension = enabled;
         self

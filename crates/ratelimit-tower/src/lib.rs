@@ -312,10 +312,12 @@
 //! [`settle_with`](RateLimitLayerBuilder::settle_with) (or
 //! [`settle_from_header`](RateLimitLayerBuilder::settle_from_header)), or from a
 //! [`Usage`] in the request's extensions that the handler or its streaming body
-//! reports to before the body ends ([`usage_extension`](RateLimitLayerBuilder::usage_extension)).
+//! reports to before the body ends ([`usage_extension(true)`](RateLimitLayerBuilder::usage_extension);
+//! a handler extracting `usage: Usage` from a layer built without it is answered 500
+//! with a body that says to turn it on, [`MissingUsage`]).
 //!
 //! ```
-//! use axum::{body::Body, routing::post, Extension, Router};
+//! use axum::{body::Body, routing::post, Router};
 //! use ratelimit_core::MemoryStore;
 //! use ratelimit_tower::{HeaderKey, RateLimitLayer, Usage};
 //!
@@ -328,7 +330,7 @@
 //! let app: Router = Router::new()
 //!     .route(
 //!         "/v1/chat/completions",
-//!         post(|Extension(usage): Extension<Usage>| async move {
+//!         post(|usage: Usage| async move {
 //!             // ... call the model, count what it answered ...
 //!             usage.report(1_234);
 //!             "answer"
@@ -353,6 +355,19 @@
 //!   within their window: what a window has not repaid when it ends is forgiven with it.
 //!   Each window keeps the bound above, so over a long horizon the average exceeds the
 //!   rate by at most C × (A − E) per period.
+//!
+//! **What a give-back keeps.** On GCRA, the token bucket and the leaky bucket, a settle
+//! below the estimate gives back the difference less what refilled since the check
+//! (which other requests may have taken meanwhile): what refilled while the request ran
+//! stays charged, up to the whole difference. At `40000/min` that is 40,000 / 60 =
+//! 666⅔ tokens per second (a token every 1,500 µs), counted from a clock reading just
+//! before the check to the settle, so the check and the handler's work before the
+//! stream count as well: a measure over a one-second stream sees a little more. An
+//! estimate of 2,000 settled to 200 after a 1 s stream gives back 1,133⅓ tokens, not
+//! 1,800: a key otherwise idle is left with its 200 in use as of the settle; a key
+//! with other requests charged is left 666⅔ tokens fewer than had the door charged
+//! 200. An estimate near the actual keeps this small.
+//! The arithmetic is worked out in [`algo`](ratelimit_core::algo#settling-a-charge).
 //!
 //! One settle adds at most one period's limit of each rule
 //! ([`debt_cap`](ratelimit_core::algo::debt_cap); and no more than
@@ -675,4 +690,6 @@ pub use rejection::{BlockedStatus, OnRejection, PlainText, ProblemJson, RejectRe
 pub use service::RateLimit;
 pub use throttle::{Throttle, ThrottleError, ThrottleLayer};
 pub use tier::{OneTier, SelectTier};
+#[cfg(feature = "axum")]
+pub use usage::MissingUsage;
 pub use usage::Usage;

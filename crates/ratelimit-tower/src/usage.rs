@@ -7,8 +7,8 @@ use std::sync::Arc;
 /// What an admitted request actually cost, when that is known only once it has been
 /// served: the tokens an LLM answered with, the rows a query scanned, the bytes sent.
 ///
-/// A layer built with [`usage_extension`](crate::RateLimitLayerBuilder::usage_extension)
-/// puts one in every request it admits; the handler (axum: `Extension<Usage>`), or the
+/// A layer built with [`usage_extension(true)`](crate::RateLimitLayerBuilder::usage_extension)
+/// puts one in every request it admits; the handler (axum: `usage: Usage`), or the
 /// streaming body it returns, calls [`report`](Self::report) at any time before the
 /// response body ends. The layer settles the request's charge **when the response body
 /// ends**: the check at the door charged the layer's [`cost`](crate::RateLimitLayerBuilder::cost)
@@ -24,6 +24,10 @@ use std::sync::Arc;
 /// Clones share one report: the handler keeps one, a stream it returns another. Several
 /// metered layers around one request (a per-key and a global token budget, say) share
 /// one `Usage` too, so one report settles every one of them.
+///
+/// Without `usage_extension(true)` (the default) no request carries one, and an axum
+/// handler extracting `Usage` is answered 500 with a body that says so ([`MissingUsage`];
+/// `Extension<Usage>` reads the same entry, with axum's generic message).
 ///
 /// ```
 /// use ratelimit_tower::Usage;
@@ -78,4 +82,68 @@ pub(crate) fn shared(extensions: &mut http::Extensions) -> Usage {
     let usage = Usage::new();
     extensions.insert(usage.clone());
     usage
+}
+
+/// The message of [`MissingUsage`].
+#[cfg(feature = "axum")]
+const MISSING_USAGE: &str = "this request carries no rate-limit Usage: build the \
+    RateLimitLayer in front of this route with `.usage_extension(true)` (off by default), \
+    or extract `Option<Usage>` where a route may have no such layer";
+
+/// The rejection of a handler that extracts a [`Usage`] the request does not carry:
+/// answered 500, with a body that says what to change (the layer was built without
+/// [`usage_extension(true)`](crate::RateLimitLayerBuilder::usage_extension), or the
+/// route has no metered rate-limit layer). A report made into a `Usage` of its own would
+/// settle nothing, so the handler is not run without one.
+#[cfg(feature = "axum")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MissingUsage;
+
+#[cfg(feature = "axum")]
+impl fmt::Display for MissingUsage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(MISSING_USAGE)
+    }
+}
+
+#[cfg(feature = "axum")]
+impl std::error::Error for MissingUsage {}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for MissingUsage {
+    fn into_response(self) -> axum::response::Response {
+        tracing::error!("{MISSING_USAGE}");
+        (http::StatusCode::INTERNAL_SERVER_ERROR, MISSING_USAGE).into_response()
+    }
+}
+
+/// `usage: Usage` in an axum handler: the request's usage to report to, or a 500 that
+/// says what to change when the layer was built without
+/// [`usage_extension(true)`](crate::RateLimitLayerBuilder::usage_extension).
+/// (`Extension<Usage>` reads the same entry, with axum's generic message.)
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Usage {
+    type Rejection = MissingUsage;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Usage>().cloned().ok_or(MissingUsage)
+    }
+}
+
+/// `usage: Option<Usage>`: `None` for a request no layer with
+/// [`usage_extension(true)`](crate::RateLimitLayerBuilder::usage_extension) passed.
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for Usage {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Usage>().cloned())
+    }
 }

@@ -351,6 +351,59 @@ async fn a_handler_report_settles_at_the_body_end() {
     assert_eq!(store.settles(), 1);
 }
 
+/// A handler extracting `Usage` from a layer built without `usage_extension(true)` is
+/// answered 500 with a body that names the switch, and is not run (its report would
+/// settle nothing); `Option<Usage>` extracts `None` there; with the switch on, the
+/// extracted `Usage` is the one the layer settles from.
+#[tokio::test]
+async fn a_handler_extracting_usage_without_the_extension_is_told_to_turn_it_on() {
+    let clock = ManualClock::new(T0);
+    let store = Remote::new(&clock);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let app = |enabled: bool| {
+        let ran = Arc::clone(&ran);
+        Router::new()
+            .route(
+                "/",
+                get(move |usage: Usage| async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    usage.report(40);
+                    "ok"
+                }),
+            )
+            .route(
+                "/optional",
+                get(|usage: Option<Usage>| async move { format!("{}", usage.is_some()) }),
+            )
+            .layer(
+                tokens(Arc::clone(&store), "1000/h fixed-window", 100)
+                    .usage_extension(enabled)
+                    .build()
+                    .unwrap(),
+            )
+    };
+    let off = app(false).oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(off.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = off.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    assert!(body.contains(".usage_extension(true)"), "{body}");
+    assert!(body.contains("Usage"), "{body}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    for (enabled, want) in [(false, "false"), (true, "true")] {
+        let res = app(enabled)
+            .oneshot(with_key("/optional", "k"))
+            .await
+            .unwrap();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, want);
+    }
+    let on = app(true).oneshot(with_key("/", "k")).await.unwrap();
+    assert_eq!(on.status(), StatusCode::OK);
+    on.into_body().collect().await.unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(store.seen.lock().unwrap().as_slice(), &[(100, 40)]);
+}
+
 /// A stream that reports its usage in its last event is settled once, when it ends, and
 /// before its end reaches the client; a stream dropped early settles what it reported.
 #[tokio::test]

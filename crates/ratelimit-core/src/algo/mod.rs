@@ -112,6 +112,33 @@
 //!   the burst (the capacity, or the shaper's queue), by the excess's emission
 //!   intervals.
 //!
+//! **What a give-back keeps.** For the token bucket, GCRA and leaky bucket, a settle
+//! below the charge gives back the difference less what the rule's rate has let
+//! through since `charged_at`, as [`refund`] does (what drained may have gone to other
+//! requests meanwhile): what refilled while the request ran stays charged, up to the
+//! whole difference. The time counted runs from `charged_at` (a clock reading taken
+//! before the check) to the settle, so it holds the check, the handler's work and the
+//! stream. A worked example at `40000/min gcra`: a token every 60 s / 40,000 = 1,500 µs,
+//! so 40,000 / 60 = 666⅔ tokens a second; an estimate of 2,000 charged at `t0`, a
+//! stream of 1 s, an actual of 200:
+//!
+//! * the check at `t0`, on an idle key: TAT `t0` + 2,000 × 1,500 µs = `t0` + 3 s;
+//!   38,000 left;
+//! * the settle at `t0` + 1 s: the difference, 1,800 tokens (2.7 s of TAT), less the
+//!   1 s drained since `t0` (666⅔ tokens), goes back: 1.7 s (1,133⅓ tokens). TAT
+//!   `t0` + 1.3 s, 0.3 s ahead of now: 200 in use, 39,800 left;
+//! * the actual charged at the door instead: TAT `t0` + 0.3 s, passed by now: 40,000
+//!   left.
+//!
+//! The settle leaves the TAT 1 s (666⅔ tokens) later than charging the actual at the
+//! door would have. A key otherwise idle feels at most the actual of it (the 200 as if
+//! charged at the settle: its bucket would have refilled past the rest anyway); a key
+//! whose TAT stays ahead of now (other requests charged) feels all of it: beside
+//! another 10,000 charged at `t0`, 29,800 left after the settle against 30,466 (30,466⅔)
+//! with the actual charged at the door. A stream of 2.7 s or more gets nothing back.
+//! (`a_settle_below_the_estimate_keeps_what_refilled_while_the_request_ran`, in
+//! `tests/memory_store.rs`, asserts these numbers.)
+//!
 //! **Bounded.** One settle charges each rule at most its [`debt_cap`]: the rule's limit
 //! (one period's worth), and for the token bucket, GCRA and leaky bucket at most
 //! `2^51 / period_us` units, so that every value stays below 2^53 (a day-long period

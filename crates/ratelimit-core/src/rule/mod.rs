@@ -148,7 +148,7 @@ impl Algorithm {
 /// | `leaky-bucket` (`leaky`) | `mode`: `meter` or `shaper` | `meter` |
 /// | `leaky-bucket mode=meter` | `capacity` | the limit |
 /// | `leaky-bucket mode=shaper` | `burst` (queued beyond the rate), `delay` (of those, admitted without waiting) | 0 and 0 |
-/// | any | `name`: 1 to 64 of `A-Z a-z 0-9 _ - .` | none: the rule is known by its algorithm and period |
+/// | any | `name`: 1 to 64 of `A-Z a-z 0-9 _ - .`, a different one for each rule of a set | none: the rule is known by its algorithm and period |
 ///
 /// A concurrency rule is `<limit> concurrent [timeout=<duration>] [name=...]`: at most
 /// `limit` (1 to 1,000) requests in flight per key, a slot held without renewal for at
@@ -521,7 +521,9 @@ impl PartialEq for RuleSet {
 impl Eq for RuleSet {}
 
 impl RuleSet {
-    /// A rule set from one or more rules.
+    /// A rule set from one or more rules (at most [`MAX_RULES`], at most one of them a
+    /// concurrency rule, and no two with the same name: a name is the identity of a
+    /// rule's state and its item in `RateLimit-Policy`).
     pub fn new(rules: impl IntoIterator<Item = Rule>) -> Result<Self, ConfigError> {
         let rules: Box<[Rule]> = rules.into_iter().collect();
         if rules.is_empty() {
@@ -536,6 +538,14 @@ impl RuleSet {
         let concurrent = rules.iter().filter(|r| r.is_concurrent()).count();
         if concurrent > 1 {
             return Err(ConfigError::TwoConcurrencyRules(concurrent));
+        }
+        // At most `MAX_RULES` (16) rules: a quadratic scan allocates nothing.
+        for (i, rule) in rules.iter().enumerate() {
+            if let Some(name) = rule.name() {
+                if rules[..i].iter().any(|r| r.name() == Some(name)) {
+                    return Err(ConfigError::DuplicateName(name.to_owned()));
+                }
+            }
         }
         let id = rules
             .iter()
@@ -613,8 +623,8 @@ impl RuleSet {
     ///
     /// A rule is identified by its name when it has one, else by its algorithm and
     /// period (the sliding window counter's precision included; a leaky bucket's mode
-    /// not), the position among the rules of the set with the same name or algorithm and
-    /// period breaking ties; limits, capacities and bursts are not part of it. Each
+    /// not), the position among the rules of the set with the same algorithm and period
+    /// breaking ties between unnamed ones (two rules of a set never share a name); limits, capacities and bursts are not part of it. Each
     /// identity is a 52-bit FNV-1a hash of that text, never 0, stable across versions
     /// and processes. Two rules of one identity always share algorithm and period, so
     /// their state means the same thing; how it carries is in the `algo` module's

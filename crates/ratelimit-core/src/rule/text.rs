@@ -111,6 +111,48 @@ fn parse_concurrent<'a>(
     Ok(rule)
 }
 
+/// Every spelling of an algorithm the text form accepts, with the name to suggest for
+/// it: a misspelt alias (`slidng`) is told the algorithm's own name.
+const ALGORITHMS: &[(&str, &str)] = &[
+    ("fixed-window", "fixed-window"),
+    ("fixed", "fixed-window"),
+    ("sliding-window", "sliding-window"),
+    ("sliding-counter", "sliding-window"),
+    ("sliding", "sliding-window"),
+    ("sliding-log", "sliding-log"),
+    ("log", "sliding-log"),
+    ("token-bucket", "token-bucket"),
+    ("token", "token-bucket"),
+    ("leaky-bucket", "leaky-bucket"),
+    ("leaky", "leaky-bucket"),
+    ("gcra", "gcra"),
+    ("concurrent", "concurrent"),
+];
+
+/// The reason for an algorithm `word` (lowercased) that none is called, in a rule of
+/// `limit` per a period: the algorithm it most likely meant, or, for `concurrent`, that
+/// a concurrency rule has no period.
+fn unknown_algorithm(word: &str, limit: u64) -> String {
+    // A typo is a letter or two off, a swap counting one: "slidng-window", "gcar". More
+    // than a third of the word changed is another word, and no guess is better than a
+    // wrong one.
+    let nearest = ALGORITHMS
+        .iter()
+        .map(|&(spelling, name)| (strsim::osa_distance(word, spelling), name))
+        .filter(|&(distance, _)| distance * 3 <= word.chars().count())
+        .min_by_key(|&(distance, _)| distance)
+        .map(|(_, name)| name);
+    match nearest {
+        Some("concurrent") => format!(
+            "a concurrency rule has no period: write `{limit} concurrent` (a slot is held \
+             until its request ends, or at most its `timeout=`), or leave `concurrent` out \
+             for a rate"
+        ),
+        Some(name) => format!("unknown algorithm {word:?}: did you mean `{name}`?"),
+        None => format!("unknown algorithm {word:?}"),
+    }
+}
+
 fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
     let spaced = input.replace('/', " / ");
     let mut tokens = spaced.split_whitespace().peekable();
@@ -217,7 +259,7 @@ fn parse_rule(input: &str) -> Result<Rule, ParseFailure> {
                 }
             }
         }
-        other => return Err(format!("unknown algorithm {other:?}").into()),
+        other => return Err(unknown_algorithm(other, limit).into()),
     };
     let mut rule = built.map_err(ParseFailure::Invalid)?;
     if let Some(name) = take(o, "name") {

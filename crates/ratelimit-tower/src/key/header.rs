@@ -35,10 +35,26 @@ impl HeaderKey {
     ///
     /// # Panics
     ///
-    /// When `name` is not a valid lowercase header name; it is meant to be a literal. Use
-    /// [`HeaderKey::from_name`] for names read at run time.
+    /// When `name` is not a valid lowercase header name (`"x api key"`, `"X-Api-Key"`);
+    /// it is meant to be a literal, and the message names it. For a name read at run
+    /// time, parse it and handle the error: `HeaderKey::from_name(name.parse()?)`
+    /// ([`HeaderKey::from_name`]).
     pub fn new(name: &'static str) -> Self {
-        Self::from_name(HeaderName::from_static(name))
+        match HeaderName::from_bytes(name.as_bytes()) {
+            // `from_bytes` lowers the case; a literal written otherwise is refused, as
+            // `HeaderName::from_static` refuses it, rather than keyed by another spelling.
+            Ok(parsed) if parsed.as_str() == name => Self::from_name(parsed),
+            Ok(parsed) => panic!(
+                "HeaderKey::new({name:?}): header names are written in lowercase here: \
+                 HeaderKey::new({:?})",
+                parsed.as_str()
+            ),
+            Err(_) => panic!(
+                "HeaderKey::new({name:?}): not a valid header name (a token: letters, digits \
+                 and !#$%&'*+-.^_`|~, no spaces); for a name read at run time use \
+                 HeaderKey::from_name(name.parse()?), which lets you handle the error"
+            ),
+        }
     }
 
     /// Keys by the header `name`.
@@ -87,5 +103,44 @@ impl<B> KeyExtractor<B> for GlobalKey {
 
     fn source(&self, key: &[u8]) -> ClientKey {
         ClientKey::new(KeySource::Global, key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(
+        expected = "HeaderKey::new(\"x api key\"): not a valid header name (a token: letters, \
+                    digits and !#$%&'*+-.^_`|~, no spaces); for a name read at run time use \
+                    HeaderKey::from_name(name.parse()?)"
+    )]
+    fn an_invalid_name_panics_naming_it_and_from_name() {
+        let _ = HeaderKey::new("x api key");
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "HeaderKey::new(\"X-Api-Key\"): header names are written in lowercase here: \
+                    HeaderKey::new(\"x-api-key\")"
+    )]
+    fn an_uppercase_name_panics_with_its_lowercase_spelling() {
+        let _ = HeaderKey::new("X-Api-Key");
+    }
+
+    #[test]
+    fn a_name_read_at_run_time_goes_through_from_name() {
+        let read = String::from("x api key");
+        assert!(read.parse::<HeaderName>().is_err());
+        let read = String::from("x-api-key");
+        let key = HeaderKey::from_name(read.parse().unwrap());
+        let req = Request::builder()
+            .header("x-api-key", "k-1")
+            .body(())
+            .unwrap();
+        assert_eq!(key.extract(&req), Extraction::Key("k-1".into()));
+        // A standard header's name too.
+        let _ = HeaderKey::new("authorization");
     }
 }
