@@ -36,6 +36,11 @@
 //! callgrind_annotate --inclusive=yes /tmp/profiles/3-RATELIMIT.CHECK_MANY.out | head -60
 //! ```
 //!
+//! Last, a peer's design: a GCRA limiter as one Lua script per decision, the algorithm of
+//! go-redis/redis_rate's `allowN` (`bench/redis_rate_gcra.lua`), by `EVALSHA`, one
+//! decision per call, 64 to a write, on new keys and on the same 64 keys. `ONLY=redis_rate`
+//! measures the `PING` floor and these rows alone (no module needed).
+//!
 //! `CLUSTER=1` measures instead, on a Cluster node serving every slot with the module
 //! loaded, the module's batches as `RATELIMIT.CHECK_MANY` and as `RATELIMIT.CHECK_LOCAL`
 //! and `RATELIMIT.CHECK_LOCAL_STATES` (the Cluster's per-node batches, each check's slot
@@ -119,6 +124,9 @@ fn main() {
         let _: Vec<String> = pipe.query(con).unwrap();
     });
     println!("| `PING`, {BATCH} to a write (the floor) | {ping:.0} | 1.00x |");
+    if std::env::var("ONLY").is_ok_and(|only| only == "redis_rate") {
+        return redis_rate_rows(&server, &mut con, rounds, ping);
+    }
     let floor = count(&server, "floor", &mut con, rounds, |con, round| {
         let mut cmd = redis::cmd("FCALL");
         cmd.arg("ratelimit_floor").arg(2 * BATCH);
@@ -218,6 +226,61 @@ fn main() {
     }
     settle_rows(&server, &mut con, rounds, module.is_some(), &script, ping);
     concurrency_rows(&server, &mut con, rounds, ping, module.is_some());
+    redis_rate_rows(&server, &mut con, rounds, ping);
+}
+
+/// A peer's design for comparison: a GCRA limiter as one Lua script per decision, the
+/// algorithm of go-redis/redis_rate's `allowN` (`bench/redis_rate_gcra.lua`), sent as
+/// that library sends it: `EVALSHA`, one decision per call, here 64 pipelined to a write
+/// (concurrent requests on one connection), on new keys and on the same 64 keys.
+fn redis_rate_rows(server: &Server, con: &mut Connection, rounds: usize, ping: f64) {
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(include_str!("../redis_rate_gcra.lua"))
+        .query(con)
+        .unwrap();
+    // redis_rate's AllowN arguments: burst, rate, period in seconds, cost.
+    for (name, burst, rate, period, same_keys) in [
+        ("`100/s burst 100`, new keys", 100, 100, 1, false),
+        (
+            "`1/min burst 1000`, the same 64 keys every batch",
+            1000,
+            1,
+            60,
+            true,
+        ),
+    ] {
+        let label = format!("redis_rate {}", if same_keys { "same" } else { "new" });
+        let cost = count(server, &label, con, rounds, |con, round| {
+            let mut pipe = redis::pipe();
+            for i in 0..BATCH {
+                let key = if same_keys {
+                    format!("rate:hot:{i}")
+                } else {
+                    format!("rate:new:{round}:{i}")
+                };
+                pipe.cmd("EVALSHA")
+                    .arg(&sha)
+                    .arg(1)
+                    .arg(key)
+                    .arg(burst)
+                    .arg(rate)
+                    .arg(period)
+                    .arg(1);
+            }
+            let replies: Vec<Vec<redis::Value>> = pipe.query(con).unwrap();
+            assert!(
+                replies
+                    .iter()
+                    .all(|r| r.first() == Some(&redis::Value::Int(1))),
+                "every decision admitted: {replies:?}"
+            );
+        });
+        println!(
+            "| redis_rate's GCRA script (`bench/redis_rate_gcra.lua`), `EVALSHA`, one decision per call, {name} | {cost:.0} | {:.2}x |",
+            cost / ping
+        );
+    }
 }
 
 /// A metered request's calls one by one, as a store sends them (each alone, 64 to a
