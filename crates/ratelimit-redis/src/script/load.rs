@@ -318,7 +318,7 @@ impl Script {
             ratelimit_core::MAX_CONCURRENT,
             "d".repeat(CheckArgs::HEADER),
             "d".repeat(CheckArgs::PER_RULE),
-            include_str!("../../lua/check.lua")
+            LIBRARY_SOURCE
         );
         let body = |function: &str| format!("{code}\nreturn {function}(KEYS, ARGV)\n");
         let tag = sha1(&body(ENTRIES[0].1))[..TAG_LEN].to_owned();
@@ -469,6 +469,26 @@ impl Script {
         }
     }
 }
+
+/// The decision library's Lua, its files by concern in the order `lua/check.lua` gives
+/// (each reaches what the ones before it define).
+const LIBRARY_SOURCE: &str = concat!(
+    include_str!("../../lua/check.lua"),
+    "\n",
+    include_str!("../../lua/algorithms.lua"),
+    "\n",
+    include_str!("../../lua/carry.lua"),
+    "\n",
+    include_str!("../../lua/decide.lua"),
+    "\n",
+    include_str!("../../lua/refund.lua"),
+    "\n",
+    include_str!("../../lua/debit.lua"),
+    "\n",
+    include_str!("../../lua/slots.lua"),
+    "\n",
+    include_str!("../../lua/once.lua"),
+);
 
 /// check.lua's entry points: the name in the library (after `ratelimit_`), the Lua
 /// function and the function's flags.

@@ -1,0 +1,121 @@
+-- slots.lua: a concurrency slot released or renewed (`release`, `renew`), by its number
+-- in the slots trailer that ends a state (check.lua's KEYS[2]). Part of the library
+-- check.lua opens.
+
+-- release and renew: a concurrency slot freed, or its deadline moved on, by its number
+-- (the core's algo::release and algo::renew).
+--
+-- KEYS[1]  the client key's rule state (its layout: see check.lua)
+-- ARGV[1]  now in µs, or '' for the Redis server's TIME
+-- ARGV[2]  the slot's number
+-- renew only:
+-- ARGV[3]  the timeout in µs: the slot's new deadline is now plus this
+-- ARGV[4]  TTL floor in ms (under an injected clock, as for check)
+--
+-- Returns 1 when the slot was held and live (freed, or renewed), 0 otherwise: a release
+-- sent again frees nothing. The state is rewritten only when the slot was live, and only
+-- that slot changes; a release keeps the key's expiry, a
+-- renewal moves it on to the new deadline when that is later.
+local function edit_slot(KEYS, ARGV, timeout)
+  local raw = redis.pcall('GET', KEYS[1])
+  if type(raw) ~= 'string' or #raw % 8 ~= 0 or #raw < 16 or #raw > 8 * MAX_STATE then
+    return 0
+  end
+  local injected = ARGV[1] ~= ''
+  local now
+  if injected then
+    now = tonumber(ARGV[1])
+  else
+    now = redis_time()
+  end
+  local number = tonumber(ARGV[2])
+  if not now or not number then
+    return redis.error_reply('RLARGS release and renew take a time and a slot number; the '
+      .. 'store and the script are from different versions')
+  end
+  -- The trailer ends the state: walk the entries to it.
+  local len = #raw / 8
+  local pos, t = 2, nil
+  local unpack_ = struct.unpack
+  while pos <= len do
+    local id, m = unpack_('<dd', raw, 8 * (pos - 1) + 1)
+    if not (m and m >= 0 and m % 1 == 0 and pos + 1 + m <= len) then
+      return 0
+    end
+    if id == SLOTS_MARKER then
+      if m % 2 ~= 0 or m > 2 * MAX_CONCURRENT or pos + 1 + m ~= len then
+        return 0
+      end
+      t = {}
+      for j = 1, m, 2 do
+        local d, k = unpack_('<dd', raw, 8 * (pos + j) + 1)
+        t[#t + 1], t[#t + 2] = d, k
+      end
+      break
+    end
+    pos = pos + 2 + m
+  end
+  if not t then
+    return 0
+  end
+  -- Only the slot itself changes: the others, live or not, stay as they are (a check
+  -- drops those past their deadline when it writes).
+  local keep, live, latest = {}, false, 0
+  for j = 1, #t, 2 do
+    local d, k = t[j], t[j + 1]
+    local this = k == number and d > now and not live
+    if this then
+      live = true
+      if timeout then
+        local until_ = now + timeout
+        if until_ > d then
+          d = until_
+        end
+      end
+    end
+    if not this or timeout then
+      keep[#keep + 1], keep[#keep + 2] = d, k
+      if d > latest then
+        latest = d
+      end
+    end
+  end
+  if not live then
+    return 0
+  end
+  local value = string.sub(raw, 1, 8 * (pos - 1)) .. slots_value(keep)
+  if not timeout then
+    redis.call('SET', KEYS[1], value, 'KEEPTTL')
+    return 1
+  end
+  -- The new expiry, in ms from now: the latest deadline's, or the key's own when later.
+  local ttl_floor = tonumber(ARGV[4]) or 0
+  local unit, ms = expiry_arg(injected, now, ttl_floor, latest)
+  local rel = tonumber(ms)
+  if unit == 'PXAT' then
+    -- `now` is the server's time here (not injected).
+    rel = rel - math.floor(now / 1000)
+  end
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl > rel then
+    rel = pttl
+  end
+  if rel < 1 then
+    rel = 1
+  end
+  redis.call('SET', KEYS[1], value, 'PX', string.format('%d', rel))
+  return 1
+end
+
+local function release(KEYS, ARGV)
+  return edit_slot(KEYS, ARGV, nil)
+end
+
+local function renew(KEYS, ARGV)
+  local timeout = tonumber(ARGV[3])
+  if not timeout or timeout < 1 or timeout > 3600000000 then
+    return redis.error_reply('RLARGS renew takes a timeout of 1 to 3600000000 us; the store '
+      .. 'and the script are from different versions')
+  end
+  return edit_slot(KEYS, ARGV, timeout)
+end
