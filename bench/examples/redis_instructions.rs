@@ -11,6 +11,8 @@
 //!   batched as the store batches: a function that reads every key with one `MGET`,
 //!   writes one 56-byte state with `SET .. PXAT` per check and replies 48 bytes per check;
 //! - `check_many` of `lua/check.lua` on batches of 64 checks, one rule and four rules;
+//!   and as a store sends it, with the call's record (decided once: one `SET .. PX` of
+//!   the reply per call);
 //! - the same batches as `RATELIMIT.CHECK_MANY` of the native module, when the server
 //!   loads it: `$RATELIMIT_MODULE` names the module's `.so`, else
 //!   `target/release/libratelimit_redis_module.so` when it is there (build it first);
@@ -144,13 +146,18 @@ fn main() {
     let paths: &[(&str, Option<&str>)] = if module.is_some() {
         &[
             ("check_many", Some(script.batch_function)),
+            // As a store sends it: the call's record, kept for a resend.
+            ("check_many with a record", Some(script.batch_function)),
             ("RATELIMIT.CHECK_MANY", None),
             ("RATELIMIT.CHECK_STATES", None),
             // Batch protocol 2: the call carries an id, its reply kept for a resend.
             ("RATELIMIT.CHECK_STATES with an id", None),
         ]
     } else {
-        &[("check_many", Some(script.batch_function))]
+        &[
+            ("check_many", Some(script.batch_function)),
+            ("check_many with a record", Some(script.batch_function)),
+        ]
     };
     for ((name, rules, same_keys), (path, function)) in [
         ("`100/s gcra burst=100`", "100/s gcra burst=100", false),
@@ -214,6 +221,22 @@ fn main() {
                 cmd.arg(vec![b'0' + keys as u8; BATCH]);
                 for _ in 0..BATCH {
                     cmd.arg(&args[0][..]);
+                }
+                if path.ends_with("with a record") {
+                    // The record beside the first check's keys, kept 1.1 s (a store's
+                    // default timeout: twice 50 ms and a second), and a new id per call.
+                    static CALLS: std::sync::atomic::AtomicU64 =
+                        std::sync::atomic::AtomicU64::new(0);
+                    let id = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let hex = format!("{id:032x}");
+                    let first = if same_keys {
+                        format!("hot:{path}:{{0}}")
+                    } else {
+                        format!("check:{path}:{{{round}:0}}")
+                    };
+                    let mut text_id = hex.clone().into_bytes();
+                    text_id.push(0);
+                    cmd.arg(format!("{first}:r{hex}")).arg(1_100).arg(text_id);
                 }
             }
             let reply: Vec<u8> = cmd.query(con).unwrap();
