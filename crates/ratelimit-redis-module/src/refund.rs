@@ -269,7 +269,10 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         .position(|r| r.algorithm() == Algorithm::SlidingLog);
     let mut logged = None;
     if let (Some(slot), Some(log_name), true) = (log_slot, log_name, stored.log_counts) {
-        if let Log::Entries(log, _) = read_log(ctx, log_name, header.log_limit)? {
+        // The whole log, as the core's refund reads it: entries past these rules' own
+        // limit (a rule set with a longer log wrote them, and a denial keeps them) are
+        // given back in their turn. No writer keeps more than `MAX_LOG_LIMIT`.
+        if let Log::Entries(log, _) = read_log(ctx, log_name, ratelimit_core::MAX_LOG_LIMIT)? {
             logged = Some(log.clone());
             states[slot] = RuleState::Log(Box::new(log));
         }

@@ -34,8 +34,9 @@
 -- puts one line before this file (src/script/load.rs) defining the constants it shares
 -- with them and with the core: HEADER and PER_RULE (the values of the header and of
 -- each rule in ARGV[1]), MAX_RULES (the most rules a rule set has), MAX_STATE (the most
--- values a state holds: a longer value is no state), and HEADER_FORMAT and RULE_FORMAT
--- (the struct formats of the header and of one rule).
+-- values a state holds: a longer value is no state), MAX_CONCURRENT (the most slots),
+-- MAX_LOG (the largest sliding-log limit), and HEADER_FORMAT and RULE_FORMAT (the struct
+-- formats of the header and of one rule).
 --
 -- KEYS[1]  block marker of the client key: string "<until µs>" or "inf"
 -- KEYS[2]  rule state of the client key: string of little-endian doubles, every one an

@@ -389,7 +389,11 @@ local function give_back(KEYS, ARGV)
       logged = true
       -- Newest first: the entries at or after the charge are a prefix; its last `cost`
       -- are the oldest of them. Marked, then removed in one LREM.
-      local ok2, entries = pcall(redis.call, 'LRANGE', KEYS[2], 0, log_limit - 1)
+      -- The whole log, as the core's refund reads it: entries past these rules' own
+      -- limit (a rule set with a longer log wrote them, and a denial keeps them) are
+      -- given back in their turn. A log is never longer than the largest limit any
+      -- rule may have (MAX_LOG).
+      local ok2, entries = pcall(redis.call, 'LRANGE', KEYS[2], 0, MAX_LOG - 1)
       if ok2 then
         local since = 0
         for i = 1, #entries do

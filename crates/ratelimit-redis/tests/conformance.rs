@@ -693,6 +693,39 @@ fn peeks_on_exact_edges_agree_with_memory_store() {
 fn found_traces() -> Vec<(Vec<&'static str>, Vec<Step>)> {
     use Step::{Check, Settle};
     vec![
+        // A give-back under rules of another layout than the state's (the same rules,
+        // reordered), after a third rule set's check wrote the log and bucket.
+        (
+            vec![
+                "1/1s sliding-log; 1/1ms token-bucket capacity=1",
+                "1/1ms token-bucket capacity=1; 1/1s sliding-log",
+                "2/1s sliding-log; 1/1ms token-bucket capacity=2",
+            ],
+            vec![
+                Check {
+                    key: 0,
+                    rules: 0,
+                    cost: 1,
+                },
+                Check {
+                    key: 0,
+                    rules: 2,
+                    cost: 1,
+                },
+                Check {
+                    key: 0,
+                    rules: 1,
+                    cost: 1,
+                },
+                Settle {
+                    key: 0,
+                    rules: 1,
+                    charged: 2,
+                    actual: 0,
+                    ago_us: 0,
+                },
+            ],
+        ),
         // A state written by a meter, read by a set whose shaper has the meter's identity
         // beside rules without a state: a settle's give-back found a sliding window
         // counter with no entry in the carried state.

@@ -310,12 +310,13 @@ impl Script {
         // A library's top level cannot reach `string` while it loads, so the struct
         // formats come made.
         let code = format!(
-            "local HEADER, PER_RULE, MAX_RULES, MAX_STATE, MAX_CONCURRENT, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, {}, {}, '<{}', '<{}'\n{}",
+            "local HEADER, PER_RULE, MAX_RULES, MAX_STATE, MAX_CONCURRENT, MAX_LOG, HEADER_FORMAT, RULE_FORMAT = {}, {}, {}, {}, {}, {}, '<{}', '<{}'\n{}",
             CheckArgs::HEADER,
             CheckArgs::PER_RULE,
             ratelimit_core::MAX_RULES,
             ratelimit_core::packed::MAX_STATE_VALUES,
             ratelimit_core::MAX_CONCURRENT,
+            ratelimit_core::MAX_LOG_LIMIT,
             "d".repeat(CheckArgs::HEADER),
             "d".repeat(CheckArgs::PER_RULE),
             LIBRARY_SOURCE
