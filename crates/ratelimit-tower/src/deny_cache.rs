@@ -60,6 +60,9 @@ struct Denial {
     /// The customer's own tier when its rules refused (`None`: the selected tier's): a
     /// refusal from the cache carries the fields of the rules that refused.
     own: Option<Arc<Tier>>,
+    /// Whether the fallback store refused (the store had failed): its fields are the
+    /// fallback rules'.
+    by_fallback: bool,
 }
 
 type Shard = HashMap<Box<[u8]>, Denial, foldhash::fast::RandomState>;
@@ -83,6 +86,8 @@ pub(crate) struct Hit {
     pub(crate) retry_after: Option<Duration>,
     /// The customer's own tier, when its rules refused.
     pub(crate) own: Option<Arc<Tier>>,
+    /// Whether the fallback store refused.
+    pub(crate) by_fallback: bool,
 }
 
 impl DenyCache {
@@ -141,12 +146,15 @@ impl DenyCache {
                 .retry_after()
                 .map(|r| r.saturating_sub(elapsed)),
             own: denial.own.clone(),
+            by_fallback: denial.by_fallback,
         })
     }
 
     /// Remembers a denial of a request of `cost` for `key` under the limits of
-    /// `generation` (by the customer's tier `own`, when its rules refused), until its
-    /// retry time (at most the configured maximum).
+    /// `generation` (by the customer's tier `own`, when its rules refused; by the
+    /// fallback store's rules when `by_fallback`), until its retry time (at most the
+    /// configured maximum).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn insert(
         &self,
         key: &[u8],
@@ -154,6 +162,7 @@ impl DenyCache {
         cost: u64,
         decision: &Decision,
         own: Option<&Arc<Tier>>,
+        by_fallback: bool,
         now: u64,
     ) {
         if cost == 0 {
@@ -181,6 +190,7 @@ impl DenyCache {
             cost,
             decision: decision.clone(),
             own: own.cloned(),
+            by_fallback,
         };
         if shard.insert(key.into(), denial).is_none() {
             self.len.fetch_add(1, Ordering::Relaxed);
@@ -220,7 +230,7 @@ mod tests {
     #[test]
     fn expires_and_respects_cost() {
         let cache = DenyCache::new(DenyCacheConfig::default());
-        cache.insert(b"k", 0, 2, &denial(Duration::from_secs(3)), None, T);
+        cache.insert(b"k", 0, 2, &denial(Duration::from_secs(3)), None, false, T);
         assert!(
             cache.get(b"k", 0, 1, || T).is_none(),
             "cheaper request may pass"
@@ -241,7 +251,7 @@ mod tests {
     #[test]
     fn denials_under_other_limits_do_not_answer() {
         let cache = DenyCache::new(DenyCacheConfig::default());
-        cache.insert(b"k", 3, 1, &denial(Duration::from_secs(3)), None, T);
+        cache.insert(b"k", 3, 1, &denial(Duration::from_secs(3)), None, false, T);
         assert!(cache.get(b"k", 3, 1, || T).is_some());
         assert!(cache.get(b"k", 4, 1, || T).is_none(), "replaced limits");
         assert_eq!(cache.len(), 0, "an entry of replaced limits is dropped");
@@ -261,6 +271,7 @@ mod tests {
                 1,
                 &denial(Duration::from_secs(60)),
                 None,
+                false,
                 T,
             );
         }
@@ -283,6 +294,7 @@ mod tests {
             1,
             &denial(Duration::from_secs(60)),
             None,
+            false,
             T + 1_000_000,
         );
         assert!(cache.get(b"new", 0, 1, || T + 1_000_000).is_some());

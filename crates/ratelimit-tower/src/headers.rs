@@ -115,6 +115,11 @@ fn item_names(rules: &RuleSet, namespace: &str) -> Vec<String> {
         .collect()
 }
 
+/// What the name of an item a fallback store decided ends with. `/` is in neither a
+/// rule's name nor a layer's tag, so such an item never takes the name of a rule the
+/// store decides.
+const FALLBACK_SUFFIX: &str = "/fallback";
+
 /// The namespace when it is short and plain (`api`, `login.v2`), else 8 hex digits of its
 /// FNV-1a hash (implicit namespaces, long or non-ASCII ones).
 fn layer_tag(namespace: &str) -> String {
@@ -185,13 +190,30 @@ const STACK_VALUE: usize = 256;
 const U64_DIGITS: usize = 20;
 
 impl Policy {
-    /// Names are limited to `[A-Za-z0-9_.-]` by the core and tags to the same plus `@`,
-    /// so they need no escaping inside an sf-string.
+    /// Names are limited to `[A-Za-z0-9_.-]` by the core, tags to the same plus `@` and
+    /// the fallback's suffix to `/` and letters, so they need no escaping inside an
+    /// sf-string.
     pub(crate) fn new(rules: &RuleSet, namespace: &str) -> Self {
-        let names = item_names(rules, namespace);
+        Self::named(rules, &item_names(rules, namespace))
+    }
+
+    /// The fields of the rules a fallback store decides with while the store fails: each
+    /// item named as [`Policy::new`] names it, with [`FALLBACK_SUFFIX`]
+    /// (`"login/fallback";q=25;w=60`), so that a client or an operator reading them
+    /// tells the instance's own limit from the shared one, and matches each `RateLimit`
+    /// item to the quota it counts down.
+    pub(crate) fn fallback(rules: &RuleSet, namespace: &str) -> Self {
+        let names = item_names(rules, namespace)
+            .into_iter()
+            .map(|name| name + FALLBACK_SUFFIX)
+            .collect::<Vec<_>>();
+        Self::named(rules, &names)
+    }
+
+    fn named(rules: &RuleSet, names: &[String]) -> Self {
         let mut header = String::new();
         let mut items = Vec::with_capacity(rules.len());
-        for (rule, name) in rules.rules().iter().zip(&names) {
+        for (rule, name) in rules.rules().iter().zip(names) {
             if rule.is_concurrent() {
                 continue;
             }
@@ -341,6 +363,29 @@ mod tests {
             Policy::new(&rules, "api").header.unwrap(),
             "\"10-per-1min@api\";q=10;w=60, \"10-per-1min-1@api\";q=10;w=60, \
              \"login\";q=5;w=2, \"1-per-500ms@api\";q=1"
+        );
+    }
+
+    #[test]
+    fn fallback_items_are_named_apart_from_the_shared_ones() {
+        let rules: RuleSet = "25/min name=api; 1/s; 2 concurrent".parse().unwrap();
+        let policy = Policy::fallback(&rules, "x");
+        assert_eq!(
+            policy.header.as_ref().unwrap(),
+            "\"api/fallback\";q=25;w=60, \"1-per-1s@x/fallback\";q=1;w=1"
+        );
+        let outcomes: Vec<RuleOutcome> = (rules.rules().iter())
+            .map(|r| RuleOutcome {
+                allowed: true,
+                limit: r.limit(),
+                remaining: r.limit() - 1,
+                reset_after: Duration::from_secs(1),
+                retry_after: None,
+            })
+            .collect();
+        assert_eq!(
+            policy.ratelimit_of(&outcomes, Duration::ZERO).unwrap(),
+            "\"api/fallback\";r=24;t=1, \"1-per-1s@x/fallback\";r=0;t=1"
         );
     }
 

@@ -405,7 +405,13 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     /// Falls back to a local store (as [`FailurePolicy::Fallback`], which this sets)
     /// holding each rule's limit and burst divided by `instances`, rounded down: a fleet
     /// of that many instances then admits at most the limit while the store is down
-    /// (a rule that would be left nothing fails [`build`](Self::build)).
+    /// (a rule that would be left nothing fails [`build`](Self::build)). A `N concurrent`
+    /// rule is shared alike: each instance holds `N / instances` slots.
+    ///
+    /// While it decides, the response fields announce the share under names of their own
+    /// (`"api/fallback";q=25;w=60` for `100/min name=api` shared by 4), and a request
+    /// whose cost the share cannot hold, though the rule can, is refused with 503 and
+    /// `Retry-After`, not 413: see [the crate docs](crate#while-the-store-is-down).
     pub fn fallback_share(mut self, instances: NonZeroU32) -> Self {
         self.failure_policy = FailurePolicy::Fallback;
         self.fallback = FallbackRules::Share(instances);

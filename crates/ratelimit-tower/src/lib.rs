@@ -11,7 +11,8 @@
 //! | limited | 429 | `Retry-After`, `RateLimit-Policy`, `RateLimit` |
 //! | blocked key | 429 or 403 ([`BlockedStatus`]) | `Retry-After` (unless endless), `RateLimit-Policy` |
 //! | cost above a rule's capacity | 413 (waiting would not help) | `RateLimit-Policy` |
-//! | store failed | per [`FailurePolicy`]: pass, 503, or a local fallback store | |
+//! | store failed | per [`FailurePolicy`]: pass, 503, or a local fallback store | the fallback's, when it decides |
+//! | store failed, cost above the fallback's share only | 503 ([while the store is down](#while-the-store-is-down)) | `Retry-After`, `RateLimit-Policy` (the fallback's) |
 //! | the client left out its key (a header) | 400 by default ([`omitted_key_status`](RateLimitLayerBuilder::omitted_key_status)) | |
 //! | no key found (server misconfiguration) | 500 by default ([`MissingKey`]) | |
 //!
@@ -46,6 +47,10 @@
 //!   sub-window it fell in has left the window, so its `t` can reach
 //!   `w + w / precision` (twice `w` with precision 1). These are the times the quota
 //!   takes, not rounded down to `w`; `r` grows back before then.
+//! * **While the store is down**, a request the fallback store decides is told the rules
+//!   the fallback enforces, under names of their own: `"api/fallback";q=25;w=60` for a
+//!   `100/min name=api` rule shared by 4 instances. See
+//!   [while the store is down](#while-the-store-is-down).
 //!
 //! ```
 //! use axum::{body::Body, extract::ConnectInfo, routing::{get, post}, Router};
@@ -376,7 +381,9 @@
 //! per request whose actual differs from its estimate, none otherwise; the response (or
 //! the last frame of a streamed body) waits for it, so a client's next request sees the
 //! settled state in its `RateLimit` field. A settle that fails leaves the estimate
-//! charged with a `WARN` (at most every 10 s); a debt is retried once first. The `llm_gateway`
+//! charged with a `WARN` (at most every 10 s); a debt is retried once first. What an
+//! outage does to estimates and settles: [while the store is down](#while-the-store-is-down).
+//! The `llm_gateway`
 //! example is a whole proxy: requests per minute, tokens per minute settled from the
 //! model's JSON answer and from the last event of its streams.
 //! # Requests in flight
@@ -389,10 +396,80 @@
 //! is asked again three times within about a second, after which the slot frees itself
 //! at its deadline (a `WARN` at most every 10 s says so). While the response runs the
 //! layer renews the slot every third of the rule's `timeout`, so a stream longer than
-//! the timeout keeps it. A slot taken from the fallback store is given back there. A
+//! the timeout keeps it. A slot taken from the fallback store is given back there (what
+//! an outage does to slots: [while the store is down](#while-the-store-is-down)). A
 //! concurrency refusal is an ordinary refusal: 429 (gRPC: `RESOURCE_EXHAUSTED`), its
 //! `Retry-After` a hint (the earliest deadline of a held slot, at most a second); the
 //! `RateLimit` fields describe the rate rules only.
+//!
+//! # While the store is down
+//!
+//! With [`FailurePolicy::Fallback`] a request whose store call fails or times out is
+//! decided by a [`MemoryStore`](ratelimit_core::MemoryStore) local to the layer, under
+//! the fallback rules: the layer's own ([`FailurePolicy::Fallback`] alone), each
+//! instance's share ([`fallback_share(N)`](RateLimitLayerBuilder::fallback_share): every
+//! limit, burst and capacity divided by N, rounded down), or rules of their own
+//! ([`fallback_rules`](RateLimitLayerBuilder::fallback_rules)). Every request asks the
+//! store first (a denial still in the deny cache aside), so the first one after the
+//! store answers again is decided by the store.
+//!
+//! **Fields.** The fields describe the rules actually enforced. Each fallback rule's item
+//! is named as the rule would be (a named rule keeps its name; an unnamed one is named by
+//! its own limit, `25-per-1min@api`) with `/fallback` appended:
+//!
+//! ```text
+//! RateLimit-Policy: "api/fallback";q=25;w=60
+//! RateLimit: "api/fallback";r=24;t=60
+//! ```
+//!
+//! A distinct name rather than an extra parameter: a client matches `RateLimit` items
+//! to `RateLimit-Policy` items by name and ignores parameters it does not know, so under
+//! the shared name it would take the share's `r` for the shared quota's. `/` is in no
+//! rule name or layer tag, so no fallback item takes a shared rule's name. A refusal the
+//! deny cache answers carries the fields of the store that refused (the fallback's, for
+//! a denial by the fallback), and once the store answers, the shared items come back.
+//!
+//! **A cost the share cannot hold.** A request costing more than a rule grants at once
+//! is refused with 413 before any store is asked. One that the layer's rules hold but the
+//! fallback rules do not (30,000 against `40000/min` shared by 2) is refused with 503
+//! ([`RejectReason::CostExceedsShare`]; gRPC `UNAVAILABLE`), the fallback's
+//! `RateLimit-Policy`, and a body that says the shared store is unreachable. It is
+//! admissible again once the store answers, which the layer cannot foresee: its
+//! `Retry-After` is the period of the rule the share cannot hold, at most 10 s, since
+//! outages last seconds (`RedisStore` tries to reconnect at least every 2 s) while a
+//! rule's period may be a day. Nothing is charged.
+//!
+//! **Concurrency rules.** `fallback_share(N)` gives each instance `limit / N` slots
+//! (`4 concurrent` shared by 4: one slot each) with the rule's timeout. A slot taken from
+//! the fallback store is renewed and released there, also after the store is back, and
+//! the store never learns of it. So the bound holds within each side but not across the
+//! switch:
+//!
+//! * slots the store gave before the outage are unknown to the fallback: a key holding
+//!   all its slots in the store when it fails can have as many again in flight from the
+//!   instances' fallbacks. Their renewals fail (`DEBUG`) and are tried again every third
+//!   of the timeout; their releases are tried four times within about 1.3 s, then left to
+//!   their deadlines (`WARN`), so after the outage the store holds them until then, and
+//!   the key admits fewer at once. A slot the store let expire meanwhile is found gone
+//!   by its next renewal (`WARN`), and its request runs on without one;
+//! * slots the fallbacks gave are unknown to the store: once it answers, it admits up to
+//!   its limit while the requests the fallbacks admitted still run. Across the switch a
+//!   key may have up to twice its limit in flight fleet-wide, for as long as those
+//!   requests last.
+//!
+//! **Metered costs.** The estimate is reserved in the fallback store against the share,
+//! and the request's settle goes where its charge went, whenever it comes: a charge made
+//! by the fallback is settled in the fallback (a give-back there, or debt there of at
+//! most one period of the share's limit per settle), also after the store is back; the
+//! store never sees it, so debt run up during the outage is not repaid to the shared
+//! limit. A charge the store made before the outage and settled during it fails like any
+//! settle: the estimate stays charged (a `WARN` at most every 10 s); a debt is tried once
+//! more, then lost. Refunds of charging by outcome follow the same path, and a refunded
+//! `RateLimit` field is rewritten in the fallback's items.
+//!
+//! The fallback's charges are not handed to the store when it returns: a key can be
+//! admitted its share on each instance during the outage and the limit again from the
+//! store after it, within one window.
 //!
 //! # Limits per customer
 //!
@@ -471,7 +548,7 @@
 //! |---|---|
 //! | limited, shaping delay above the maximum, cost above capacity | 8 `RESOURCE_EXHAUSTED` |
 //! | blocked | 8, or 7 `PERMISSION_DENIED` with [`BlockedStatus::Forbidden`] |
-//! | store failed, [`FailurePolicy::FailClosed`] | 14 `UNAVAILABLE` |
+//! | store failed, [`FailurePolicy::FailClosed`]; or a cost above the fallback's share | 14 `UNAVAILABLE` |
 //! | no key found (the server's misconfiguration) | 13 `INTERNAL` |
 //! | the client left out its key (a header) | 3 `INVALID_ARGUMENT` |
 //!
@@ -575,7 +652,8 @@
 //!   from one client costs the store one call per retry period, not one per request.
 //! * **Fleet-aware fallback.** With [`FailurePolicy::Fallback`] each instance decides
 //!   locally while the store is down; [`fallback_share`](RateLimitLayerBuilder::fallback_share)
-//!   divides the limits among N instances so the fleet stays within them.
+//!   divides the limits among N instances so the fleet stays within them, and the
+//!   fields say so ([while the store is down](#while-the-store-is-down)).
 //! * **Shadow mode.** [`shadow`](RateLimitLayerBuilder::shadow) decides and reports (a
 //!   `RateLimit-Shadow` field and an `INFO` event) but never refuses: for trying new
 //!   limits on real traffic.

@@ -21,6 +21,13 @@ pub enum FailurePolicy {
     /// ([`fallback_share`](crate::RateLimitLayerBuilder::fallback_share)) or rules of its
     /// own ([`fallback_rules`](crate::RateLimitLayerBuilder::fallback_rules)) to keep the
     /// fleet within the limit.
+    ///
+    /// A request it decides is told the rules it enforces (`RateLimit-Policy` items
+    /// named `<name>/fallback`); a cost above what they grant at once, though not above
+    /// the layer's rules, is refused with 503 and `Retry-After`
+    /// ([`RejectReason::CostExceedsShare`](crate::RejectReason::CostExceedsShare)). What
+    /// it does to concurrency slots and metered charges, during the outage and after: see
+    /// [the crate docs](crate#while-the-store-is-down).
     Fallback,
 }
 

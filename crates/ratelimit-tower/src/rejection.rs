@@ -35,6 +35,17 @@ pub enum RejectReason {
     DelayTooLong,
     /// The store failed and the failure policy is fail closed (503).
     StoreUnavailable,
+    /// The store failed, and the request costs more than the fallback store's rules
+    /// (this instance's [share](crate::RateLimitLayerBuilder::fallback_share) of the
+    /// limit) grant at once, though no more than the layer's rules do (503, with
+    /// `Retry-After`): it is admissible again once the store answers, so it is not
+    /// refused as [`CostExceedsCapacity`](RejectReason::CostExceedsCapacity).
+    CostExceedsShare {
+        /// The request's cost.
+        cost: u64,
+        /// The most the fallback rule grants at once.
+        share: u64,
+    },
     /// The client left out what the key is made of, such as the header an API key is read
     /// from (400 unless configured, see
     /// [`omitted_key_status`](crate::RateLimitLayerBuilder::omitted_key_status)).
@@ -118,7 +129,9 @@ impl Rejection {
             | RejectReason::Blocked
             | RejectReason::DelayTooLong
             | RejectReason::CostExceedsCapacity { .. } => Code::ResourceExhausted,
-            RejectReason::StoreUnavailable => Code::Unavailable,
+            RejectReason::StoreUnavailable | RejectReason::CostExceedsShare { .. } => {
+                Code::Unavailable
+            }
             // The client left out what its key is made of: its own mistake.
             RejectReason::KeyOmitted => Code::InvalidArgument,
             // The server's configuration, not the client's fault.
@@ -144,6 +157,11 @@ impl Rejection {
                  it can never be admitted"
             ),
             (RejectReason::StoreUnavailable, _) => "rate limiter unavailable, retry later".into(),
+            (RejectReason::CostExceedsShare { cost, share }, retry) => format!(
+                "the shared rate-limit store is unreachable, and this instance's share of \
+                 the limit ({share}) cannot admit a request of cost {cost}; retry in {} s",
+                retry.unwrap_or(1)
+            ),
             (RejectReason::KeyOmitted, _) => format!(
                 "the request cannot be rate limited: {}",
                 self.detail.as_deref().unwrap_or("no key")
@@ -354,6 +372,11 @@ mod tests {
             ),
             (
                 RejectReason::StoreUnavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+            ),
+            (
+                RejectReason::CostExceedsShare { cost: 3, share: 2 },
                 StatusCode::SERVICE_UNAVAILABLE,
                 Code::Unavailable,
             ),

@@ -62,6 +62,9 @@ pub(crate) struct Tier {
     /// `[len(namespace)] namespace [len(tier)] tier`, prepended to every client key.
     pub(crate) prefix: Box<[u8]>,
     pub(crate) fallback_rules: Option<RuleSet>,
+    /// The fields of the fallback rules, rendered once: what a request the fallback store
+    /// decides is told.
+    pub(crate) fallback_policy: Option<Policy>,
     /// The version of the layer's limits this tier belongs to.
     pub(crate) generation: u64,
     #[cfg(feature = "metrics")]
@@ -100,6 +103,9 @@ impl Tier {
             prefix: key_prefix(namespace, name),
             min_capacity: min_capacity(&rules),
             rules,
+            fallback_policy: fallback_rules
+                .as_ref()
+                .map(|rules| Policy::fallback(rules, namespace)),
             fallback_rules,
             generation: 0,
         }
@@ -131,7 +137,28 @@ impl Tier {
             min_capacity: min_capacity(&rules),
             rules,
             fallback_rules: self.fallback_rules.clone(),
+            fallback_policy: (self.fallback_rules.as_ref())
+                .map(|rules| Policy::fallback(rules, namespace)),
             generation: self.generation,
+        }
+    }
+
+    /// The fields of the rules that decided: the fallback rules' when the fallback store
+    /// did (and the tier has them), else the tier's.
+    #[inline]
+    pub(crate) fn policy(&self, by_fallback: bool) -> &Policy {
+        match (by_fallback, &self.fallback_policy) {
+            (true, Some(policy)) => policy,
+            _ => &self.policy,
+        }
+    }
+
+    /// The rules that decided, as [`Tier::policy`] chooses.
+    #[inline]
+    pub(crate) fn rules(&self, by_fallback: bool) -> &RuleSet {
+        match (by_fallback, &self.fallback_rules) {
+            (true, Some(rules)) => rules,
+            _ => &self.rules,
         }
     }
 

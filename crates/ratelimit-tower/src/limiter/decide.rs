@@ -15,7 +15,7 @@ use crate::admission::{Admission, AdmittedBy, Binding};
 use crate::charge::{Charge, ChargeKey, Settle};
 use crate::cost::RequestCost;
 use crate::customer::{Lookup, Own};
-use crate::headers::Fields;
+use crate::headers::{Fields, Policy};
 use crate::key::{Extraction, KeyDigest, KeyDisplay, KeyExtractor};
 use crate::limits::{TierRef, Version};
 use crate::policy::{FailurePolicy, MissingKey};
@@ -200,14 +200,10 @@ where
             return;
         };
         let by_fallback = charged == Charged::Fallback;
-        let rules = match (by_fallback, &tier.fallback_rules) {
-            (true, Some(rules)) => rules,
-            _ => &tier.rules,
-        };
         slot.bind(
             Arc::clone(this) as Arc<dyn crate::slot::Slots>,
             &check.key,
-            rules,
+            tier.rules(by_fallback),
             by_fallback,
         );
     }
@@ -350,12 +346,14 @@ where
             .get(key, tier.generation, cost, || self.store.now_us())?;
         let client = tier.client_key(key);
         tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: denied from the local deny cache");
-        // The fields of the rules that refused: a customer's own, when they did.
+        // The fields of the rules that refused: a customer's own, when they did, and the
+        // fallback rules, when the fallback store did.
         let tier = hit.own.as_deref().unwrap_or(tier);
         #[cfg(feature = "metrics")]
         tier.metrics.decision(&hit.decision);
-        let ratelimit = tier.policy.ratelimit_of(hit.decision.rules(), hit.elapsed);
-        Some(self.denial(tier, key, hit.decision, hit.retry_after, ratelimit))
+        let policy = tier.policy(hit.by_fallback);
+        let ratelimit = policy.ratelimit_of(hit.decision.rules(), hit.elapsed);
+        Some(self.denial(tier, policy, key, hit.decision, hit.retry_after, ratelimit))
     }
 
     /// The index of the request's tier: the default tier's for no tier or for a tier the
@@ -386,13 +384,17 @@ where
     ) -> Verdict {
         #[cfg(feature = "metrics")]
         tier.metrics.decision(decision);
+        // The fields describe the rules that decided: while the store fails, the
+        // fallback's (an instance's share), not the limit the fleet shares.
+        let by_fallback = by == AdmittedBy::Fallback;
+        let policy = tier.policy(by_fallback);
         if decision.outcome() == Outcome::Allowed {
-            return self.admitted(tier, key, decision, by, extensions);
+            return self.admitted(tier, policy, key, decision, by, extensions);
         }
         // A refusal for want of a slot is not remembered: its retry time is a hint, and a
         // slot released meanwhile admits the next request at once.
         let by_slots = tier
-            .rules
+            .rules(by_fallback)
             .concurrent()
             .is_some_and(|at| decision.rules().get(at).is_some_and(|r| !r.allowed));
         if let (Some(cache), false) = (&self.deny_cache, by_slots) {
@@ -402,17 +404,19 @@ where
                 cost,
                 decision,
                 own,
+                by_fallback,
                 self.store.now_us(),
             );
         }
-        let ratelimit = tier.policy.ratelimit(decision);
+        let ratelimit = policy.ratelimit(decision);
         let retry_after = decision.retry_after();
-        self.denial(tier, key, decision.clone(), retry_after, ratelimit)
+        self.denial(tier, policy, key, decision.clone(), retry_after, ratelimit)
     }
 
     fn admitted(
         &self,
         tier: &Tier,
+        policy: &Policy,
         key: &[u8],
         decision: &Decision,
         by: AdmittedBy,
@@ -420,7 +424,7 @@ where
     ) -> Verdict {
         let delay = decision.delay();
         if delay > self.max_delay {
-            return self.delay_too_long(tier, key, decision.clone());
+            return self.delay_too_long(tier, policy, key, decision.clone());
         }
         if !delay.is_zero() {
             tracing::debug!(
@@ -433,8 +437,8 @@ where
             tracing::trace!(key = %KeyDigest(client), client = %KeyDisplay(client), "rate limit: admitted");
         }
         let fields = self.admitted_headers.then(|| Fields {
-            policy: tier.policy.header.clone(),
-            ratelimit: tier.policy.ratelimit(decision),
+            policy: policy.header.clone(),
+            ratelimit: policy.ratelimit(decision),
             shadow: None,
         });
         let slot = decision.slot().map(SlotGuard::taken);
@@ -502,7 +506,9 @@ where
                         AdmittedBy::Fallback,
                         extensions,
                     ),
-                    Err(e) => self.cost_exceeded(tier, key, &e),
+                    // The tier's rules priced the request before the store was asked: a
+                    // cost only its share cannot hold waits for the store, not forever.
+                    Err(e) => self.share_exceeded(tier, rules, key, &e),
                 }
             }
         }
@@ -589,7 +595,9 @@ where
                     RejectReason::Blocked => &SHADOW_BLOCKED,
                     RejectReason::DelayTooLong => &SHADOW_DELAYED,
                     RejectReason::CostExceedsCapacity { .. } => &SHADOW_COST,
-                    RejectReason::StoreUnavailable => &SHADOW_STORE,
+                    RejectReason::StoreUnavailable | RejectReason::CostExceedsShare { .. } => {
+                        &SHADOW_STORE
+                    }
                     RejectReason::KeyOmitted => &SHADOW_OMITTED,
                     RejectReason::MissingKey => &SHADOW_MISSING,
                 };

@@ -5,19 +5,28 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderValue, StatusCode};
-use ratelimit_core::{CapacityError, Decision, Outcome, Store};
+use ratelimit_core::{CapacityError, Decision, Outcome, RuleSet, Store};
 
 use super::state::Limiter;
 use super::verdict::Verdict;
+use crate::headers::Policy;
 use crate::key::KeyDigest;
 use crate::rejection::{Refusal, RejectReason, Rejection};
 use crate::tier::Tier;
 
+/// The longest `Retry-After` of a request the fallback store cannot hold: it is
+/// admissible as soon as the store answers again, which the layer cannot foresee, and
+/// outages last seconds (RedisStore tries to reconnect at least every 2 s). Without it, a
+/// cost above a daily rule's share would send its client away for a day.
+const SHARE_RETRY_MAX: Duration = Duration::from_secs(10);
+
 impl<S: Store, K, C, T> Limiter<S, K, C, T> {
-    /// A rule denied the request, or the key is blocked.
+    /// A rule denied the request, or the key is blocked; `policy` is the fields of the
+    /// rules that decided.
     pub(super) fn denial(
         &self,
         tier: &Tier,
+        policy: &Policy,
         key: &[u8],
         decision: Decision,
         retry_after: Option<Duration>,
@@ -40,11 +49,17 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
             decision: Some(decision),
             ..Rejection::new(reason, status)
         };
-        self.refusal(rejection, Some((tier, ratelimit)))
+        self.refusal(rejection, Some((policy, ratelimit)))
     }
 
     /// A shaping rule admitted the request later than the layer's maximum delay.
-    pub(super) fn delay_too_long(&self, tier: &Tier, key: &[u8], decision: Decision) -> Verdict {
+    pub(super) fn delay_too_long(
+        &self,
+        tier: &Tier,
+        policy: &Policy,
+        key: &[u8],
+        decision: Decision,
+    ) -> Verdict {
         let delay = decision.delay();
         tracing::debug!(
             key = %KeyDigest(tier.client_key(key)),
@@ -52,13 +67,13 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
             max_delay_ms = self.max_delay.as_millis() as u64,
             "rate limit: shaping delay above the maximum; refusing"
         );
-        let ratelimit = tier.policy.ratelimit(&decision);
+        let ratelimit = policy.ratelimit(&decision);
         let rejection = Rejection {
             retry_after: Some(delay),
             decision: Some(decision),
             ..Rejection::new(RejectReason::DelayTooLong, StatusCode::TOO_MANY_REQUESTS)
         };
-        self.refusal(rejection, Some((tier, ratelimit)))
+        self.refusal(rejection, Some((policy, ratelimit)))
     }
 
     /// The request costs more than a rule can ever grant.
@@ -69,7 +84,35 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
             capacity: e.capacity,
         };
         let rejection = Rejection::new(reason, StatusCode::PAYLOAD_TOO_LARGE);
-        self.refusal(rejection, Some((tier, None)))
+        self.refusal(rejection, Some((&tier.policy, None)))
+    }
+
+    /// The store failed and the request costs more than the fallback store's rule
+    /// (`rules`, the rule `e.rule`) grants at once, but no more than the tier's rules do:
+    /// unavailable until the store answers, not "never".
+    pub(super) fn share_exceeded(
+        &self,
+        tier: &Tier,
+        rules: &RuleSet,
+        key: &[u8],
+        e: &CapacityError,
+    ) -> Verdict {
+        tracing::debug!(
+            key = %KeyDigest(tier.client_key(key)),
+            error = %e,
+            "rate limit: the store failed and the cost is above the fallback rules' capacity; \
+             refusing with 503"
+        );
+        let period = (rules.rules().get(e.rule)).map_or(SHARE_RETRY_MAX, |r| r.period());
+        let reason = RejectReason::CostExceedsShare {
+            cost: e.cost,
+            share: e.capacity,
+        };
+        let rejection = Rejection {
+            retry_after: Some(period.min(SHARE_RETRY_MAX)),
+            ..Rejection::new(reason, StatusCode::SERVICE_UNAVAILABLE)
+        };
+        self.refusal(rejection, Some((tier.policy(true), None)))
     }
 
     /// The store failed and the layer fails closed.
@@ -99,15 +142,15 @@ impl<S: Store, K, C, T> Limiter<S, K, C, T> {
         self.refusal(rejection, None)
     }
 
-    /// `rejection` with the tier's `RateLimit-Policy` and the `RateLimit` field, when the
-    /// refusal has a tier.
+    /// `rejection` with the `RateLimit-Policy` of the rules that decided and the
+    /// `RateLimit` field, when the refusal has rules.
     fn refusal(
         &self,
         rejection: Rejection,
-        fields: Option<(&Tier, Option<HeaderValue>)>,
+        fields: Option<(&Policy, Option<HeaderValue>)>,
     ) -> Verdict {
         let (policy, ratelimit) = match fields {
-            Some((tier, ratelimit)) => (tier.policy.header.clone(), ratelimit),
+            Some((policy, ratelimit)) => (policy.header.clone(), ratelimit),
             None => (None, None),
         };
         Verdict::Refuse(Box::new(Refusal {

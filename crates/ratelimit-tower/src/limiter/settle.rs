@@ -67,7 +67,8 @@ where
 
     fn refunded_field(&self, charge: &Charge, value: &HeaderValue) -> Option<HeaderValue> {
         let tier = charge.tier.get(&charge.version);
-        tier.policy.refunded(value, charge.cost)
+        // The field was written by the rules that charged: the fallback's, when it did.
+        tier.policy(charge.by_fallback).refunded(value, charge.cost)
     }
 
     fn actual_from_head(&self, parts: &Parts) -> Option<u64> {
