@@ -176,6 +176,20 @@ async fn client_kill_under_load_charges_no_check_twice_on_a_cluster() {
     kills_charge_nothing_unreported(store, killer(ports)).await;
 }
 
+/// Cuts every client connection of the server on `port` every 100 ms until `done`;
+/// the thread's result is the number of cuts.
+fn kill_every_100ms(port: u16, done: Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let mut kills = 0;
+        while !done.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+            common::kill_clients(port);
+            kills += 1;
+        }
+        kills
+    })
+}
+
 /// Checks that tasks issue back to back in the decided-once test, all told.
 const BACK_TO_BACK: u64 = 8_000;
 
@@ -186,18 +200,7 @@ const BACK_TO_BACK: u64 = 8_000;
 async fn back_to_back_under_kills(store: RedisStore, port: u16) -> (u64, u64) {
     const TASKS: u64 = 64;
     let done = Arc::new(AtomicBool::new(false));
-    let killer = {
-        let done = done.clone();
-        std::thread::spawn(move || {
-            let mut kills = 0;
-            while !done.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(100));
-                common::kill_clients(port);
-                kills += 1;
-            }
-            kills
-        })
-    };
+    let killer = kill_every_100ms(port, done.clone());
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {
             let store = store.clone();
@@ -317,18 +320,7 @@ async fn gateway_under_kills(server: &RedisServer, module: bool) {
     assert_eq!(store.uses_module(), module);
     let port = server.port();
     let done = Arc::new(AtomicBool::new(false));
-    let killer = {
-        let done = done.clone();
-        std::thread::spawn(move || {
-            let mut kills = 0;
-            while !done.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(100));
-                common::kill_clients(port);
-                kills += 1;
-            }
-            kills
-        })
-    };
+    let killer = kill_every_100ms(port, done.clone());
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {
             let (store, rules) = (store.clone(), rules.clone());
