@@ -130,16 +130,16 @@ impl Exact {
         Ok(decision)
     }
 
-    /// A call of `script` in the form `give_back` and `debit` share: the key's state (and
-    /// its sliding log, when a rule is one), then the check's packed values for `units`;
-    /// `extra` arguments are to follow.
+    /// A call of `script` in the form `give_back` and `debit` share, decided once (see
+    /// `Call::arg_once`): the key's state (and its sliding log, when a rule is one), then
+    /// the check's packed values for `units`, then `extra` (a give-back's charge time).
     fn state_call(
         &self,
         script: &'static Script,
         key: &[u8],
         rules: &RuleSet,
         units: u64,
-        extra: usize,
+        extra: Option<u64>,
     ) -> Call<'_> {
         let has_log = rules.log_limit() > 0;
         let keys = 1 + usize::from(has_log);
@@ -148,7 +148,7 @@ impl Exact {
             &self.shared.paths,
             names.state().as_bytes(),
             keys,
-            keys + 1 + extra,
+            keys + 1 + usize::from(extra.is_some()),
         );
         call.cmd.arg(names.state());
         if has_log {
@@ -159,6 +159,10 @@ impl Exact {
             deadline: None,
         };
         CheckArgs::write(&mut call.cmd, time, units, self.shared.ttl_floor_ms, rules);
+        if let Some(extra) = extra {
+            call.cmd.arg(extra);
+        }
+        call.arg_once(names.state(), self.shared.record_keep_ms());
         call
     }
 
@@ -171,9 +175,7 @@ impl Exact {
         cost: u64,
         charged_at: u64,
     ) -> Result<bool, RedisStoreError> {
-        let mut call = self.state_call(&GIVE_BACK, key, rules, cost, 1);
-        call.cmd.arg(charged_at);
-        self.once(&mut call, key);
+        let call = self.state_call(&GIVE_BACK, key, rules, cost, Some(charged_at));
         let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(
@@ -200,8 +202,7 @@ impl Exact {
         // No rule takes more than its limit (below 2^53) from one settle: the units sent
         // are the most any rule takes, so they fit the encoding.
         let units = units.min(max_debt(rules));
-        let mut call = self.state_call(&DEBIT, key, rules, units, 0);
-        self.once(&mut call, key);
+        let call = self.state_call(&DEBIT, key, rules, units, None);
         let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(
@@ -303,13 +304,6 @@ impl Exact {
         let mut cmd = redis::cmd("DEL");
         cmd.arg(names.state()).arg(names.log());
         self.run(Request::Cmd(cmd)).await.map(drop)
-    }
-
-    /// Makes `call`, on `key`'s state, one decided once (see `Call::arg_once`): sent
-    /// again after a lost connection, it answers its first run's reply.
-    fn once(&self, call: &mut Call<'_>, key: &[u8]) {
-        let mut names = KeyNames::new(&self.shared.prefix, key);
-        call.arg_once(names.state(), self.shared.record_keep_ms());
     }
 
     /// The injected clock's time; `None` under Redis `TIME`.

@@ -36,9 +36,16 @@ pub(crate) struct KeyNames {
     base: usize,
 }
 
+/// The lowercase hex digits of `bytes`, two per byte.
+pub(crate) fn hex_digits(bytes: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    bytes
+        .iter()
+        .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]])
+}
+
 impl KeyNames {
     pub(crate) fn new(prefix: &str, key: &[u8]) -> Self {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         let held = StoredKey::new(key);
         let (letter, bytes) = match &held {
             StoredKey::Inline(key) => ('k', *key),
@@ -48,10 +55,7 @@ impl KeyNames {
         buf.push_str(prefix);
         buf.push_str(":{");
         buf.push(letter);
-        for b in bytes {
-            buf.push(HEX[usize::from(b >> 4)] as char);
-            buf.push(HEX[usize::from(b & 15)] as char);
-        }
+        buf.extend(hex_digits(bytes).map(char::from));
         buf.push_str("}:");
         let base = buf.len();
         Self { buf, base }

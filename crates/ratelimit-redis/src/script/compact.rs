@@ -205,12 +205,10 @@ pub(crate) fn call_id() -> [u8; packed::CALL_ID_LEN] {
 /// that does not know the command echoes its arguments in the error, which a client
 /// must be able to parse, and the echo stops at the flag's 0 (C strings).
 pub(crate) fn text_call_id() -> [u8; 2 * 16 + 1] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let id = call_id();
     let mut text = [0; 2 * 16 + 1];
-    for (i, b) in id[..16].iter().enumerate() {
-        text[2 * i] = HEX[usize::from(b >> 4)];
-        text[2 * i + 1] = HEX[usize::from(b & 15)];
+    for (digit, hex) in text.iter_mut().zip(crate::keys::hex_digits(&id[..16])) {
+        *digit = hex;
     }
     text
 }
