@@ -1,6 +1,8 @@
 //! Many checks per Redis call: checks that queue while a call is in flight leave
 //! together as one call of `check_many`, which decides them in order, each as atomically
-//! as alone.
+//! as alone. The edits of a state after its check (a charge given back, debt, a slot
+//! released or renewed) queue here too, as jobs of their own kind (see
+//! `CheckJob::edit`), and leave in the same calls in their turn.
 //!
 //! No timer by default: a batch is whatever queued, so a lone check leaves at once (as
 //! one plain `check` call, exactly what an unbatched store sends, straight from the
@@ -369,7 +371,7 @@ fn fail_all(batch: Vec<Job>, e: &RedisStoreError) {
 }
 
 /// The error of one check of a batch, from its message, as if Redis had answered it.
-fn check_error(message: &[u8], timeout: Duration) -> RedisStoreError {
+pub(crate) fn check_error(message: &[u8], timeout: Duration) -> RedisStoreError {
     let text: String = String::from_utf8_lossy(message)
         .chars()
         .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })

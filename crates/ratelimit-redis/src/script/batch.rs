@@ -34,7 +34,39 @@ impl CheckJob {
         cost: u64,
         ttl_floor_ms: u64,
     ) -> Self {
-        let has_log = rules.log_limit() > 0;
+        Self::with_packed(
+            prefix,
+            key,
+            rules.log_limit() > 0,
+            CheckArgs::pack(time, cost, ttl_floor_ms, rules),
+            rules.len(),
+        )
+    }
+
+    /// An edit of `key`'s state after its check, carried by a batch in place of a check
+    /// ([`packed::Edit`]): for a settle, of the check of `rules` (`None` for a slot's
+    /// edit) for `units` units at the injected time `now`. Its reply is `{4, 0 or 1}`
+    /// ([`CheckReply::edited`](super::CheckReply::edited)).
+    pub(crate) fn edit(
+        prefix: &str,
+        key: &[u8],
+        rules: Option<&RuleSet>,
+        edit: packed::Edit,
+        now: Option<u64>,
+        units: u64,
+        ttl_floor_ms: u64,
+    ) -> Self {
+        let rules = rules.filter(|_| edit.has_rules());
+        Self::with_packed(
+            prefix,
+            key,
+            rules.is_some_and(|rules| rules.log_limit() > 0),
+            packed::pack_edit(edit, rules, now, units, ttl_floor_ms),
+            0,
+        )
+    }
+
+    fn with_packed(prefix: &str, key: &[u8], has_log: bool, packed: Vec<u8>, rules: usize) -> Self {
         let mut names = KeyNames::new(prefix, key);
         let mut all = String::with_capacity(3 * (prefix.len() + 48));
         let mut ends = [0; 3];
@@ -50,8 +82,8 @@ impl CheckJob {
             names: all,
             ends,
             keys: 2 + usize::from(has_log),
-            packed: CheckArgs::pack(time, cost, ttl_floor_ms, rules),
-            rules: rules.len(),
+            packed,
+            rules,
         }
     }
 
