@@ -35,12 +35,15 @@
 //!   most an exact limiter could have admitted of what was offered, sum over keys of
 //!   min(offered, B + r x elapsed).
 //!
+//! Releases and settles go as the layer sends them: spawned after the decision, so that
+//! the task's next check does not wait for them (they queue with the other checks).
+//!
 //! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
 //! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `CONCURRENT`
 //! (0; N: a `N concurrent timeout=60s` rule beside `RULE`, each slot an admitted check
-//! takes released by the task at once), `SETTLE` (0; 1: each check charges an estimate of
-//! 2 units and each admitted one is settled at once with an actual drawn from 0 to 4, as
-//! a metered gateway does; the run prints how many settles it made, and the count of keys
+//! takes released at once), `SETTLE` (0; 1: each check charges an estimate of 2 units
+//! and each admitted one is settled at once with an actual drawn from 0 to 4, as a
+//! metered gateway does; the run prints how many settles it made, and the count of keys
 //! over the bound does not apply, since a settle gives units back), `POOL` (the
 //! store's default), `LEASE` in ms (0: exact mode; else the stores are built with
 //! `.lease(..)` and the bound widens by the lease length), `MODULE` (1: every node loads
@@ -410,6 +413,7 @@ async fn drive(
             handles.push(tokio::spawn(async move {
                 let mut rng = SmallRng::seed_from_u64(seed);
                 let mut tally = TaskTally::default();
+                let mut after = tokio::task::JoinSet::new();
                 while Instant::now() < deadline {
                     // Zipf draws 1..=n as floats.
                     let k = rng.sample(zipf) as u32;
@@ -427,22 +431,34 @@ async fn drive(
                         Ok(d) => {
                             entry.0 += 1;
                             entry.1 += u32::from(d.is_allowed());
-                            if settle && d.is_allowed() {
-                                let actual = rng.random_range(0..=4);
+                            // As the layer settles and releases: after the response,
+                            // spawned; the client's next request does not wait for them.
+                            let actual = rng.random_range(0..=4);
+                            let settle = (settle && d.is_allowed()).then_some(actual);
+                            if let Some(actual) = settle {
                                 tally.settles += 1;
                                 tally.settles_changed += u64::from(actual != estimate);
-                                if let Err(e) = store
-                                    .settle(key, &rules, estimate, actual, charged_at)
-                                    .await
-                                {
-                                    tally.errors += 1;
-                                    tally.first_error.get_or_insert_with(|| e.to_string());
-                                }
                             }
-                            if let Some(slot) = d.slot() {
-                                if let Err(e) = store.release(key, &rules, slot).await {
-                                    tally.errors += 1;
-                                    tally.first_error.get_or_insert_with(|| e.to_string());
+                            if settle.is_some() || d.slot().is_some() {
+                                let (store, rules) = (Arc::clone(&store), rules.clone());
+                                let key = key.clone();
+                                let slot = d.slot();
+                                after.spawn(async move {
+                                    if let Some(actual) = settle {
+                                        store
+                                            .settle(&key, &rules, estimate, actual, charged_at)
+                                            .await?;
+                                    }
+                                    if let Some(slot) = slot {
+                                        store.release(&key, &rules, slot).await?;
+                                    }
+                                    Ok::<_, ratelimit_redis::RedisStoreError>(())
+                                });
+                                while let Some(done) = after.try_join_next() {
+                                    if let Ok(Err(e)) = done {
+                                        tally.errors += 1;
+                                        tally.first_error.get_or_insert_with(|| e.to_string());
+                                    }
                                 }
                             }
                         }
@@ -450,6 +466,12 @@ async fn drive(
                             tally.errors += 1;
                             tally.first_error.get_or_insert_with(|| e.to_string());
                         }
+                    }
+                }
+                while let Some(done) = after.join_next().await {
+                    if let Ok(Err(e)) = done {
+                        tally.errors += 1;
+                        tally.first_error.get_or_insert_with(|| e.to_string());
                     }
                 }
                 tally

@@ -829,11 +829,14 @@ pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
 /// and releases leave in the same call as the checks queued with them.
 ///
 /// Its packed value is a check's header whose first value is `injected + 2 × op` (a
-/// check's is 0 or 1): op 1 gives a charge back (the check's rules follow, then the
-/// charge's time), 2 charges debt (the rules follow, the header's cost the units), 3
-/// releases a slot and 4 renews one (no rules; the slot's number follows the header,
-/// then, for a renewal, the timeout in µs). Its reply in the batch is `{4, 1}` when it
-/// changed the state, `{4, 0}` when not ([`encode_edit`]).
+/// check's is 0 or 1) and whose last, a check's deadline, holds the edit's own number
+/// ([`Edit::value`]): op 1 gives a charge back (the check's rules follow; the number is
+/// the charge's time), 2 charges debt (the rules follow, the header's cost the units;
+/// no number), 3 releases a slot and 4 renews one (no rules; the number is the slot's,
+/// and a renewal's timeout in µs follows the header). The number travels where a
+/// check's deadline does, so that in a compact batch it rides in `refs` and edits of
+/// one rule set share their packed value as checks do. Its reply in the batch is `{4,
+/// 1}` when it changed the state, `{4, 0}` when not ([`encode_edit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Edit {
     /// A check's charge given back; the check charged at `charged_at` (µs).
@@ -875,20 +878,35 @@ impl Edit {
         matches!(self, Edit::GiveBack { .. } | Edit::Debit)
     }
 
-    fn extras(self) -> SmallVec<[u64; 2]> {
+    /// The edit's own number, carried where a check's deadline is: a give-back's charge
+    /// time, a slot's number; 0 for debt.
+    pub fn value(self) -> u64 {
         match self {
-            Edit::GiveBack { charged_at } => SmallVec::from_slice(&[charged_at]),
-            Edit::Debit => SmallVec::new(),
-            Edit::Release { slot } => SmallVec::from_slice(&[slot]),
-            Edit::Renew { slot, timeout_us } => SmallVec::from_slice(&[slot, timeout_us]),
+            Edit::GiveBack { charged_at } => charged_at,
+            Edit::Debit => 0,
+            Edit::Release { slot } | Edit::Renew { slot, .. } => slot,
         }
     }
 
+    /// This edit with its own number `value` (as a compact batch's `refs` carry it).
+    #[must_use]
+    pub fn with_value(self, value: u64) -> Self {
+        match self {
+            Edit::GiveBack { .. } => Edit::GiveBack { charged_at: value },
+            Edit::Debit => Edit::Debit,
+            Edit::Release { .. } => Edit::Release { slot: value },
+            Edit::Renew { timeout_us, .. } => Edit::Renew {
+                slot: value,
+                timeout_us,
+            },
+        }
+    }
+
+    /// Values after the header and the rules, by op: a renewal's timeout.
     fn extras_of(op: u64) -> Option<usize> {
         match op {
-            1 | 3 => Some(1),
-            2 => Some(0),
-            4 => Some(2),
+            1..=3 => Some(0),
+            4 => Some(1),
             _ => None,
         }
     }
@@ -905,12 +923,13 @@ pub fn pack_edit(
     ttl_floor_ms: u64,
 ) -> Vec<u8> {
     let first = u64::from(now.is_some()) + 2 * edit.op();
+    let number = Some(edit.value().min(MAX_EXACT));
     let settle = rules.filter(|_| edit.has_rules());
     let mut out = if let Some(rules) = settle {
-        pack_check(rules, now, units, ttl_floor_ms, None)
+        pack_check(rules, now, units, ttl_floor_ms, number)
     } else {
-        let mut out = Vec::with_capacity(8 * (HEADER + 2));
-        for x in [
+        let mut out = Vec::with_capacity(8 * (HEADER + 1));
+        let header = [
             0,
             now.unwrap_or(0),
             0,
@@ -920,15 +939,16 @@ pub fn pack_edit(
             0,
             0,
             0,
-            0,
-        ] {
+            edit.value().min(MAX_EXACT),
+        ];
+        for x in header {
             push(&mut out, x);
         }
         out
     };
     out[..8].copy_from_slice(&(first as f64).to_le_bytes());
-    for x in edit.extras() {
-        push(&mut out, x.min(MAX_EXACT));
+    if let Edit::Renew { timeout_us, .. } = edit {
+        push(&mut out, timeout_us.min(MAX_EXACT));
     }
     out
 }
@@ -937,8 +957,8 @@ pub fn pack_edit(
 pub type ParsedEdit<'a> = (Edit, Header, &'a [u8]);
 
 /// The edit a packed value of a batch asks for, with its header (`injected` read from
-/// the first value) and its rules' bytes (empty for a slot's edit); `Ok(None)` for a
-/// check; an error that says what is wrong when the value is neither.
+/// the first value; no deadline) and its rules' bytes (empty for a slot's edit);
+/// `Ok(None)` for a check; an error that says what is wrong when the value is neither.
 pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
     let mut v = header_values(bytes)?;
     if v[0] <= 1 {
@@ -952,23 +972,18 @@ pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
         .checked_sub(8 * extras)
         .filter(|&b| b >= 8 * HEADER)
         .ok_or_else(|| PackedError(format!("edit {op} is cut short: {} values", len / 8)))?;
-    let extra = |i: usize| {
-        value(bytes, body / 8 + i).ok_or_else(|| {
-            PackedError(format!(
-                "value {i} after edit {op}'s header is not an integer below 2^53"
-            ))
-        })
-    };
+    let number = v[HEADER - 1];
     v[0] %= 2;
+    v[HEADER - 1] = 0;
     let edit = match op {
-        1 => Edit::GiveBack {
-            charged_at: extra(0)?,
-        },
+        1 => Edit::GiveBack { charged_at: number },
         2 => Edit::Debit,
-        3 => Edit::Release { slot: extra(0)? },
+        3 => Edit::Release { slot: number },
         _ => Edit::Renew {
-            slot: extra(0)?,
-            timeout_us: extra(1)?,
+            slot: number,
+            timeout_us: value(bytes, body / 8).ok_or_else(|| {
+                PackedError("a renewal's timeout is not an integer below 2^53".to_owned())
+            })?,
         },
     };
     let header = if edit.has_rules() {
@@ -1017,6 +1032,13 @@ mod tests {
             let packed = pack_edit(edit, Some(&rules), now, 3, 250);
             let (read, header, rule_bytes) = parse_edit(&packed).unwrap().unwrap();
             assert_eq!(read, edit);
+            // The edit's number where a check's deadline is, which compact refs carry.
+            assert_eq!(value(&packed, HEADER - 1), Some(edit.value()));
+            assert_eq!(
+                read.with_value(9).value(),
+                if edit == Edit::Debit { 0 } else { 9 }
+            );
+            assert_eq!(header.deadline, None);
             assert_eq!(header.now, now);
             assert_eq!(header.ttl_floor_ms, 250);
             if edit.has_rules() {

@@ -305,7 +305,8 @@ fn compact_checks(
                 let log = packed::value(pack, 6)
                     .is_some_and(|limit| limit > 0)
                     .then(|| sibling(name, b'l', &mut scratch));
-                edits::edit_one(ctx, state, log.as_ref(), pack, &mut out)
+                let number = r.deadline.unwrap_or(0);
+                edits::edit_one(ctx, state, log.as_ref(), pack, Some(number), &mut out)
             });
             if let Err(message) = edited {
                 out.truncate(start);

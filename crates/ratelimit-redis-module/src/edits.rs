@@ -15,18 +15,25 @@ pub(crate) fn is_edit(packed_value: &[u8]) -> bool {
 
 /// Runs the edit `packed_value` on the state `state` (and the sliding log `log`, for a
 /// settle under rules with one) and appends its reply; an `Err` is the message of its
-/// failure entry, with nothing appended.
+/// failure entry, with nothing appended. `number` is the edit's own number as a compact
+/// batch's `refs` carry it (in place of a check's deadline), which replaces the packed
+/// value's: edits of one rule set share a packed value as checks do.
 pub(crate) fn edit_one(
     ctx: &Context,
     state: &RedisString,
     log: Option<&RedisString>,
     packed_value: &[u8],
+    number: Option<u64>,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
     let Some((edit, header, rule_bytes)) =
         packed::parse_edit(packed_value).map_err(|e| args_error(&e))?
     else {
         return Err(args_error(&"a batch's edit is not an edit"));
+    };
+    let edit = match number {
+        Some(number) => edit.with_value(number),
+        None => edit,
     };
     let changed = run(ctx, state, log, edit, &header, rule_bytes)?;
     packed::encode_edit(out, changed == 1);
