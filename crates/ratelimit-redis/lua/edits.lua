@@ -16,8 +16,8 @@
 -- is its failure entry, as a check's.
 
 -- `first` and `number` are the packed value's first and last header values, as
--- check_one read them (`first` above 1).
-edit_one = function(state, log, packed, first, number)
+-- check_one read them (`first` above 1); `redis_now` the batch's Redis time, when read.
+edit_one = function(state, log, packed, first, number, redis_now)
   local fmt = string.format
   local op = (first - first % 2) / 2
   local injected = first % 2
@@ -54,6 +54,10 @@ edit_one = function(state, log, packed, first, number)
     local now = ''
     if injected == 1 then
       now = fmt('%d', injected_now)
+    elseif op == 3 and redis_now then
+      -- A release on the server's clock, read once for the batch (no TIME of its own);
+      -- its expiry does not depend on the clock's kind, a renewal's does.
+      now = fmt('%d', redis_now)
     end
     if op == 3 then
       reply = release({ state }, { now, fmt('%d', number) })

@@ -103,7 +103,7 @@ impl Exact {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         let shared = &self.shared;
-        let job = CheckJob::new(
+        let mut job = CheckJob::new(
             &shared.prefix,
             key,
             rules,
@@ -111,6 +111,7 @@ impl Exact {
             cost,
             shared.ttl_floor_ms,
         );
+        job.sent_at = self.now_us();
         let bytes = self.batcher.decide(job).await?;
         let (decision, healed) = match CheckReply::decision_from(rules, &bytes)? {
             Ok(decided) => decided,
