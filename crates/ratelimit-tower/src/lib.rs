@@ -508,22 +508,22 @@
 //! For one key, N instances with `fallback_share(N)`, and a rule of limit `L` per
 //! period `P` (`r = L / P`; `B` the burst or capacity of a bucket): the store fails at
 //! `t_down` and answers again at `t_up`; each instance switches back at its first store
-//! call that succeeds, and `t_first` is the first of those. Two terms bound what the
-//! fleet admits beyond the limit in a window `W`:
+//! call that succeeds after that (its own connection's return: `RedisStore` reconnects
+//! with pauses growing to 2 s). Two terms bound what the fleet admits beyond the limit
+//! in a window `W`:
 //!
 //! * **before(W)**, what the store admitted in `W` before `t_down`, when `W` holds
 //!   `t_down`: the fallbacks start empty and cannot know it (at most `L`; 0 in every
 //!   window that does not hold the outage's start). A store restarted empty forgets it
 //!   too, and that is all it forgets: the handover gives it the rest back.
 //! * **lag(W)**, what fallbacks admitted in `W` that the store had not been handed when
-//!   it admitted in `W`: their admissions after `t_first` (the store deciding for an
-//!   instance that is back while another still falls back), and every fallback admission
-//!   in `W` of an instance that switched back after the store's first admission in `W`
-//!   after the outage (for a bucket, what drained before that instance's handover is
-//!   not handed over at all). 0 when the instances switch back before the store admits
-//!   the key again; an instance adds at most its share per period while it lags
-//!   (`RedisStore` reconnects within about 2 s: `BENCHMARKS.md` has the spread
-//!   measured).
+//!   it admitted in `W`: their admissions after `t_up` (an instance whose connection is
+//!   not back yet decides by its fallback while the store decides for the others), and
+//!   every fallback admission in `W` of an instance that switched back after the
+//!   store's first admission in `W` after the outage (for a bucket, what drained before
+//!   that instance's handover is not handed over at all). 0 when the instances switch
+//!   back together; an instance adds at most its share per period while it lags
+//!   (`BENCHMARKS.md` has the spread measured).
 //!
 //! Then, the fleet's admissions, counting both stores:
 //!
@@ -537,7 +537,8 @@
 //!
 //! For a concurrency rule, `before(t)` is the store's requests from before the outage
 //! still running at `t` and `lag(t)` the fallbacks' requests still running that were
-//! admitted after `t_first`, or by an instance that switched back after `t_first`, or
+//! admitted after `t_up`, or by an instance that switched back after the store first
+//! admitted the key again, or
 //! whose slot the store refused to take at the handover (it was full: of slots it gave
 //! meanwhile, or of slots from before the outage whose release failed, until their
 //! deadlines).

@@ -270,7 +270,12 @@ async fn run(path: Path, restart: Restart, handover: bool) -> Run {
     let late_go = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for (instance, app) in apps.iter().enumerate() {
-        for (kind, key, late) in keys() {
+        // Three requests at once per instance on a concurrency key, one on the others.
+        let tasks_of = |kind| if kind == Kind::Slots { 3 } else { 1 };
+        for (kind, key, late) in keys()
+            .into_iter()
+            .flat_map(|k| std::iter::repeat_n(k.clone(), tasks_of(k.0)))
+        {
             let (app, stop, late_go) = (app.clone(), Arc::clone(&stop), Arc::clone(&late_go));
             tasks.push(tokio::spawn(async move {
                 // Spread the instances' requests apart.
@@ -330,8 +335,9 @@ struct Parts {
     /// Decided by a fallback, possibly inside, per instance, before the store first
     /// admitted the key again.
     fallback: [u64; INSTANCES],
-    /// Decided by a fallback, possibly inside, once the store admitted the key again
-    /// (for another instance): the fallback and the store decided side by side.
+    /// Decided by a fallback, possibly inside, once Redis answered again: the fallback
+    /// and the store decided side by side (each instance switches back when its own
+    /// connection is back).
     lag: u64,
     /// The first time a store admission after the outage may have been decided inside,
     /// and the instance it was for (whose key was handed over before).
@@ -352,8 +358,8 @@ fn switches(entries: &[&Entry], up: u64) -> [Option<u64>; INSTANCES] {
 }
 
 /// The fallback admissions of `parts` the store had not been handed when it admitted
-/// inside: those made while the store already decided for other instances, and those of
-/// instances that switched back after the store's first admission inside.
+/// inside: those made once Redis answered again, and those of instances that switched
+/// back after the store's first admission inside.
 fn pending(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
     parts.lag
         + (0..INSTANCES)
@@ -365,18 +371,18 @@ fn pending(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
             .sum::<u64>()
 }
 
-/// When the store first admitted the key after the outage, for any instance.
-fn first_store(entries: &[&Entry], up: u64) -> u64 {
+/// When the store first admitted the key after the outage, for any instance, and for
+/// which instance.
+fn first_store(entries: &[&Entry], up: u64) -> (u64, usize) {
     entries
         .iter()
         .filter(|e| e.by == AdmittedBy::Store && e.sent >= up)
-        .map(|e| e.sent)
+        .map(|e| (e.sent, e.instance))
         .min()
-        .unwrap_or(u64::MAX)
+        .unwrap_or((u64::MAX, INSTANCES))
 }
 
 fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64) -> Parts {
-    let first_store = first_store(entries, up);
     let mut parts = Parts::default();
     for e in entries {
         let certain = e.sent >= from && e.at < to;
@@ -393,7 +399,7 @@ fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64) -> Parts
                 let t = (e.sent.max(from), e.instance);
                 parts.first_store_after = Some(parts.first_store_after.map_or(t, |f| f.min(t)));
             }
-            AdmittedBy::Fallback if e.at >= first_store => parts.lag += 1,
+            AdmittedBy::Fallback if e.at >= up => parts.lag += 1,
             AdmittedBy::Fallback => parts.fallback[e.instance] += 1,
             _ => {}
         }
@@ -483,10 +489,10 @@ fn check(run: &Run) -> (Vec<String>, String) {
             }
             // Every instant a request started: in flight at most N, plus the store's
             // requests from before the outage, plus the fallbacks' requests admitted once
-            // the store admitted the key again, or by instances that switched back after
-            // that.
+            // Redis answered again, or by instances that switched back after the store
+            // first admitted the key again.
             Kind::Slots => {
-                let first_store = first_store(entries, up);
+                let (first_store, first_by) = first_store(entries, up);
                 for e in entries {
                     let t = e.at;
                     let running: Vec<&&Entry> =
@@ -499,8 +505,9 @@ fn check(run: &Run) -> (Vec<String>, String) {
                         .iter()
                         .filter(|o| o.by == AdmittedBy::Fallback)
                         .filter(|o| {
-                            o.at >= first_store
-                                || switched[o.instance].is_none_or(|s| s > first_store)
+                            o.at >= up
+                                || (o.instance != first_by
+                                    && switched[o.instance].is_none_or(|s| s > first_store))
                         })
                         .filter(|_| first_store != u64::MAX)
                         .count() as u64;
@@ -647,6 +654,34 @@ async fn down_with_usage(path: Path, keys: usize) -> (RedisServer, Vec<Router>, 
     (server, apps, ledger, clock)
 }
 
+/// The `INFO` lines the handovers log, kept for the figures.
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    /// The handover lines since the last call.
+    fn take(&self) -> Vec<String> {
+        let text = String::from_utf8(std::mem::take(&mut *self.0.lock().unwrap())).unwrap();
+        text.lines()
+            .filter(|l| l.contains("handed it what the fallback admitted"))
+            .map(|l| {
+                let fields = l.split("again ").nth(1).unwrap_or(l);
+                fields.replace("namespace=\"switch\" ", "")
+            })
+            .collect()
+    }
+}
+
 /// The figures of `BENCHMARKS.md` ("Switching back after an outage"): what a handover
 /// costs the store, and how long after Redis answers the first check is decided by it.
 /// Run with `cargo test -p ratelimit-tower --all-features --test recovery
@@ -655,27 +690,27 @@ async fn down_with_usage(path: Path, keys: usize) -> (RedisServer, Vec<Router>, 
 #[ignore = "measures; run by hand for BENCHMARKS.md"]
 async fn switch_figures() {
     let _serial = SERIAL.lock().await;
+    let lines = Lines::default();
+    let writer = lines.clone();
     let _ = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::INFO)
-        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
         .try_init();
     for path in [Path::Module, Path::Lua] {
         // The handover alone: no traffic after the restart, so every call Redis counts
         // is the stores' (their setup, the probes and the handover).
         for keys in [1, 1_000] {
             let (mut server, _apps, _ledger, _clock) = down_with_usage(path, keys).await;
+            lines.take();
             tokio::task::block_in_place(|| server.restart());
             let up = Instant::now();
-            let want = (keys * INSTANCES).to_string();
-            let mut done = None;
-            while up.elapsed() < Duration::from_secs(10) {
-                let size = server.command("DBSIZE").unwrap();
-                if size.trim().trim_start_matches(':') == want {
-                    done = Some(up.elapsed());
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
+            let mut seen = Vec::new();
+            while seen.len() < INSTANCES && up.elapsed() < Duration::from_secs(10) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                seen.extend(lines.take());
             }
+            let done = up.elapsed();
             // Whatever else the stores send (their reconnections) settles first.
             tokio::time::sleep(Duration::from_millis(500)).await;
             let stats = server.command("INFO commandstats").unwrap();
@@ -690,52 +725,59 @@ async fn switch_figures() {
                 .collect();
             eprintln!(
                 "{path:?}: {INSTANCES} instances x {keys} keys with usage, Redis restarted \
-                 empty: every key in Redis {done:?} after it answered; Redis's calls since \
-                 it answered: {}",
+                 empty: the last handover done {done:?} after it answered; the handovers:\n  \
+                 {}\n  Redis's calls since it answered: {}",
+                seen.join("\n  "),
                 calls.join(", ")
             );
         }
         // The first check Redis decides: each instance sends a request every 5 ms on a
-        // key its fallback admitted on.
-        let (mut server, apps, ledger, clock) = down_with_usage(path, 1).await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut tasks = Vec::new();
-        for (instance, app) in apps.iter().enumerate() {
-            let (app, stop) = (app.clone(), Arc::clone(&stop));
-            tasks.push(tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let req = Request::get("/")
-                        .header("x-key", format!("{instance}-0"))
-                        .header("x-rule", "fixed")
-                        .extension(Sent(clock.now()))
-                        .body(Body::empty())
-                        .unwrap();
-                    let _ = app.clone().oneshot(req).await.unwrap();
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            }));
+        // key its fallback admitted on, Redis down about 0 s and 3 s (the store's
+        // reconnection pauses grow with the outage).
+        for outage in [Duration::ZERO, OUTAGE] {
+            let (mut server, apps, ledger, clock) = down_with_usage(path, 1).await;
+            let stop = Arc::new(AtomicBool::new(false));
+            let mut tasks = Vec::new();
+            for (instance, app) in apps.iter().enumerate() {
+                let (app, stop) = (app.clone(), Arc::clone(&stop));
+                tasks.push(tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        let req = Request::get("/")
+                            .header("x-key", format!("{instance}-0"))
+                            .header("x-rule", "fixed")
+                            .extension(Sent(clock.now()))
+                            .body(Body::empty())
+                            .unwrap();
+                        let _ = app.clone().oneshot(req).await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }));
+            }
+            tokio::time::sleep(outage).await;
+            tokio::task::block_in_place(|| server.restart());
+            let up = clock.now();
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            stop.store(true, Ordering::Relaxed);
+            for task in tasks {
+                task.await.unwrap();
+            }
+            let entries = ledger.lock().unwrap();
+            let firsts: Vec<String> = (0..INSTANCES)
+                .map(|i| {
+                    entries
+                        .iter()
+                        .filter(|e| e.instance == i && e.by == AdmittedBy::Store && e.sent >= up)
+                        .map(|e| e.at - up)
+                        .min()
+                        .map_or("none".into(), |us| format!("{} ms", us / 1000))
+                })
+                .collect();
+            eprintln!(
+                "{path:?}, down {outage:?} plus the restart: first check decided by Redis \
+                 after it answered, per instance: {}",
+                firsts.join(", ")
+            );
+            lines.take();
         }
-        tokio::task::block_in_place(|| server.restart());
-        let up = clock.now();
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        stop.store(true, Ordering::Relaxed);
-        for task in tasks {
-            task.await.unwrap();
-        }
-        let entries = ledger.lock().unwrap();
-        let firsts: Vec<String> = (0..INSTANCES)
-            .map(|i| {
-                entries
-                    .iter()
-                    .filter(|e| e.instance == i && e.by == AdmittedBy::Store && e.sent >= up)
-                    .map(|e| e.at - up)
-                    .min()
-                    .map_or("none".into(), |us| format!("{} ms", us / 1000))
-            })
-            .collect();
-        eprintln!(
-            "{path:?}: first check decided by Redis after it answered, per instance: {}",
-            firsts.join(", ")
-        );
     }
 }
