@@ -467,14 +467,19 @@
 //! When the store answers again, each instance hands it what its fallback admitted
 //! before the store decides those keys again, so that the limit holds across the
 //! switch, also when the store restarted empty (the handover re-seeds it). Per key, the
-//! layer keeps the time and units of each fallback admission and the fallback's slots
-//! still held; a key is handed over by its next request (whose check waits for that
-//! one store call; another request of the key meanwhile waits for it too, at most the
-//! store timeout, else a second, and then follows the failure policy) or, whichever
-//! comes first, by a background task that asks the store every 100 ms whether it
-//! answers (a check of cost 0 on a pending key) and then hands every pending key over,
-//! 64 at a time so that the store batches them. Per rule, what is handed over is what
-//! still counts:
+//! layer keeps the time and units of each fallback admission (those closer together
+//! than a sixty-fourth of the key's shortest period as one, at the later time; at most
+//! 256 per key, the oldest merged into the next: counted longer, never shorter) and the
+//! fallback's slots still held, for up to 100,000 keys (a `WARN` says when more are
+//! not kept). A key is handed over by its next request, whose check waits for it (a
+//! check of cost 0 first, while the store has not been seen answering since the last
+//! fallback admission: during the outage that is the one call the check would have
+//! been; then the handover's call; another request of the key meanwhile waits for it
+//! too, at most the store timeout, else a second, and then follows the failure
+//! policy), or, whichever comes first, by a background task that asks the store every
+//! 100 ms whether it answers (a check of cost 0 on a pending key) and then hands every
+//! pending key over, 64 at a time so that the store batches them. Per rule, what is
+//! handed over is what still counts:
 //!
 //! * fixed window: the fallback's units in the current window (a closed window's count
 //!   is gone from the store too);

@@ -40,7 +40,11 @@ pub(crate) const MAX_PENDING_KEYS: usize = 100_000;
 
 /// The most admissions kept per key; beyond it the two oldest are merged, at the later
 /// one's time (which counts them for longer, never shorter).
-const MAX_ADMISSIONS: usize = 4_096;
+const MAX_ADMISSIONS: usize = 256;
+
+/// Admissions closer together than a key's shortest period divided by this are kept
+/// as one, at the later time (counted for longer, never shorter).
+const GRAIN_PER_PERIOD: u64 = 64;
 
 /// What a layer with the fallback policy keeps to hand over.
 pub(crate) struct Handover {
@@ -83,6 +87,8 @@ struct Pending {
     fallback_rules: RuleSet,
     /// (time on the store's clock, units), oldest first.
     admitted: Vec<(u64, u64)>,
+    /// Admissions closer than this (µs) to the newest are merged into it.
+    grain: u64,
     /// Local slots still held.
     slots: Vec<u64>,
     /// A handover of this key is under way.
@@ -140,6 +146,7 @@ impl Handover {
                     rules: rules.clone(),
                     fallback_rules: fallback_rules.clone(),
                     admitted: Vec::new(),
+                    grain: grain(rules),
                     slots: Vec::new(),
                     busy: false,
                 })
@@ -149,15 +156,23 @@ impl Handover {
         if pending.rules.id() != rules.id() {
             pending.rules = rules.clone();
             pending.fallback_rules = fallback_rules.clone();
+            pending.grain = grain(rules);
         }
         if cost > 0 {
-            pending.admitted.push((now, cost));
+            match pending.admitted.last_mut() {
+                Some(last) if now.saturating_sub(last.0) < pending.grain => {
+                    *last = (now.max(last.0), last.1.saturating_add(cost));
+                }
+                _ => pending.admitted.push((now, cost)),
+            }
             if pending.admitted.len() > MAX_ADMISSIONS {
                 let (_, units) = pending.admitted.remove(0);
                 pending.admitted[0].1 = pending.admitted[0].1.saturating_add(units);
             }
         }
         pending.slots.extend(slot);
+        // The store failed this request: the next ones ask it before handing over.
+        self.answered_at.store(0, Ordering::Release);
         Ok(())
     }
 
@@ -198,6 +213,17 @@ impl Handover {
         self.done.notify_waiters();
     }
 
+    /// Notes that the store answers again (the first time since the outage began).
+    fn answered(&self, now: u64) {
+        if self
+            .answered_at
+            .compare_exchange(0, now.max(1), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.stats.lock().started.get_or_insert_with(Instant::now);
+        }
+    }
+
     /// Forgets a local slot released before it was handed over; answers the store slot
     /// it was moved to, if it was.
     pub(crate) fn released(&self, key: &[u8], slot: u64) -> Option<u64> {
@@ -215,6 +241,16 @@ impl Handover {
     pub(crate) fn moved_to(&self, key: &[u8], slot: u64) -> Option<u64> {
         self.moved.lock().get(&(Box::from(key), slot)).copied()
     }
+}
+
+/// The time within which a key's admissions are kept as one: its shortest period (a
+/// concurrency rule's timeout aside) divided by [`GRAIN_PER_PERIOD`].
+fn grain(rules: &RuleSet) -> u64 {
+    (rules.rules().iter())
+        .filter(|r| r.algorithm() != Algorithm::Concurrent)
+        .map(|r| r.period_us() / GRAIN_PER_PERIOD)
+        .min()
+        .unwrap_or(0)
 }
 
 /// The units of `admitted` that `rule` still counts at `now`, had the store charged
@@ -337,6 +373,16 @@ where
         let Some(handover) = &self.handover else {
             return Ok(());
         };
+        // Until the store is seen answering again, a request asks it with a check of
+        // cost 0 (which charges nothing) before handing anything over: during the
+        // outage that is the one call its check would have been.
+        if handover.answered_at.load(Ordering::Acquire) == 0 {
+            let Some(rules) = handover.keys.lock().get(key).map(|p| p.rules.clone()) else {
+                return Ok(());
+            };
+            self.timed(self.store.check(key, &rules, 0)).await?;
+            handover.answered(self.store.now_us());
+        }
         let deadline = self.store_timeout.unwrap_or(Duration::from_secs(1));
         let started = tokio::time::Instant::now();
         loop {
@@ -461,6 +507,8 @@ where
                     .map(|(key, pending)| (key.clone(), pending.rules.clone()))
             };
             let Some((key, rules)) = probe else {
+                // Handed over by requests of the keys: say what it took.
+                limiter.summarize(handover);
                 handover.task.store(false, Ordering::Release);
                 // Recorded between the look and the flag: run on.
                 if handover.count.load(Ordering::Acquire) == 0
@@ -483,11 +531,7 @@ where
 
     /// Hands every pending key over, [`PARALLEL`] at a time, and says what it cost.
     async fn hand_over_all(&self, handover: &Handover) {
-        let now = self.store.now_us();
-        if handover.answered_at.load(Ordering::Acquire) == 0 {
-            handover.answered_at.store(now, Ordering::Release);
-            handover.stats.lock().started = Some(Instant::now());
-        }
+        handover.answered(self.store.now_us());
         let keys: Vec<Box<[u8]>> = handover.keys.lock().keys().cloned().collect();
         let mut failed = false;
         for chunk in keys.chunks(PARALLEL) {
@@ -501,11 +545,17 @@ where
             .await;
             failed |= results.iter().any(Result::is_err);
         }
-        if failed || handover.count.load(Ordering::Acquire) != 0 {
+        if !failed && handover.count.load(Ordering::Acquire) == 0 {
+            self.summarize(handover);
+        }
+    }
+
+    /// Logs what the handovers since the store answered again took, once they are done.
+    fn summarize(&self, handover: &Handover) {
+        let stats = std::mem::take(&mut *handover.stats.lock());
+        if stats.keys == 0 {
             return;
         }
-        let stats = std::mem::take(&mut *handover.stats.lock());
-        handover.answered_at.store(0, Ordering::Release);
         let took_ms = stats.started.map_or(0, |s| s.elapsed().as_millis() as u64);
         tracing::info!(
             namespace = &*self.namespace,
@@ -540,6 +590,27 @@ mod tests {
     fn rule(text: &str) -> Rule {
         let set: RuleSet = text.parse().unwrap();
         set.rules()[0].clone()
+    }
+
+    #[test]
+    fn admissions_close_together_are_kept_as_one_at_the_later_time() {
+        let rules: RuleSet = "64/s fixed-window; 1000/h".parse().unwrap();
+        let handover = Handover::new(true);
+        // The grain is 1 s / 64 = 15,625 µs.
+        for (t, units) in [(10 * S, 1), (10 * S + 15_000, 2), (10 * S + 40_000, 3)] {
+            handover
+                .record(b"k", &rules, &rules, t, units, None)
+                .unwrap();
+        }
+        handover
+            .record(b"k", &rules, &rules, 11 * S, 0, Some(7))
+            .unwrap();
+        let taken = handover.take(b"k").unwrap();
+        assert_eq!(taken.admitted, [(10 * S + 15_000, 3), (10 * S + 40_000, 3)]);
+        assert_eq!(taken.slots, [7]);
+        assert!(handover.take(b"k").is_none(), "one handover at a time");
+        handover.finish(b"k", None);
+        assert!(!handover.is_pending(b"k"));
     }
 
     #[test]
