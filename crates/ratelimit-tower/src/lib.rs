@@ -504,7 +504,9 @@
 //! go in several. A handover costs the store one call per key with usage, plus one per
 //! slot still held, plus the probes: `BENCHMARKS.md` has the figures. Once every key is
 //! handed over, one `INFO` line says what it took (`keys`, `units`, `slots`,
-//! `store_calls`, `took_ms`); a handover that fails keeps the usage for the next try.
+//! `store_calls`, `took_ms`); a handover that fails keeps the usage for the next try
+//! (a charge that ran in the store but whose answer was lost is then charged twice: the
+//! key refuses longer, never admits more).
 //! What the fallback gave back (charging by outcome) is handed over still (it counts
 //! more, never less); debt a settle ran up in the fallback is not.
 //!
