@@ -41,7 +41,8 @@
 //! Then edits riding a batch, as a store sends settles and releases (batch protocol 5):
 //! a batch of 64 checks, then one of 64 edits of the same keys (a slot released, a unit
 //! given back, a unit of debt), through `check_many` and `RATELIMIT.CHECK_STATES`; each
-//! edit's cost as the difference from the checks alone, and its ratio to a check's.
+//! edit's cost as the difference from the checks alone, and its ratio to a check's
+//! (`ONLY=edits`: the `PING` floor and these rows alone).
 //!
 //! Last, a peer's design: a GCRA limiter as one Lua script per decision, the algorithm of
 //! go-redis/redis_rate's `allowN` (`bench/redis_rate_gcra.lua`), by `EVALSHA`, one
@@ -133,6 +134,9 @@ fn main() {
     println!("| `PING`, {BATCH} to a write (the floor) | {ping:.0} | 1.00x |");
     if std::env::var("ONLY").is_ok_and(|only| only == "redis_rate") {
         return redis_rate_rows(&server, &mut con, rounds, ping);
+    }
+    if std::env::var("ONLY").is_ok_and(|only| only == "edits") {
+        return edit_rows(&server, &mut con, rounds, module.is_some());
     }
     let floor = count(&server, "floor", &mut con, rounds, |con, round| {
         let mut cmd = redis::cmd("FCALL");
