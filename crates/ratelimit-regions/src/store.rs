@@ -360,13 +360,18 @@ impl<S: Store> Inner<S> {
 
     /// Spends `cost` pool units for `key`, if this instance holds them, and starts a
     /// reservation when the pool runs low. Never waits for another region.
-    fn take_pool(self: &Arc<Self>, key: &[u8], split: &Arc<Split>, cost: u64) -> bool {
+    ///
+    /// `asked`: the local share denied the check (what counts as demand on the pool);
+    /// otherwise only units already held are spent, so that they are not left to
+    /// expire, and nothing is reserved for a key whose share did not deny lately.
+    fn take_pool(self: &Arc<Self>, key: &[u8], split: &Arc<Split>, cost: u64, asked: bool) -> bool {
         let now = self.local.now_us();
         let name = pool_name(key, &split.rules);
         let mut expired = Vec::new();
         let (spent, reserve, home) = {
             let mut pools = self.pools.lock();
-            if !pools.contains_key(&name) && pools.len() >= MAX_POOLS {
+            let known = pools.contains_key(&name);
+            if !known && (!asked || pools.len() >= MAX_POOLS) {
                 return false;
             }
             let home = self.regions.home(key);
@@ -376,15 +381,20 @@ impl<S: Store> Inner<S> {
             let entry = pools
                 .entry(name.clone())
                 .or_insert_with(|| Entry::new(home, pool.clone(), now));
-            entry.note_demand(cost, now, self.lease_us);
+            if asked {
+                entry.note_demand(cost, now, self.lease_us);
+            }
             entry.take_expired(now, &mut expired);
             let spent = entry.spend(cost);
+            // A block is what the pool was asked over a lease length lately: about what
+            // can be spent before it expires (what is left then drains unused).
             let target = entry
                 .demand()
                 .clamp(cost.min(split.block_cap).max(1), split.block_cap)
                 .min(split.pool_cap);
             let low_water = (target / 2).max(cost);
             let reserve = (!entry.reserving
+                && entry.demand() > 0
                 && now >= entry.not_before_us
                 && entry.live() < low_water)
                 .then(|| {
@@ -625,8 +635,9 @@ async fn sweep<S: Store>(inner: Weak<Inner<S>>) {
 impl<S: Store> Store for RegionStore<S> {
     type Error = RegionsError;
 
-    /// Tries the local region's share (one regional call, or none under its lease); when
-    /// it denies, spends pool units this instance holds. Never waits for another region:
+    /// Spends pool units this instance holds, if any; else tries the local region's
+    /// share (one regional call, or none under its lease), and when that denies, starts
+    /// a reservation at the key's home if the pool runs low. Never waits for another region:
     /// a pool that runs low is refilled in the background.
     async fn check(
         &self,
@@ -668,6 +679,12 @@ impl<S: Store> Store for RegionStore<S> {
             });
         }
         bump(&inner.stats.decisions, 1);
+        // Pool units held are spent first: they expire, the share does not.
+        if split.pool_cap >= cost && inner.take_pool(key, &split, cost, false) {
+            bump(&inner.stats.pool_admitted, 1);
+            let left = inner.pool_left(key, rules);
+            return Ok(Inner::<S>::pool_only(&split, true, left, Duration::ZERO));
+        }
         let mut denied = None;
         let mut failed = None;
         if let (Some(base), true) = (base, cost <= split.base_cap) {
@@ -685,7 +702,7 @@ impl<S: Store> Store for RegionStore<S> {
                 Err(e) => failed = Some(e),
             }
         }
-        if split.pool_cap >= cost && inner.take_pool(key, &split, cost) {
+        if split.pool_cap >= cost && inner.take_pool(key, &split, cost, true) {
             bump(&inner.stats.pool_admitted, 1);
             let left = inner.pool_left(key, rules);
             return Ok(match &denied {
