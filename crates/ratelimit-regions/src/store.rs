@@ -440,7 +440,8 @@ impl<S: Store> Inner<S> {
         let link = &self.links[home];
         let pool_key = tagged(POOL_TAG, &key);
         let mut units = units;
-        let mut retried = false;
+        // After a refusal: how long until home could grant the whole block.
+        let mut short: Option<Duration> = None;
         // Ok(block) or Err(back off for).
         let result: Result<Block, Duration> = loop {
             let send = self.local.now_us();
@@ -470,11 +471,11 @@ impl<S: Store> Inner<S> {
                         charged_at,
                     });
                 }
-                Ok(d) if d.outcome() == Outcome::Limited && !retried => {
+                Ok(d) if d.outcome() == Outcome::Limited && short.is_none() => {
                     let left = d.rules().iter().map(|r| r.remaining).min().unwrap_or(0);
                     if left >= 1 && left < units {
                         units = left;
-                        retried = true;
+                        short = Some(d.retry_after().unwrap_or_default());
                         continue;
                     }
                     break Err(d
@@ -500,6 +501,14 @@ impl<S: Store> Inner<S> {
             match pools.get_mut(&name) {
                 Some(entry) => {
                     entry.reserving = false;
+                    if let (Ok(_), Some(wait)) = (&result, short) {
+                        // Home is short: ask again when it could grant the whole block,
+                        // not at once (a call per unit).
+                        let wait = u64::try_from(wait.as_micros())
+                            .unwrap_or(u64::MAX)
+                            .min(self.lease_us / 4);
+                        entry.not_before_us = now.saturating_add(wait);
+                    }
                     match result {
                         Ok(block) if now < block.expiry_us => entry.add(block),
                         Ok(block) => give_back = Some(block),
