@@ -117,7 +117,9 @@
 //!
 //! * [`block`](ratelimit_core::Store::block) / `unblock` / `reset` reach every region
 //!   (through the links); a region a partition hides gets the block when it is sent
-//!   again.
+//!   again. An instance spends the pool units it holds before it asks its region's
+//!   share, so a block placed through another instance stops it within ℓ_g (within ℓ_i
+//!   once it holds none); a block through the instance itself drops its units at once.
 //! * [`refund`](ratelimit_core::Store::refund) gives nothing back and `settle` charges
 //!   an excess only (to the local share): the store does not know whether a check's
 //!   units came from the share or the pool, and giving back to the wrong one could admit

@@ -1,6 +1,6 @@
 //! The acceptance rig of multiregion.md §4: three regions, three instances each, the nine
-//! scenarios held to the stated bound on the Lua functions and on the native module,
-//! and both negative controls caught by the same checker.
+//! scenarios (and a sliding log, g = 0) held to the stated bound on the Lua functions and
+//! on the native module, and both negative controls caught by the same checker.
 //!
 //! Time is compressed: W = 1 s, ℓ_i = 50 ms, ℓ_g = 250 ms, 30 ± 10 ms one way between
 //! regions. Each scenario runs `RATELIMIT_REGIONS_SECONDS` (default 5) seconds; run with
@@ -85,8 +85,13 @@ fn scenarios(tag: &str) -> Vec<Scenario> {
         let share = if region == hot { 0.8 } else { 0.1 };
         300.0 * share / PER_REGION as f64
     });
+    // The buckets are held to the same formula as GCRA (B = the capacity).
+    let token: RuleSet = "200/s token-bucket capacity=200".parse().unwrap();
+    let meter: RuleSet = "200/s leaky-bucket mode=meter capacity=200"
+        .parse()
+        .unwrap();
     out.push(Scenario {
-        load: load("2-moving", &gcra, moving),
+        load: load("2-moving", &token, moving),
         events: vec![],
         extra: 0,
         min_utilisation: 0.0,
@@ -144,7 +149,7 @@ fn scenarios(tag: &str) -> Vec<Scenario> {
         k += 1;
     }
     out.push(Scenario {
-        load: load("6-flapping", &gcra, steady(300.0)),
+        load: load("6-flapping", &meter, steady(300.0)),
         events: flaps,
         extra: 0,
         min_utilisation: 0.0,
@@ -202,6 +207,23 @@ fn scenarios(tag: &str) -> Vec<Scenario> {
     out.push(Scenario {
         load: zipf,
         events: vec![],
+        extra: 0,
+        min_utilisation: 0.0,
+    });
+
+    // Beyond the nine: a sliding log pools nothing (g = 0) and holds L in any window,
+    // with a non-home region black-holed for a while (it needs no other region).
+    let log: RuleSet = "200/s sliding-log".parse().unwrap();
+    let away = (home_of("10-sliding-log") + 1) % R;
+    out.push(Scenario {
+        load: load("10-sliding-log", &log, steady(300.0)),
+        events: vec![
+            (
+                cut0,
+                event(move |rig| rig.isolate(away, LinkMode::BlackHole)),
+            ),
+            (cut1, event(|rig| rig.heal())),
+        ],
         extra: 0,
         min_utilisation: 0.0,
     });
