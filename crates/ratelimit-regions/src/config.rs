@@ -165,6 +165,48 @@ impl Regions {
         self
     }
 
+    /// Pins tiers to home regions: a key that `RateLimitLayer` composed for a pinned tier
+    /// (its store key is `[len] namespace [len] tier client-key`) is homed in the tier's
+    /// region; other keys (other tiers, other callers' keys) by the hash. For a plan whose
+    /// customers sit in one region, so that their pool is near them.
+    ///
+    /// ```
+    /// use ratelimit_regions::Regions;
+    ///
+    /// let regions = Regions::even(["eu", "us"])
+    ///     .unwrap()
+    ///     .home_by_tier([("enterprise-eu", "eu"), ("enterprise-us", "us")])
+    ///     .unwrap();
+    /// // What the layer of namespace "api" sends for tier "enterprise-us", client "k-1":
+    /// let key = [&[3][..], b"api", &[13], b"enterprise-us", b"k-1"].concat();
+    /// assert_eq!(regions.home(&key), 1);
+    /// ```
+    pub fn home_by_tier<T: AsRef<str>, R: AsRef<str>>(
+        self,
+        pins: impl IntoIterator<Item = (T, R)>,
+    ) -> Result<Self, RegionsError> {
+        let mut table: Vec<(Box<[u8]>, usize)> = Vec::new();
+        for (tier, region) in pins {
+            let (tier, region) = (tier.as_ref(), region.as_ref());
+            let index = self.index(region).ok_or_else(|| {
+                RegionsError::Config(format!(
+                    "tier {tier:?} is pinned to {region:?}, which is none of the regions"
+                ))
+            })?;
+            table.push((tier.as_bytes().into(), index));
+        }
+        let n = self.names.len() as u64;
+        Ok(self.home_by(move |key: &[u8]| {
+            let tier = key.first().and_then(|&ns| {
+                let at = 1 + usize::from(ns);
+                let len = usize::from(*key.get(at)?);
+                key.get(at + 1..at + 1 + len)
+            });
+            tier.and_then(|tier| table.iter().find(|(t, _)| &**t == tier))
+                .map_or_else(|| (fnv1a(key) % n) as usize, |(_, region)| *region)
+        }))
+    }
+
     /// The number of regions.
     pub fn len(&self) -> usize {
         self.names.len()

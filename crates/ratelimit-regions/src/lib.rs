@@ -63,7 +63,8 @@
 //!   GCRA or bucket gets back only what has not drained yet; a fixed window only within
 //!   the same window). The pool is held per instance, not per region: each instance
 //!   reserves for itself.
-//! * **Home.** FNV-1a of the key modulo R, or [`Regions::home_by`] (pinned by tier, by
+//! * **Home.** FNV-1a of the key modulo R, [`Regions::home_by_tier`] (a layer tier
+//!   pinned to a region), or [`Regions::home_by`] (any function of the key: by
 //!   customer).
 //! * **Sliding windows and logs** pool nothing (g = 0 for a rule set that has one): a
 //!   unit charged to a sub-window or a log entry cannot be spent later without counting

@@ -270,3 +270,87 @@ async fn the_tower_layer_works_on_it_unchanged() {
     assert_eq!(&statuses[..2], &[StatusCode::OK, StatusCode::OK]);
     assert_eq!(statuses[2], StatusCode::TOO_MANY_REQUESTS);
 }
+
+/// A store that remembers the keys it was asked about.
+struct Recording {
+    keys: std::sync::Mutex<Vec<Vec<u8>>>,
+    inner: MemoryStore,
+}
+
+impl Store for Recording {
+    type Error = <MemoryStore as Store>::Error;
+
+    async fn check(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Result<Decision, Self::Error> {
+        self.keys.lock().unwrap().push(key.to_vec());
+        self.inner.check(key, rules, cost).await
+    }
+
+    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), Self::Error> {
+        self.inner.block(key, duration).await
+    }
+
+    async fn unblock(&self, key: &[u8]) -> Result<(), Self::Error> {
+        self.inner.unblock(key).await
+    }
+
+    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), Self::Error> {
+        self.inner.reset(key, rules).await
+    }
+}
+
+/// `home_by_tier` reads the tier out of the key as the layer composes it.
+#[tokio::test]
+async fn a_tier_pinned_to_a_region_is_homed_there() {
+    use axum::body::Body;
+    use http::Request;
+    use ratelimit_tower::key::HeaderKey;
+    use ratelimit_tower::RateLimitLayer;
+    use tower::ServiceExt;
+
+    let regions = Regions::even(["eu", "us", "ap"])
+        .unwrap()
+        .home_by_tier([("gold", "ap"), ("silver", "us")])
+        .unwrap();
+    let store = Arc::new(Recording {
+        keys: std::sync::Mutex::default(),
+        inner: MemoryStore::new(),
+    });
+    let rules: RuleSet = "60/min gcra".parse().unwrap();
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
+        .namespace("api")
+        .tier("gold", rules.clone())
+        .tier("silver", rules.clone())
+        .default_tier("silver")
+        .select_tier(|req: &Request<Body>| {
+            req.headers()
+                .get("x-plan")
+                .map(|v| v.to_str().unwrap().to_owned())
+        })
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(layer);
+    for plan in ["gold", "silver"] {
+        for client in ["k-1", "k-2", "k-3"] {
+            let request = Request::get("/")
+                .header("x-api-key", client)
+                .header("x-plan", plan)
+                .body(Body::empty())
+                .unwrap();
+            app.clone().oneshot(request).await.unwrap();
+        }
+    }
+    let keys = store.keys.lock().unwrap().clone();
+    assert_eq!(keys.len(), 6);
+    for key in &keys[..3] {
+        assert_eq!(regions.home(key), 2, "gold is homed in ap: {key:?}");
+    }
+    for key in &keys[3..] {
+        assert_eq!(regions.home(key), 1, "silver is homed in us: {key:?}");
+    }
+    assert!(Regions::even(["eu"])
+        .unwrap()
+        .home_by_tier([("gold", "mars")])
+        .is_err());
+}
