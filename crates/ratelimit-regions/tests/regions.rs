@@ -447,12 +447,15 @@ async fn negative_controls_fail_the_checker() {
     let mut replicators = Vec::new();
     for from in 0..R {
         let mut local = locals[from].clone();
-        let mut row = remotes[from].clone();
+        let row = remotes[from].clone();
         let stop = Arc::clone(&stop);
         let key = key.clone();
         replicators.push(tokio::spawn(async move {
             let merge = redis::Script::new(MERGE);
+            // The longest round of this replicator: part of the sync delay D.
+            let mut longest = Duration::ZERO;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let round = std::time::Instant::now();
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 let wk = window_key(&key, period);
                 let own: Option<u64> = redis::cmd("HGET")
@@ -461,18 +464,22 @@ async fn negative_controls_fail_the_checker() {
                     .query_async(&mut local)
                     .await
                     .unwrap_or(None);
-                let Some(own) = own else { continue };
-                // Concurrently: a black-holed link must not hold up a live one.
-                let calls = row.iter_mut().flatten().map(|conn| {
-                    let mut invocation = merge.key(&wk);
-                    invocation.arg(from).arg(own);
-                    async move {
-                        let call = invocation.invoke_async::<i64>(conn);
-                        let _ = tokio::time::timeout(Duration::from_millis(200), call).await;
+                if let Some(own) = own {
+                    // Sent, not awaited: a black-holed link must not hold up the next
+                    // round on a live one.
+                    for conn in row.iter().flatten() {
+                        let (mut conn, merge, wk) = (conn.clone(), merge.clone(), wk.clone());
+                        tokio::spawn(async move {
+                            let mut invocation = merge.key(&wk);
+                            invocation.arg(from).arg(own);
+                            let call = invocation.invoke_async::<i64>(&mut conn);
+                            let _ = tokio::time::timeout(Duration::from_millis(500), call).await;
+                        });
                     }
-                });
-                futures::future::join_all(calls).await;
+                }
+                longest = longest.max(round.elapsed());
             }
+            longest
         }));
     }
     let deciders: Vec<(usize, usize, Decide)> = instances
@@ -508,8 +515,9 @@ async fn negative_controls_fail_the_checker() {
     rig.isolate(1, LinkMode::BlackHole);
     let run = drive(&mut rig, &load, deciders, vec![]).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut round = Duration::ZERO;
     for r in replicators {
-        r.await.unwrap();
+        round = round.max(r.await.unwrap());
     }
     let r = report(
         "merged-partition",
@@ -525,15 +533,16 @@ async fn negative_controls_fail_the_checker() {
         "the checker must catch merged counters under a partition"
     );
     // C's own formula under a partition into k = 2 sides: k·L per window, plus what the
-    // other regions of a side admit within one sync delay D (50 ms period + up to 40 ms
-    // one way + a call's queueing: 150 ms) at 200/s each.
+    // other regions of a side admit within one sync delay D (the longest replicator
+    // round, plus 40 ms one way and 10 ms for the call) at ρ = 200/s each.
+    let d = round + Duration::from_millis(50);
     let own = Bound {
         slack_us: 0,
-        extra: limit + (R as u64 - 1) * 30,
+        extra: limit + (R as u64 - 1) * (200.0 * d.as_secs_f64()).ceil() as u64,
     };
     let c = check(&run, &fixed, own);
     println!(
-        "merged-partition against its own formula (2L + (R-1)·ρ·D per window, D = 150 ms): violations {} worst margin {}",
+        "merged-partition against its own formula (2L + (R-1)·ρ·D per window, D = {d:?}): violations {} worst margin {}",
         c.violations, c.worst_margin
     );
     assert_eq!(c.violations, 0, "design C stays within its own formula");
