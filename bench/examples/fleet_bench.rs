@@ -19,7 +19,8 @@
 //!   if the load spread as it did here (the busiest master is the limit) and if it spread
 //!   evenly;
 //! * Redis calls per decision (`FCALL`, `EVALSHA`, the module's `RATELIMIT.CHECK*` and
-//!   `RATELIMIT.RELEASE` from `INFO commandstats`, all masters);
+//!   its edits, `RELEASE`, `RENEW`, `GIVE_BACK`, `DEBIT` and `REFUND`, from `INFO
+//!   commandstats`, all masters);
 //! * Redis socket reads and writes per decision (`total_reads_processed`,
 //!   `total_writes_processed`, all masters) and the kernel's share of the masters' CPU:
 //!   pipelined calls share a read and a write, so these, more than the calls, set what a
@@ -34,10 +35,16 @@
 //!   most an exact limiter could have admitted of what was offered, sum over keys of
 //!   min(offered, B + r x elapsed).
 //!
+//! Releases and settles go as the layer sends them: spawned after the decision, so that
+//! the task's next check does not wait for them (they queue with the other checks).
+//!
 //! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
 //! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `CONCURRENT`
 //! (0; N: a `N concurrent timeout=60s` rule beside `RULE`, each slot an admitted check
-//! takes released by the task at once, a store call of its own), `POOL` (the
+//! takes released at once), `SETTLE` (0; 1: each check charges an estimate of 2 units
+//! and each admitted one is settled at once with an actual drawn from 0 to 4, as a
+//! metered gateway does; the run prints how many settles it made, and the count of keys
+//! over the bound does not apply, since a settle gives units back), `POOL` (the
 //! store's default), `LEASE` in ms (0: exact mode; else the stores are built with
 //! `.lease(..)` and the bound widens by the lease length), `MODULE` (1: every node loads
 //! the native module, `$RATELIMIT_MODULE` or one `testing::module_file` builds; build it
@@ -75,6 +82,10 @@ struct TaskTally {
     /// The first error's message, to say what the errors were.
     first_error: Option<String>,
     latencies_us: Vec<u32>,
+    /// Settles made (`SETTLE=1`), and those whose actual differed from the estimate (a
+    /// store call each).
+    settles: u64,
+    settles_changed: u64,
 }
 
 /// A master's counters at one moment.
@@ -109,6 +120,7 @@ async fn main() -> Result<(), Error> {
     let (burst, rate_per_s) = gcra_bound(&rules)?;
     // The rate rule's bound holds with a concurrency rule beside it: a slot only refuses.
     let concurrent = env_or("CONCURRENT", 0);
+    let settle = env_or("SETTLE", 0) == 1;
     let rules = if concurrent > 0 {
         RuleSet::new(
             rules
@@ -205,6 +217,7 @@ async fn main() -> Result<(), Error> {
         &key_names,
         zipf,
         Duration::from_secs(1),
+        settle,
     )
     .await;
     for node in cluster.nodes() {
@@ -219,7 +232,7 @@ async fn main() -> Result<(), Error> {
         .collect::<Result<_, _>>()?;
     let app_before = cpu_seconds(std::process::id());
     let started = Instant::now();
-    let tallies = drive(&stores, tasks, &rules, &key_names, zipf, duration).await;
+    let tallies = drive(&stores, tasks, &rules, &key_names, zipf, duration, settle).await;
     let elapsed = started.elapsed().as_secs_f64();
     let app_cpu = cpu_seconds(std::process::id()) - app_before;
     let after: Vec<NodeStats> = cluster
@@ -233,8 +246,11 @@ async fn main() -> Result<(), Error> {
     let mut errors = 0;
     let mut first_error = None;
     let mut latencies = Vec::new();
+    let (mut settles, mut settles_changed) = (0, 0);
     for tally in tallies {
         errors += tally.errors;
+        settles += tally.settles;
+        settles_changed += tally.settles_changed;
         first_error = first_error.or(tally.first_error);
         latencies.extend(tally.latencies_us);
         for (k, (offered, admitted)) in tally.keys {
@@ -297,9 +313,20 @@ async fn main() -> Result<(), Error> {
         admitted,
         exact_most,
         admitted as f64 / exact_most.max(1.0),
-        over_bound,
+        if settle {
+            "n/a".to_owned()
+        } else {
+            over_bound.to_string()
+        },
         errors,
     );
+    if settle {
+        println!(
+            "settles: {settles} ({settles_changed} with an actual other than the estimate, a \
+             store operation each; {:.3} per decision)",
+            settles_changed as f64 / decisions.max(1) as f64
+        );
+    }
     if let Some(error) = first_error {
         println!("errors: {errors}, the first: {error}");
     }
@@ -373,6 +400,7 @@ async fn drive(
     keys: &Arc<Vec<Vec<u8>>>,
     zipf: Zipf<f64>,
     duration: Duration,
+    settle: bool,
 ) -> Vec<TaskTally> {
     let deadline = Instant::now() + duration;
     let mut handles = Vec::new();
@@ -385,11 +413,15 @@ async fn drive(
             handles.push(tokio::spawn(async move {
                 let mut rng = SmallRng::seed_from_u64(seed);
                 let mut tally = TaskTally::default();
+                let mut after = tokio::task::JoinSet::new();
                 while Instant::now() < deadline {
                     // Zipf draws 1..=n as floats.
                     let k = rng.sample(zipf) as u32;
                     let start = Instant::now();
-                    let decision = store.check(&keys[k as usize - 1], &rules, 1).await;
+                    let key = &keys[k as usize - 1];
+                    let charged_at = store.now_us();
+                    let estimate = if settle { 2 } else { 1 };
+                    let decision = store.check(key, &rules, estimate).await;
                     let micros = start.elapsed().as_micros();
                     tally
                         .latencies_us
@@ -399,12 +431,34 @@ async fn drive(
                         Ok(d) => {
                             entry.0 += 1;
                             entry.1 += u32::from(d.is_allowed());
-                            if let Some(slot) = d.slot() {
-                                if let Err(e) =
-                                    store.release(&keys[k as usize - 1], &rules, slot).await
-                                {
-                                    tally.errors += 1;
-                                    tally.first_error.get_or_insert_with(|| e.to_string());
+                            // As the layer settles and releases: after the response,
+                            // spawned; the client's next request does not wait for them.
+                            let actual = rng.random_range(0..=4);
+                            let settle = (settle && d.is_allowed()).then_some(actual);
+                            if let Some(actual) = settle {
+                                tally.settles += 1;
+                                tally.settles_changed += u64::from(actual != estimate);
+                            }
+                            if settle.is_some() || d.slot().is_some() {
+                                let (store, rules) = (Arc::clone(&store), rules.clone());
+                                let key = key.clone();
+                                let slot = d.slot();
+                                after.spawn(async move {
+                                    if let Some(actual) = settle {
+                                        store
+                                            .settle(&key, &rules, estimate, actual, charged_at)
+                                            .await?;
+                                    }
+                                    if let Some(slot) = slot {
+                                        store.release(&key, &rules, slot).await?;
+                                    }
+                                    Ok::<_, ratelimit_redis::RedisStoreError>(())
+                                });
+                                while let Some(done) = after.try_join_next() {
+                                    if let Ok(Err(e)) = done {
+                                        tally.errors += 1;
+                                        tally.first_error.get_or_insert_with(|| e.to_string());
+                                    }
                                 }
                             }
                         }
@@ -412,6 +466,12 @@ async fn drive(
                             tally.errors += 1;
                             tally.first_error.get_or_insert_with(|| e.to_string());
                         }
+                    }
+                }
+                while let Some(done) = after.join_next().await {
+                    if let Ok(Err(e)) = done {
+                        tally.errors += 1;
+                        tally.first_error.get_or_insert_with(|| e.to_string());
                     }
                 }
                 tally
@@ -446,7 +506,14 @@ fn node_stats(node: &ratelimit_redis::testing::RedisServer) -> Result<NodeStats,
         name == "fcall"
             || name == "evalsha"
             || name.starts_with("ratelimit.check")
-            || name == "ratelimit.release"
+            || [
+                "ratelimit.release",
+                "ratelimit.renew",
+                "ratelimit.give_back",
+                "ratelimit.debit",
+                "ratelimit.refund",
+            ]
+            .contains(&name)
     });
     let slot_checks = calls_of(&|name| name == "exists");
     let info_stats = node.command("INFO stats")?;

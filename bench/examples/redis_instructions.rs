@@ -38,6 +38,11 @@
 //! callgrind_annotate --inclusive=yes /tmp/profiles/3-RATELIMIT.CHECK_MANY.out | head -60
 //! ```
 //!
+//! Then edits riding a batch, as a store sends settles and releases (batch protocol 5):
+//! a batch of 64 checks, then one of 64 edits of the same keys (a slot released, a unit
+//! given back, a unit of debt), through `check_many` and `RATELIMIT.CHECK_STATES`; each
+//! edit's cost as the difference from the checks alone, and its ratio to a check's.
+//!
 //! Last, a peer's design: a GCRA limiter as one Lua script per decision, the algorithm of
 //! go-redis/redis_rate's `allowN` (`bench/redis_rate_gcra.lua`), by `EVALSHA`, one
 //! decision per call, 64 to a write, on new keys and on the same 64 keys. `ONLY=redis_rate`
@@ -249,6 +254,7 @@ fn main() {
     }
     settle_rows(&server, &mut con, rounds, module.is_some(), &script, ping);
     concurrency_rows(&server, &mut con, rounds, ping, module.is_some());
+    edit_rows(&server, &mut con, rounds, module.is_some());
     redis_rate_rows(&server, &mut con, rounds, ping);
 }
 
@@ -385,6 +391,131 @@ fn settle_rows(
             );
         }
     }
+}
+
+/// Edits riding a batch, as a store sends settles and releases (the Lua `check_many` and
+/// the module's `RATELIMIT.CHECK_STATES`, batch protocol 5): per round, a batch of 64
+/// checks on new keys, then a batch of 64 edits of the same keys (a slot released, a
+/// unit given back, a unit of debt); the edit's cost is the difference from the checks
+/// alone, and its ratio to a check's in the same batch.
+fn edit_rows(server: &Server, con: &mut Connection, rounds: usize, module: bool) {
+    use ratelimit_core::packed::{self, Edit};
+    let script = check_script();
+    let mut paths = vec!["check_many"];
+    if module {
+        paths.push("RATELIMIT.CHECK_STATES");
+    }
+    let now_us = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64
+    };
+    for path in paths {
+        let compact = path == "RATELIMIT.CHECK_STATES";
+        for (what, rules) in [
+            ("a release", "100/s gcra burst=100; 4 concurrent"),
+            (
+                "a settle below the estimate (give_back)",
+                "1/min gcra burst=1000",
+            ),
+            (
+                "a settle above the estimate (debt)",
+                "1/min gcra burst=1000",
+            ),
+        ] {
+            let rules: RuleSet = rules.parse().expect("rules");
+            let check = check_script_args(&rules, 2).remove(0);
+            // One batch call of `packs` (one per key, each with its number).
+            let batch = |tags: &[String], packs: &[(Vec<u8>, u64)]| {
+                let mut cmd = if compact {
+                    redis::cmd(path)
+                } else {
+                    let mut cmd = redis::cmd("FCALL");
+                    cmd.arg(script.batch_function);
+                    cmd
+                };
+                cmd.arg(if compact { BATCH } else { 2 * BATCH });
+                for tag in tags {
+                    if !compact {
+                        cmd.arg(format!("{tag}:b"));
+                    }
+                    cmd.arg(format!("{tag}:s"));
+                }
+                if compact {
+                    // One packed value, each job's number in its refs.
+                    let mut refs = Vec::with_capacity(9 * BATCH);
+                    for (_, number) in packs {
+                        packed::write_ref(&mut refs, 0, Some(*number).filter(|&n| n > 0));
+                    }
+                    cmd.arg(refs).arg(&packs[0].0[..]);
+                } else {
+                    cmd.arg(vec![b'2'; BATCH]);
+                    for (pack, _) in packs {
+                        cmd.arg(&pack[..]);
+                    }
+                }
+                cmd
+            };
+            let mut costs = [0.0; 2];
+            for (i, with_edits) in [false, true].into_iter().enumerate() {
+                let label = format!("{path} {what} {with_edits}");
+                costs[i] = count(server, &label, con, rounds, |con, round| {
+                    let tags: Vec<String> = (0..BATCH)
+                        .map(|k| format!("edit:{label}:{{{round}:{k}}}"))
+                        .collect();
+                    let at = now_us();
+                    let checks: Vec<(Vec<u8>, u64)> =
+                        (0..BATCH).map(|_| (check.clone(), 0)).collect();
+                    let reply: Vec<u8> = batch(&tags, &checks).query(con).unwrap();
+                    if !with_edits {
+                        return;
+                    }
+                    let per = reply.len() / BATCH;
+                    let edits: Vec<(Vec<u8>, u64)> = reply
+                        .chunks(per)
+                        .map(|decided| {
+                            let edit = match what {
+                                "a release" => Edit::Release {
+                                    // The concurrency rule's retry: the slot's number.
+                                    slot: f64::from_le_bytes(decided[per - 8..].try_into().unwrap())
+                                        as u64,
+                                },
+                                w if w.ends_with("(give_back)") => {
+                                    Edit::GiveBack { charged_at: at }
+                                }
+                                _ => Edit::Debit,
+                            };
+                            (
+                                packed::pack_edit(edit, Some(&rules), None, 1, 0),
+                                edit.value(),
+                            )
+                        })
+                        .collect();
+                    let reply: Vec<u8> = batch(&tags, &edits).query(con).unwrap();
+                    assert_eq!(reply.len(), 16 * BATCH, "an edit's reply each");
+                    assert!(
+                        reply.chunks(16).all(|r| r == packed_reply(true)),
+                        "every {what} changed its state"
+                    );
+                });
+            }
+            // Per key: a check, then (second row) its edit.
+            let check_cost = costs[0];
+            let edit_cost = costs[1] - check_cost;
+            println!(
+                "| `{path}`, {what} riding a batch (difference), after a check each | {edit_cost:.0} | {:.2}x of a check ({check_cost:.0}) |",
+                edit_cost / check_cost
+            );
+        }
+    }
+}
+
+/// An edit's reply, `{4, 1}` or `{4, 0}`.
+fn packed_reply(changed: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    ratelimit_core::packed::encode_edit(&mut out, changed);
+    out
 }
 
 fn connect(server: &Server) -> Connection {

@@ -100,6 +100,9 @@ const TOKEN_BUCKET: u64 = 4;
 const LEAKY_BUCKET: u64 = 5;
 const GCRA: u64 = 6;
 const CONCURRENT: u64 = 7;
+/// The algorithm code of a concurrency rule (the first of a rule's packed values): a
+/// check it admitted answers its slot's number as the rule's retry.
+pub const CONCURRENT_CODE: u64 = CONCURRENT;
 
 /// What is wrong with packed values: a message for the error reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -244,34 +247,28 @@ impl Header {
     /// The header of the packed check `bytes`, and the bytes of its rules; an error that
     /// says what is wrong when `bytes` is not a check of this layout.
     pub fn parse(bytes: &[u8]) -> Result<(Self, &[u8]), PackedError> {
-        let len = bytes.len();
-        if len < 8 * HEADER || len % 8 != 0 {
-            return Err(PackedError(format!(
-                "a check takes its values as doubles, got {len} bytes"
-            )));
+        let v = header_values(bytes)?;
+        if v[0] > 1 {
+            return Err(PackedError(format!("injected is 0 or 1, got {}", v[0])));
         }
-        let mut v = [0u64; HEADER];
-        for (i, slot) in v.iter_mut().enumerate() {
-            *slot = value(bytes, i).ok_or_else(|| {
-                PackedError(format!(
-                    "value {i} of the header is not an integer below 2^53"
-                ))
-            })?;
-        }
+        let header = Self::of_values(v, bytes.len(), 1)?;
+        Ok((header, &bytes[8 * HEADER..]))
+    }
+
+    /// The header of the values `v` (`v[0]` is 0 or 1) of a packed value of `len` bytes
+    /// holding at least `least` rules: an error when the length is not that of its rules.
+    fn of_values(v: [u64; HEADER], len: usize, least: usize) -> Result<Self, PackedError> {
         let [injected, now, cost, ttl_floor_ms, n, width, log_limit, log_period_us, layout, deadline] =
             v;
         let n = usize::try_from(n).unwrap_or(usize::MAX);
-        if !(1..=MAX_RULES).contains(&n) || len != 8 * (HEADER + PER_RULE * n) {
+        if !(least..=MAX_RULES).contains(&n) || len != 8 * (HEADER + PER_RULE * n) {
             return Err(PackedError(format!(
-                "a check of {n} rules (1 to {MAX_RULES}) takes {} values, got {}",
+                "a check of {n} rules ({least} to {MAX_RULES}) takes {} values, got {}",
                 HEADER.saturating_add(PER_RULE.saturating_mul(n)),
                 len / 8
             )));
         }
-        if injected > 1 {
-            return Err(PackedError(format!("injected is 0 or 1, got {injected}")));
-        }
-        let header = Header {
+        Ok(Header {
             now: (injected == 1).then_some(now),
             cost,
             ttl_floor_ms,
@@ -281,9 +278,27 @@ impl Header {
             log_period_us,
             layout,
             deadline: (deadline > 0).then_some(deadline),
-        };
-        Ok((header, &bytes[8 * HEADER..]))
+        })
     }
+}
+
+/// The [`HEADER`] values at the start of `bytes`, each an integer below 2^53.
+fn header_values(bytes: &[u8]) -> Result<[u64; HEADER], PackedError> {
+    let len = bytes.len();
+    if len < 8 * HEADER || len % 8 != 0 {
+        return Err(PackedError(format!(
+            "a check takes its values as doubles, got {len} bytes"
+        )));
+    }
+    let mut v = [0u64; HEADER];
+    for (i, slot) in v.iter_mut().enumerate() {
+        *slot = value(bytes, i).ok_or_else(|| {
+            PackedError(format!(
+                "value {i} of the header is not an integer below 2^53"
+            ))
+        })?;
+    }
+    Ok(v)
 }
 
 /// The rules of a packed check, as the rule set they describe and each rule's identity.
@@ -812,9 +827,240 @@ pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
     out.extend_from_slice(message);
 }
 
+/// An edit of a key's state after its check, carried by a batch beside the checks (the
+/// module's batch protocol 5, and the Lua functions of this version), so that settles
+/// and releases leave in the same call as the checks queued with them.
+///
+/// Its packed value is a check's header whose first value is `injected + 2 × op` (a
+/// check's is 0 or 1) and whose last, a check's deadline, holds the edit's own number
+/// ([`Edit::value`]): op 1 gives a charge back (the check's rules follow; the number is
+/// the charge's time), 2 charges debt (the rules follow, the header's cost the units;
+/// no number), 3 releases a slot and 4 renews one (no rules; the number is the slot's,
+/// and a renewal's timeout in µs follows the header). The number travels where a
+/// check's deadline does, so that in a compact batch it rides in `refs` and edits of
+/// one rule set share their packed value as checks do. Its reply in the batch is `{4,
+/// 1}` when it changed the state, `{4, 0}` when not ([`encode_edit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edit {
+    /// A check's charge given back; the check charged at `charged_at` (µs).
+    GiveBack {
+        /// When the check charged, on the store's clock.
+        charged_at: u64,
+    },
+    /// Units charged unconditionally, as debt where a state goes past its limit.
+    Debit,
+    /// A concurrency slot freed.
+    Release {
+        /// The slot's number.
+        slot: u64,
+    },
+    /// A live concurrency slot's deadline moved to now plus `timeout_us`.
+    Renew {
+        /// The slot's number.
+        slot: u64,
+        /// The slot's new timeout.
+        timeout_us: u64,
+    },
+}
+
+/// The status of an edit's reply in a batch.
+pub const EDIT_STATUS: u64 = 4;
+
+impl Edit {
+    fn op(self) -> u64 {
+        match self {
+            Edit::GiveBack { .. } => 1,
+            Edit::Debit => 2,
+            Edit::Release { .. } => 3,
+            Edit::Renew { .. } => 4,
+        }
+    }
+
+    /// Whether the edit carries the check's rules (a settle) or none (a slot's edit).
+    pub fn has_rules(self) -> bool {
+        matches!(self, Edit::GiveBack { .. } | Edit::Debit)
+    }
+
+    /// The edit's own number, carried where a check's deadline is: a give-back's charge
+    /// time, a slot's number; 0 for debt.
+    pub fn value(self) -> u64 {
+        match self {
+            Edit::GiveBack { charged_at } => charged_at,
+            Edit::Debit => 0,
+            Edit::Release { slot } | Edit::Renew { slot, .. } => slot,
+        }
+    }
+
+    /// This edit with its own number `value` (as a compact batch's `refs` carry it).
+    #[must_use]
+    pub fn with_value(self, value: u64) -> Self {
+        match self {
+            Edit::GiveBack { .. } => Edit::GiveBack { charged_at: value },
+            Edit::Debit => Edit::Debit,
+            Edit::Release { .. } => Edit::Release { slot: value },
+            Edit::Renew { timeout_us, .. } => Edit::Renew {
+                slot: value,
+                timeout_us,
+            },
+        }
+    }
+
+    /// Values after the header and the rules, by op: a renewal's timeout.
+    fn extras_of(op: u64) -> Option<usize> {
+        match op {
+            1..=3 => Some(0),
+            4 => Some(1),
+            _ => None,
+        }
+    }
+}
+
+/// The packed value of `edit` (see [`Edit`]) at the injected time `now`: for a settle,
+/// of the check of `rules` for `units` units; a slot's edit carries no rules (`rules`
+/// and `units` are not read).
+pub fn pack_edit(
+    edit: Edit,
+    rules: Option<&RuleSet>,
+    now: Option<u64>,
+    units: u64,
+    ttl_floor_ms: u64,
+) -> Vec<u8> {
+    let first = u64::from(now.is_some()) + 2 * edit.op();
+    let number = Some(edit.value().min(MAX_EXACT));
+    let settle = rules.filter(|_| edit.has_rules());
+    let mut out = if let Some(rules) = settle {
+        pack_check(rules, now, units, ttl_floor_ms, number)
+    } else {
+        let mut out = Vec::with_capacity(8 * (HEADER + 1));
+        let header = [
+            0,
+            now.unwrap_or(0),
+            0,
+            ttl_floor_ms.min(MAX_EXACT),
+            0,
+            0,
+            0,
+            0,
+            0,
+            edit.value().min(MAX_EXACT),
+        ];
+        for x in header {
+            push(&mut out, x);
+        }
+        out
+    };
+    out[..8].copy_from_slice(&(first as f64).to_le_bytes());
+    if let Edit::Renew { timeout_us, .. } = edit {
+        push(&mut out, timeout_us.min(MAX_EXACT));
+    }
+    out
+}
+
+/// An edit as [`parse_edit`] reads it: the edit, its header, and its rules' bytes.
+pub type ParsedEdit<'a> = (Edit, Header, &'a [u8]);
+
+/// The edit a packed value of a batch asks for, with its header (`injected` read from
+/// the first value; no deadline) and its rules' bytes (empty for a slot's edit);
+/// `Ok(None)` for a check; an error that says what is wrong when the value is neither.
+pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
+    let mut v = header_values(bytes)?;
+    if v[0] <= 1 {
+        return Ok(None);
+    }
+    let op = v[0] / 2;
+    let extras = Edit::extras_of(op)
+        .ok_or_else(|| PackedError(format!("unknown edit {op} (value 0 of the header)")))?;
+    let len = bytes.len();
+    let body = len
+        .checked_sub(8 * extras)
+        .filter(|&b| b >= 8 * HEADER)
+        .ok_or_else(|| PackedError(format!("edit {op} is cut short: {} values", len / 8)))?;
+    let number = v[HEADER - 1];
+    v[0] %= 2;
+    v[HEADER - 1] = 0;
+    let edit = match op {
+        1 => Edit::GiveBack { charged_at: number },
+        2 => Edit::Debit,
+        3 => Edit::Release { slot: number },
+        _ => Edit::Renew {
+            slot: number,
+            timeout_us: value(bytes, body / 8).ok_or_else(|| {
+                PackedError("a renewal's timeout is not an integer below 2^53".to_owned())
+            })?,
+        },
+    };
+    let header = if edit.has_rules() {
+        Header::of_values(v, body, 1)?
+    } else {
+        Header::of_values(v, body, 0).and_then(|h| {
+            if h.rules == 0 {
+                Ok(h)
+            } else {
+                Err(PackedError(format!(
+                    "a slot's edit carries no rules, got {}",
+                    h.rules
+                )))
+            }
+        })?
+    };
+    Ok(Some((edit, header, &bytes[8 * HEADER..body])))
+}
+
+/// Appends an edit's reply in a batch: `{4, 1}` when it changed the state, else
+/// `{4, 0}`.
+pub fn encode_edit(out: &mut Vec<u8>, changed: bool) {
+    push(out, EDIT_STATUS);
+    push(out, u64::from(changed));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn edits_read_what_they_packed() {
+        let rules: RuleSet = "10/s; 2/s sliding-log".parse().unwrap();
+        for (edit, now) in [
+            (Edit::GiveBack { charged_at: 17 }, Some(1_000)),
+            (Edit::Debit, None),
+            (Edit::Release { slot: 5 }, Some(3)),
+            (
+                Edit::Renew {
+                    slot: 6,
+                    timeout_us: 2_000_000,
+                },
+                None,
+            ),
+        ] {
+            let packed = pack_edit(edit, Some(&rules), now, 3, 250);
+            let (read, header, rule_bytes) = parse_edit(&packed).unwrap().unwrap();
+            assert_eq!(read, edit);
+            // The edit's number where a check's deadline is, which compact refs carry.
+            assert_eq!(value(&packed, HEADER - 1), Some(edit.value()));
+            assert_eq!(
+                read.with_value(9).value(),
+                if edit == Edit::Debit { 0 } else { 9 }
+            );
+            assert_eq!(header.deadline, None);
+            assert_eq!(header.now, now);
+            assert_eq!(header.ttl_floor_ms, 250);
+            if edit.has_rules() {
+                assert_eq!(header.cost, 3);
+                let parsed = PackedRules::parse(rule_bytes, &header).unwrap();
+                assert_eq!(parsed.ids(), rules.rule_ids());
+            } else {
+                assert_eq!((header.rules, rule_bytes.len()), (0, 0));
+            }
+            // A check's parser refuses it: a server that knows no edits fails it alone.
+            assert!(Header::parse(&packed).is_err());
+        }
+        let check = pack_check(&rules, None, 1, 0, None);
+        assert_eq!(parse_edit(&check).unwrap(), None);
+        let mut bad = pack_edit(Edit::Release { slot: 1 }, None, None, 0, 0);
+        bad[..8].copy_from_slice(&12f64.to_le_bytes());
+        assert!(parse_edit(&bad).is_err());
+        assert!(parse_edit(&bad[..8 * HEADER]).is_err());
+    }
 
     #[test]
     fn refs_read_what_they_wrote() {

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use crate::check::{args_error, check_one, decide_one, read_check, server_now_us, Keys};
 use crate::keyspace::{hash_tag, served, StableSlots};
-use crate::once;
+use crate::{edits, once};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
 /// take the server down. The message is [`ascii`]: it becomes an error reply or a batch
@@ -284,9 +284,37 @@ fn compact_checks(
     let mut reads: SmallVec<[Option<Result<_, String>>; 4]> =
         std::iter::repeat_with(|| None).take(packs.len()).collect();
     let mut scratch = Vec::new();
+    let edits = crate::protocol() >= 5;
     for (state, r) in states.iter().zip(refs) {
         let start = out.len();
-        let read = reads[r.pack].get_or_insert_with(|| read_check(packs[r.pack].as_slice()));
+        let pack = packs[r.pack].as_slice();
+        if edits && edits::is_edit(pack) {
+            let edited = guarded(|| {
+                let name = state.as_slice();
+                if !is_state_name(name) {
+                    return Err(args_error(&format_args!(
+                        "a state key's name ends in `}}:s` after a hash tag, got {:?}",
+                        String::from_utf8_lossy(&name[name.len().saturating_sub(64)..])
+                    )));
+                }
+                if let Some(stable) = stable.as_deref_mut() {
+                    let block = sibling(name, b'b', &mut scratch);
+                    served(ctx, &[&block], stable).map_err(|why| format!("RLMOVED {why}"))?;
+                }
+                // A settle under rules with a sliding log edits the log too.
+                let log = packed::value(pack, 6)
+                    .is_some_and(|limit| limit > 0)
+                    .then(|| sibling(name, b'l', &mut scratch));
+                let number = r.deadline.unwrap_or(0);
+                edits::edit_one(ctx, state, log.as_ref(), pack, Some(number), &mut out)
+            });
+            if let Err(message) = edited {
+                out.truncate(start);
+                packed::encode_failure(&mut out, message.as_bytes());
+            }
+            continue;
+        }
+        let read = reads[r.pack].get_or_insert_with(|| read_check(pack));
         let decided = guarded(|| {
             let (header, rules) = read.as_ref().map_err(Clone::clone)?;
             let name = state.as_slice();

@@ -65,6 +65,14 @@
 //!   a byte 0 or 1, which no argument of theirs is: times and numbers are decimal text,
 //!   packed values a multiple of 8 bytes), kept and answered as the compact calls' ids
 //!   are.
+//! - Edits in batches (protocol 5): a batch (`CHECK_MANY`, `CHECK_LOCAL`, the compact
+//!   forms, and a single check's commands) may carry, in place of a check, an edit of a
+//!   state after its check: a charge given back, debt, a slot released or renewed
+//!   ([`ratelimit_core::packed::Edit`]: the packed header's first value is `injected +
+//!   2 × op`). It runs in its turn as its own command would, on the check's keys, and is
+//!   answered `{4, 1}` when it changed the state, `{4, 0}` when not; in a call decided
+//!   once, with the call. A store sends settles and releases this way, in the same call
+//!   as the checks queued with them.
 //! - `RATELIMIT.STATS`: what the module keeps across calls (rule sets cached, replies
 //!   kept and their bytes).
 //! - `RATELIMIT.VERSION`: the module's version, the state format it reads and writes
@@ -72,7 +80,7 @@
 //!   compact form answer without it); a store uses the module only when the format is
 //!   its own, and the compact form only when every module master reports it.
 //!
-//! Loaded with the arguments `protocol 0` to `protocol 3` (`--loadmodule <path>
+//! Loaded with the arguments `protocol 0` to `protocol 4` (`--loadmodule <path>
 //! protocol 0`), the module serves and reports only what a module of that protocol
 //! does: for tests of a rollout across module versions. Other load arguments refuse the
 //! load.
@@ -93,6 +101,7 @@
 mod block;
 mod check;
 mod commands;
+mod edits;
 mod keyspace;
 mod once;
 mod refund;
@@ -116,9 +125,11 @@ pub const STATE_FORMAT: u64 = ratelimit_core::packed::STATE_FORMAT;
 /// excess of a metered request settled above its estimate; 4, edits decided once: the
 /// commands that edit a state after its check (`RATELIMIT.GIVE_BACK`, `DEBIT`,
 /// `REFUND`, `RELEASE`, `RENEW`) may carry a call id as their last argument, and answer
-/// a resend as the compact calls of protocol 2 do. A module before the compact batches
+/// a resend as the compact calls of protocol 2 do; 5, edits in batches: a batch's
+/// packed value may be an edit ([`ratelimit_core::packed::Edit`]) instead of a check. A
+/// module before the compact batches
 /// answers `RATELIMIT.VERSION` with two elements (protocol 0).
-pub const PROTOCOL: u8 = 4;
+pub const PROTOCOL: u8 = 5;
 
 /// The protocol served, [`PROTOCOL`] unless the module was loaded with a lower one.
 static SERVED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(PROTOCOL);
@@ -128,7 +139,7 @@ pub(crate) fn protocol() -> u8 {
     SERVED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The module's load arguments: none, or `protocol 0` to `protocol 3` (the module then
+/// The module's load arguments: none, or `protocol 0` to `protocol 4` (the module then
 /// serves and reports only what a module of that protocol does: a Cluster's masters
 /// with modules of two versions during a rollout, as tests build them). Anything else
 /// refuses the load with a message saying what is accepted.
@@ -143,7 +154,7 @@ fn protocol_arg(args: &[String]) -> Result<u8, String> {
         },
         _ => Err(format!(
             "ratelimit: unknown load arguments {args:?}; the module takes none, or \
-             `protocol 0` to `protocol 3` to serve only the commands of modules of that \
+             `protocol 0` to `protocol 4` to serve only the commands of modules of that \
              protocol"
         )),
     }

@@ -245,8 +245,22 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     };
     let (header, rule_bytes) =
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
-    let rules = rules_of(rule_bytes, &header)?;
     let charged = number(charged, "the charge's time")?;
+    give_back_parsed(ctx, state_name, log_name, &header, rule_bytes, charged)
+}
+
+/// [`give_back`] of a check whose header is read (`header`, its rules' bytes
+/// `rule_bytes`): as its command and as an edit of a batch.
+pub(crate) fn give_back_parsed(
+    ctx: &Context,
+    state_name: &RedisString,
+    log_name: Option<&RedisString>,
+    header: &Header,
+    rule_bytes: &[u8],
+    charged: u64,
+) -> Result<i64, String> {
+    let header = *header;
+    let rules = rules_of(rule_bytes, &header)?;
     if header.cost < 1 {
         return Ok(0);
     }
@@ -346,6 +360,19 @@ pub(crate) fn debit(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     };
     let (header, rule_bytes) =
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
+    debit_parsed(ctx, state_name, log_name, &header, rule_bytes)
+}
+
+/// [`debit`] of a check whose header is read (`header`, its rules' bytes `rule_bytes`):
+/// as its command and as an edit of a batch.
+pub(crate) fn debit_parsed(
+    ctx: &Context,
+    state_name: &RedisString,
+    log_name: Option<&RedisString>,
+    header: &Header,
+    rule_bytes: &[u8],
+) -> Result<i64, String> {
+    let header = *header;
     let rules = rules_of(rule_bytes, &header)?;
     if (header.log_limit > 0) != log_name.is_some() {
         return Err(args_error(&format_args!(

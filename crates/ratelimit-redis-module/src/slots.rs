@@ -21,6 +21,16 @@ pub(crate) fn release(ctx: &Context, args: &[RedisString]) -> Result<i64, String
     };
     let now = now_arg(now)?;
     let slot = number(slot, "slot")?;
+    release_at(ctx, name, slot, now)
+}
+
+/// [`release`] at the time `now`: as its command and as an edit of a batch.
+pub(crate) fn release_at(
+    ctx: &Context,
+    name: &RedisString,
+    slot: u64,
+    now: u64,
+) -> Result<i64, String> {
     edit(ctx, name, slot, now, SlotEdit::Release, |_| Expiry::Kept)
 }
 
@@ -39,15 +49,34 @@ pub(crate) fn renew(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     let now = now_arg(now_text)?;
     let slot = number(slot, "slot")?;
     let timeout = number(timeout, "timeout")?;
+    let ttl_floor = ttl_floor_arg(ttl_floor)?;
+    renew_at(ctx, name, slot, timeout, injected.then_some(now), ttl_floor)
+}
+
+/// [`renew`] at the injected time `injected` (`None`: the server's clock): as its
+/// command and as an edit of a batch.
+pub(crate) fn renew_at(
+    ctx: &Context,
+    name: &RedisString,
+    slot: u64,
+    timeout: u64,
+    injected: Option<u64>,
+    ttl_floor: u64,
+) -> Result<i64, String> {
     if timeout == 0 || timeout > MAX_SLOT_TIMEOUT_US {
         return Err(args_error(&format_args!(
             "timeout is 1 to {MAX_SLOT_TIMEOUT_US} us, got {timeout}"
         )));
     }
-    let ttl_floor = ttl_floor_arg(ttl_floor)?;
+    if ttl_floor > packed::MAX_EXACT / 1000 {
+        return Err(args_error(&format_args!(
+            "the TTL floor is at most 2^53 us in ms, got {ttl_floor}"
+        )));
+    }
+    let now = injected.unwrap_or_else(crate::check::server_now_us);
     edit(ctx, name, slot, now, SlotEdit::Renew(timeout), |latest| {
         // As a check's expiry: on the server's clock, or relative to an injected one.
-        let ms = if injected {
+        let ms = if injected.is_some() {
             let ms = latest
                 .saturating_sub(now)
                 .div_ceil(1000)

@@ -7,6 +7,9 @@
 -- once for all, and when `at` is set, got[at] and got[at + 1] are the block marker and
 -- state as read for all (alone: nil, nil, nil, read here). Evaluates every rule on the
 -- state as it stands and commits all or nothing.
+-- An edit of a batch (edits.lua, which defines it).
+local edit_one
+
 local function check_one(key1, key2, key3, packed, redis_now, got, at)
   local fmt, unpack_ = string.format, struct.unpack
   local len = #packed
@@ -17,6 +20,9 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
   -- The header in one C call (no text to parse); `pos` is where the rules start.
   local injected, injected_now, cost, ttl_floor, n, width, log_limit, log_period, layout,
     deadline, pos = unpack_(HEADER_FORMAT, packed)
+  if injected > 1 then
+    return edit_one(key2, key3, packed, injected, deadline, redis_now)
+  end
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules of '
       .. 'at most %d, got %d', HEADER + PER_RULE * n, n, MAX_RULES, len / 8) .. VERSION_SKEW)

@@ -1,6 +1,8 @@
 //! Many checks per Redis call: checks that queue while a call is in flight leave
 //! together as one call of `check_many`, which decides them in order, each as atomically
-//! as alone.
+//! as alone. The edits of a state after its check (a charge given back, debt, a slot
+//! released or renewed) queue here too, as jobs of their own kind (see
+//! `CheckJob::edit`), and leave in the same calls in their turn.
 //!
 //! No timer by default: a batch is whatever queued, so a lone check leaves at once (as
 //! one plain `check` call, exactly what an unbatched store sends, straight from the
@@ -16,7 +18,7 @@ use std::time::Duration;
 use futures::future::join_all;
 
 use redis::Value;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{classify, ran_nothing, RedisStoreError};
 use crate::script::{
@@ -92,29 +94,32 @@ impl Batcher {
     }
 
     /// Queues `check` and waits for its reply (the bytes `check` would have answered
-    /// alone), at most until the store's timeout.
+    /// alone), at most until the store's timeout. The call that carries it waits longer
+    /// for its reply ([`late_wait`]): a check that charged after its caller stopped
+    /// waiting is undone ([`deliver`]).
     pub(crate) async fn decide(&self, check: CheckJob) -> Result<Vec<u8>, RedisStoreError> {
-        let Some(queue) = &self.queue else {
-            return single(&self.transport, &self.shared, &check).await;
-        };
         let timeout = self.shared.timeout;
-        // A free slot means no call is in flight and no batch waits for one: the check
-        // goes at once from here, as a call of its own, without a hop through the
-        // sending task. (Semaphore permits go to waiters first, so this never overtakes
-        // a batch that waits.) With a batch wait, checks wait for company instead.
-        let free = (!self.always_queue)
-            .then(|| self.slots.clone().try_acquire_owned().ok())
-            .flatten();
-        if let Some(slot) = free {
-            let reply = single(&self.transport, &self.shared, &check).await;
-            drop(slot);
-            return reply;
-        }
         let (reply, answer) = oneshot::channel();
-        if queue.send(Job { check, reply }).is_err() {
-            return Err(RedisStoreError::UnexpectedReply(
-                "the store's sending task has stopped".into(),
-            ));
+        let job = Job { check, reply };
+        match &self.queue {
+            None => self.alone(job, None),
+            Some(queue) => {
+                // A free slot means no call is in flight and no batch waits for one: the
+                // check goes at once, as a call of its own, without waiting for the
+                // sending task. (Semaphore permits go to waiters first, so this never
+                // overtakes a batch that waits.) With a batch wait, checks wait for
+                // company instead.
+                let free = (!self.always_queue)
+                    .then(|| self.slots.clone().try_acquire_owned().ok())
+                    .flatten();
+                if free.is_some() {
+                    self.alone(job, free);
+                } else if queue.send(job).is_err() {
+                    return Err(RedisStoreError::UnexpectedReply(
+                        "the store's sending task has stopped".into(),
+                    ));
+                }
+            }
         }
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(result)) => result,
@@ -124,6 +129,82 @@ impl Batcher {
             Err(_) => Err(RedisStoreError::Timeout(timeout)),
         }
     }
+
+    /// Sends `job` as a call of its own, holding `slot` until its reply: in a task of its
+    /// own, so that its reply is read (and the check undone) when its caller stops
+    /// waiting.
+    fn alone(&self, job: Job, slot: Option<OwnedSemaphorePermit>) {
+        let (transport, shared) = (self.transport.clone(), self.shared.clone());
+        tokio::spawn(async move {
+            let reply = single(&transport, &shared, &job.check).await;
+            deliver(&transport, &shared, job, reply);
+            drop(slot);
+        });
+    }
+}
+
+/// How long a call's reply is awaited: twice the store's timeout, past its callers' own
+/// wait, so that a check Redis decided in time but answered late is seen and undone
+/// rather than left charged. (A check Redis reaches past its caller's deadline charges
+/// nothing.)
+fn late_wait(shared: &Shared) -> Duration {
+    shared.timeout.saturating_mul(2)
+}
+
+/// Hands `reply` to `job`'s caller. When the caller stopped waiting (its timeout; it
+/// decided without the store, by its failure policy) and the reply is a check that
+/// admitted, the check must not also count in Redis: its units are given back and its
+/// slot released, as calls of their own (on a module older than edits in batches, the
+/// charge stays until it drains, and that is reported).
+fn deliver(
+    transport: &Arc<Transport>,
+    shared: &Arc<Shared>,
+    job: Job,
+    reply: Result<Vec<u8>, RedisStoreError>,
+) {
+    let Err(Ok(bytes)) = job.reply.send(reply) else {
+        return;
+    };
+    let undo = job.check.undo(&bytes);
+    if undo.is_empty() {
+        return;
+    }
+    if !shared.paths.edits_batched.load(Ordering::Relaxed) {
+        tracing::warn!(
+            prefix = %shared.prefix,
+            "a check whose caller stopped waiting had charged; the server's module is older \
+             than edits in batches, so the charge stays until it drains"
+        );
+        return;
+    }
+    tokio::spawn(undo_checks(transport.clone(), shared.clone(), undo));
+}
+
+/// Sends `undo` (the edits of [`CheckJob::undo`]) in order, each a call of its own.
+/// Boxed: the calls' futures would otherwise nest in every spawned call's type, past
+/// what rustc lays out by default in the crates that await a check.
+fn undo_checks(
+    transport: Arc<Transport>,
+    shared: Arc<Shared>,
+    undo: Vec<CheckJob>,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        for edit in undo {
+            if let Err(e) = single(&transport, &shared, &edit).await {
+                tracing::warn!(
+                    prefix = %shared.prefix,
+                    error = %e,
+                    "a check whose caller stopped waiting had charged, and its charge could \
+                     not be given back: it stays until it drains"
+                );
+                return;
+            }
+        }
+        tracing::debug!(
+            prefix = %shared.prefix,
+            "a check whose caller stopped waiting had charged; its charge was given back"
+        );
+    })
 }
 
 async fn dispatch(
@@ -169,7 +250,7 @@ async fn dispatch(
 }
 
 /// Sends one batch and hands each check its reply.
-async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
+async fn send(transport: &Arc<Transport>, shared: &Arc<Shared>, mut batch: Vec<Job>) {
     // A caller that stopped waiting is not charged.
     batch.retain(|job| !job.reply.is_closed());
     if batch.len() > 1 && transport.is_cluster() {
@@ -179,7 +260,8 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
             // routed by its key. A batch of keys of many slots would be refused whole.
             None => {
                 join_all(batch.into_iter().map(|job| async move {
-                    let _ = job.reply.send(single(transport, shared, &job.check).await);
+                    let reply = single(transport, shared, &job.check).await;
+                    deliver(transport, shared, job, reply);
                 }))
                 .await;
                 return;
@@ -189,7 +271,7 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
     if let [job] = &batch[..] {
         let reply = single(transport, shared, &job.check).await;
         if let Some(job) = batch.pop() {
-            let _ = job.reply.send(reply);
+            deliver(transport, shared, job, reply);
         }
         return;
     }
@@ -201,13 +283,20 @@ async fn send(transport: &Transport, shared: &Shared, mut batch: Vec<Job>) {
         shared.record_keep_ms(),
         batch.iter().map(|job| &job.check),
     );
-    let reply = transport.call(&Request::Call(call), shared.timeout).await;
-    answer(batch, reply, shared.timeout);
+    let reply = transport
+        .call(&Request::Call(call), late_wait(shared))
+        .await;
+    answer(transport, shared, batch, reply);
 }
 
 /// Sends a Cluster's batch as one call per node, the checks of each node in their order.
 /// Without functions (before Redis 7), each check goes as a call of its own.
-async fn per_node(transport: &Transport, shared: &Shared, nodes: &Nodes, batch: Vec<Job>) {
+async fn per_node(
+    transport: &Arc<Transport>,
+    shared: &Arc<Shared>,
+    nodes: &Nodes,
+    batch: Vec<Job>,
+) {
     let mut groups: Vec<(u16, u16, Vec<Job>)> = Vec::new();
     for job in batch {
         let slot = job.check.slot();
@@ -232,10 +321,11 @@ async fn per_node(transport: &Transport, shared: &Shared, nodes: &Nodes, batch: 
 
 /// Sends `jobs` to the node serving `slot`, then each check the node turned away (its
 /// slot is elsewhere now; nothing was charged for it) as a call of its own, in order.
-async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Vec<Job>) {
+async fn on_node(transport: &Arc<Transport>, shared: &Arc<Shared>, slot: u16, mut jobs: Vec<Job>) {
     if jobs.len() == 1 {
         if let Some(job) = jobs.pop() {
-            let _ = job.reply.send(single(transport, shared, &job.check).await);
+            let reply = single(transport, shared, &job.check).await;
+            deliver(transport, shared, job, reply);
         }
         return;
     }
@@ -244,7 +334,7 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
         shared.record_keep_ms(),
         jobs.iter().map(|job| &job.check),
     );
-    let reply = transport.call_on(slot, &call, shared.timeout).await;
+    let reply = transport.call_on(slot, &call, late_wait(shared)).await;
     // Only an answer that says nothing ran sends the checks again: a call lost with its
     // connection may have charged them.
     let ran_nothing = match &reply {
@@ -262,22 +352,30 @@ async fn on_node(transport: &Transport, shared: &Shared, slot: u16, mut jobs: Ve
     };
     if ran_nothing {
         for job in jobs {
-            let _ = job.reply.send(single(transport, shared, &job.check).await);
+            let reply = single(transport, shared, &job.check).await;
+            deliver(transport, shared, job, reply);
         }
         return;
     }
-    let moved = answer(jobs, reply, shared.timeout);
+    let moved = answer(transport, shared, jobs, reply);
     if !moved.is_empty() {
         transport.nodes_stale();
     }
     for job in moved {
-        let _ = job.reply.send(single(transport, shared, &job.check).await);
+        let reply = single(transport, shared, &job.check).await;
+        deliver(transport, shared, job, reply);
     }
 }
 
 /// Hands each check of `batch` its part of `reply`; returns the checks a Cluster node
 /// turned away unanswered.
-fn answer(batch: Vec<Job>, reply: Result<Value, RedisStoreError>, timeout: Duration) -> Vec<Job> {
+fn answer(
+    transport: &Arc<Transport>,
+    shared: &Arc<Shared>,
+    batch: Vec<Job>,
+    reply: Result<Value, RedisStoreError>,
+) -> Vec<Job> {
+    let timeout = shared.timeout;
     let bytes = match reply {
         Ok(Value::BulkString(bytes)) => bytes,
         Ok(other) => {
@@ -311,7 +409,7 @@ fn answer(batch: Vec<Job>, reply: Result<Value, RedisStoreError>, timeout: Durat
             }
             Err(range) => Err(check_error(&bytes[range], timeout)),
         };
-        let _ = job.reply.send(reply);
+        deliver(transport, shared, job, reply);
     }
     moved
 }
@@ -328,7 +426,7 @@ async fn single(
     let reply = transport
         .call(
             &Request::Call(check.single_call(&shared.paths, shared.record_keep_ms())),
-            shared.timeout,
+            late_wait(shared),
         )
         .await?;
     match reply {
@@ -369,7 +467,7 @@ fn fail_all(batch: Vec<Job>, e: &RedisStoreError) {
 }
 
 /// The error of one check of a batch, from its message, as if Redis had answered it.
-fn check_error(message: &[u8], timeout: Duration) -> RedisStoreError {
+pub(crate) fn check_error(message: &[u8], timeout: Duration) -> RedisStoreError {
     let text: String = String::from_utf8_lossy(message)
         .chars()
         .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })

@@ -4,14 +4,16 @@
 //! each reply read back into a decision. Lease mode sits above it and knows nothing of
 //! requests; the batcher below knows nothing of decisions.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ratelimit_core::packed::Edit;
 use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{Algorithm, Decision, RuleSet};
 use redis::Value;
 
-use crate::batch::Batcher;
+use crate::batch::{check_error, Batcher};
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 use crate::script::{
@@ -42,6 +44,10 @@ pub(crate) struct Unspent<'a> {
     /// Per rule: the fixed window the reservation charged (0 for other algorithms).
     pub(crate) windows: &'a [u64],
 }
+
+/// What a module older than edits in batches (protocol 5) answers an edit in a batch:
+/// its check's parse refuses the header's first value, before anything is read.
+const OLDER_MODULE: &str = "injected is 0 or 1";
 
 /// The store's operations decided in Redis, one request each (checks batched).
 pub(crate) struct Exact {
@@ -97,7 +103,7 @@ impl Exact {
         cost: u64,
     ) -> Result<Decision, RedisStoreError> {
         let shared = &self.shared;
-        let job = CheckJob::new(
+        let mut job = CheckJob::new(
             &shared.prefix,
             key,
             rules,
@@ -105,6 +111,7 @@ impl Exact {
             cost,
             shared.ttl_floor_ms,
         );
+        job.sent_at = self.now_us();
         let bytes = self.batcher.decide(job).await?;
         let (decision, healed) = match CheckReply::decision_from(rules, &bytes)? {
             Ok(decided) => decided,
@@ -175,8 +182,11 @@ impl Exact {
         cost: u64,
         charged_at: u64,
     ) -> Result<bool, RedisStoreError> {
-        let call = self.state_call(&GIVE_BACK, key, rules, cost, Some(charged_at));
-        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
+        let edit = Edit::GiveBack { charged_at };
+        let reply = self.edit(key, Some(rules), edit, cost, || {
+            self.state_call(&GIVE_BACK, key, rules, cost, Some(charged_at))
+        });
+        let changed = reply.await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(
                     error = %e,
@@ -188,7 +198,7 @@ impl Exact {
                 );
             }
         })?;
-        Ok(matches!(reply, Value::Int(1)))
+        Ok(changed)
     }
 
     /// Charges `units` to `key` under `rules` unconditionally, as debt where a state goes
@@ -202,8 +212,10 @@ impl Exact {
         // No rule takes more than its limit (below 2^53) from one settle: the units sent
         // are the most any rule takes, so they fit the encoding.
         let units = units.min(max_debt(rules));
-        let call = self.state_call(&DEBIT, key, rules, units, None);
-        let reply = self.run(Request::Call(call)).await.inspect_err(|e| {
+        let reply = self.edit(key, Some(rules), Edit::Debit, units, || {
+            self.state_call(&DEBIT, key, rules, units, None)
+        });
+        let changed = reply.await.inspect_err(|e| {
             if let Some(count) = self.give_back_log.hit(self.now_us()) {
                 tracing::warn!(
                     error = %e,
@@ -214,6 +226,57 @@ impl Exact {
                 );
             }
         })?;
+        Ok(changed)
+    }
+
+    /// Runs an edit of `key`'s state after its check: queued with the checks and sent in
+    /// their batch where the servers take edits there (`Paths::edits_batched`), else as
+    /// `call`, a call of its own. Whether it changed the state.
+    async fn edit<'a>(
+        &'a self,
+        key: &[u8],
+        rules: Option<&RuleSet>,
+        edit: Edit,
+        units: u64,
+        call: impl FnOnce() -> Call<'a>,
+    ) -> Result<bool, RedisStoreError> {
+        let shared = &self.shared;
+        if shared.paths.edits_batched.load(Ordering::Relaxed) {
+            let job = CheckJob::edit(
+                &shared.prefix,
+                key,
+                rules,
+                edit,
+                self.injected_now(),
+                units,
+                shared.ttl_floor_ms,
+            );
+            // A check alone answers its failure as a batch entry too.
+            let reply =
+                self.batcher
+                    .decide(job)
+                    .await
+                    .and_then(|bytes| match CheckReply::len(0, &bytes) {
+                        Some(Err(message)) => Err(check_error(&bytes[message], shared.timeout)),
+                        _ => CheckReply::edited(&bytes),
+                    });
+            match reply {
+                Ok(changed) => return Ok(changed),
+                // A module older than edits in batches (a node restarted with one) refused
+                // it as a check, nothing written: from now on edits go alone, and this
+                // one goes now.
+                Err(e) if e.to_string().contains(OLDER_MODULE) => {
+                    tracing::info!(
+                        "a server's ratelimit module does not take edits in batches (an \
+                         older module): settles and releases go as calls of their own until \
+                         a reconnection finds every module current"
+                    );
+                    shared.paths.edits_batched.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let reply = self.run(Request::Call(call())).await?;
         Ok(matches!(reply, Value::Int(1)))
     }
 
@@ -226,21 +289,27 @@ impl Exact {
         slot: u64,
         renew_us: Option<u64>,
     ) -> Result<bool, RedisStoreError> {
-        let mut names = KeyNames::new(&self.shared.prefix, key);
-        let (script, args) = match renew_us {
-            None => (&**RELEASE, 2),
-            Some(_) => (&**RENEW, 4),
+        let edit = match renew_us {
+            None => Edit::Release { slot },
+            Some(timeout_us) => Edit::Renew { slot, timeout_us },
         };
-        let mut call = script.call(&self.shared.paths, names.state().as_bytes(), 1, 1 + args);
-        call.cmd.arg(names.state());
-        self.now_arg(&mut call.cmd);
-        call.cmd.arg(slot);
-        if let Some(timeout) = renew_us {
-            call.cmd.arg(timeout).arg(self.shared.ttl_floor_ms);
-        }
-        call.arg_once(names.state(), self.shared.record_keep_ms());
-        let reply = self.run(Request::Call(call)).await?;
-        Ok(matches!(reply, Value::Int(1)))
+        self.edit(key, None, edit, 0, || {
+            let mut names = KeyNames::new(&self.shared.prefix, key);
+            let (script, args) = match renew_us {
+                None => (&**RELEASE, 2),
+                Some(_) => (&**RENEW, 4),
+            };
+            let mut call = script.call(&self.shared.paths, names.state().as_bytes(), 1, 1 + args);
+            call.cmd.arg(names.state());
+            self.now_arg(&mut call.cmd);
+            call.cmd.arg(slot);
+            if let Some(timeout) = renew_us {
+                call.cmd.arg(timeout).arg(self.shared.ttl_floor_ms);
+            }
+            call.arg_once(names.state(), self.shared.record_keep_ms());
+            call
+        })
+        .await
     }
 
     /// Gives a lease's unspent units back to the state named `state`.

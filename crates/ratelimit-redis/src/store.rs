@@ -159,7 +159,10 @@ impl RedisStoreBuilder {
     /// connection) leave together as one call that decides them in order, each as
     /// atomically as alone, with one read of Redis `TIME` for all; a lone check leaves at
     /// once. On a Cluster, a batch goes as one call per node (Redis 7; before it, one
-    /// call per check).
+    /// call per check). Settles ([`settle`](Store::settle), [`refund`](Store::refund)),
+    /// releases and renewals of concurrency slots queue with the checks and leave in the
+    /// same calls, each in its turn (on the Lua functions, and on a module of batch
+    /// protocol 5 or later; an older module takes each as a call of its own).
     pub fn max_batch(mut self, checks: usize) -> Self {
         self.max_batch = checks.clamp(1, MAX_BATCH);
         self

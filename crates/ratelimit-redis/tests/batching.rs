@@ -29,7 +29,7 @@ async fn store(server: &RedisServer, prefix: &str, clock: Option<ManualClock>) -
 }
 
 /// Batch calls and single calls since the last reset: FCALLs, or on the module its
-/// single checks and compact batches. On the module, requires that no batch went in the
+/// single checks, compact batches and edits of their own. On the module, requires that no batch went in the
 /// older form (the module has the compact one).
 fn calls(con: &mut redis::Connection, module: bool) -> u64 {
     let stats = common::commandstats(con);
@@ -43,7 +43,19 @@ fn calls(con: &mut redis::Connection, module: bool) -> u64 {
         0,
         "a batch in the older form"
     );
-    count("ratelimit.check") + count("ratelimit.check_state") + count("ratelimit.check_states")
+    let edits: u64 = [
+        "ratelimit.give_back",
+        "ratelimit.debit",
+        "ratelimit.release",
+        "ratelimit.renew",
+    ]
+    .map(count)
+    .iter()
+    .sum();
+    count("ratelimit.check")
+        + count("ratelimit.check_state")
+        + count("ratelimit.check_states")
+        + edits
 }
 
 fn server(module: bool) -> RedisServer {
@@ -206,6 +218,99 @@ async fn a_failing_check_does_not_fail_its_mates(module: bool) {
     assert!(store.check(b"bad", &deep, 1).await.unwrap().is_allowed());
     let d = store.check(b"good-3", &deep, 1).await.unwrap();
     assert_eq!(d.rules()[1].remaining, 10_000 - 2);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn settles_and_releases_ride_the_checks_batches() {
+    edits_ride_the_batches(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn settles_and_releases_ride_the_module_checks_batches() {
+    edits_ride_the_batches(true).await;
+}
+
+/// A metered gateway's operations: each task checks an estimate of 2 units under a
+/// concurrency rule, then settles at its actual and releases its slot. The settles and
+/// releases queue with the checks and leave in their calls, decided in order: the
+/// state ends as if each had been a call of its own.
+async fn edits_ride_the_batches(module: bool) {
+    const TASKS: usize = 64;
+    let server = server(module);
+    let mut con = common::conn(&server.url());
+    let clock = ManualClock::new(T0_US);
+    let store = store(&server, "edits", Some(clock.clone())).await;
+    let rules: RuleSet = "1000/min fixed-window; 100/min sliding-log; 8 concurrent timeout=30s"
+        .parse()
+        .unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    common::reset_stats(&mut con);
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|i| {
+            let (store, rules) = (store.clone(), rules.clone());
+            tokio::spawn(async move {
+                let key = [b"a", b"b"][i % 2];
+                let at = store.now_us();
+                let d = store.check(key, &rules, 2).await.expect("check");
+                let actual = (i % 4) as u64;
+                if d.is_allowed() {
+                    let changed = store.settle(key, &rules, 2, actual, at).await;
+                    assert_eq!(changed.expect("settle"), actual != 2);
+                    let slot = d.slot().expect("a slot");
+                    assert!(store.release(key, &rules, slot).await.expect("release"));
+                    Some(actual)
+                } else {
+                    None
+                }
+            })
+        })
+        .collect();
+    let mut settled = [0u64; 2];
+    let mut admitted = [0usize; 2];
+    for (i, task) in tasks.into_iter().enumerate() {
+        if let Some(actual) = task.await.unwrap() {
+            settled[i % 2] += actual;
+            admitted[i % 2] += 1;
+        }
+    }
+    let calls = calls(&mut con, module);
+    let operations = TASKS + 2 * admitted.iter().sum::<usize>();
+    assert!(
+        calls <= 8,
+        "{calls} calls for {operations} checks, settles and releases: the edits went alone"
+    );
+    // Every slot free again, every key charged exactly its actuals; a memory store given
+    // the same operations one by one agrees.
+    for (k, key) in [b"a", b"b"].into_iter().enumerate() {
+        let peek = store.check(key, &rules, 0).await.unwrap();
+        let remaining: Vec<u64> = peek.rules().iter().map(|r| r.remaining).collect();
+        assert_eq!(remaining[0], 1000 - settled[k], "key {k}: {remaining:?}");
+        assert_eq!(remaining[2], 8, "key {k}: every slot released");
+        let mut slots = Vec::new();
+        for i in (0..TASKS).filter(|i| i % 2 == k) {
+            let at = memory.now_us();
+            let d = memory.check(key, &rules, 2).await.unwrap();
+            if d.is_allowed() {
+                memory
+                    .settle(key, &rules, 2, (i % 4) as u64, at)
+                    .await
+                    .unwrap();
+                slots.push(d.slot().unwrap());
+            }
+        }
+        for slot in slots {
+            memory.release(key, &rules, slot).await.unwrap();
+        }
+        let expected: Vec<u64> = memory
+            .check(key, &rules, 0)
+            .await
+            .unwrap()
+            .rules()
+            .iter()
+            .map(|r| r.remaining)
+            .collect();
+        assert_eq!(remaining[..2], expected[..2], "key {k}");
+    }
 }
 
 /// The batch function itself: a check whose caller's deadline has passed is answered

@@ -40,9 +40,9 @@ fn the_module_reports_its_version_and_state_format() {
         items[1],
         Value::Int(ratelimit_core::packed::STATE_FORMAT as i64)
     );
-    // The batch protocol: 4, the compact batches, calls decided once, debt and edits
-    // decided once.
-    assert_eq!(items[2], Value::Int(4));
+    // The batch protocol: 5, the compact batches, calls decided once, debt, edits
+    // decided once and edits in batches.
+    assert_eq!(items[2], Value::Int(5));
 }
 
 /// Loaded with `protocol 0`, the module answers as the modules before the compact form:
@@ -331,10 +331,10 @@ async fn settles_go_to_the_module_where_it_has_debit() {
         async move { store.check(key, &rules, 0).await.unwrap().rules()[0].remaining }
     };
 
-    let server =
-        RedisServer::start_with(&["--loadmodule", &module, "--enable-module-command", "yes"]);
-    let mut con = common::conn(&server.url());
-    let store = store_on(server.url()).await;
+    // Protocol 4: each settle that needs one is a command of its own.
+    let four = RedisServer::start_with(&["--loadmodule", &module, "protocol", "4"]);
+    let mut con = common::conn(&four.url());
+    let store = store_on(four.url()).await;
     let at = store.now_us();
     assert!(store.check(b"k", &rules, 2).await.unwrap().is_allowed());
     common::reset_stats(&mut con);
@@ -348,8 +348,28 @@ async fn settles_go_to_the_module_where_it_has_debit() {
     );
     assert_eq!(left(&store, b"k").await, 6);
 
-    // Loaded again of protocol 2: the store, told protocol 3 at its connection, finds
-    // DEBIT unknown, sends it to Lua, and keeps the module for its checks.
+    // Protocol 5: a settle is an edit the check commands carry (alone here: nothing else
+    // queued with it).
+    let server =
+        RedisServer::start_with(&["--loadmodule", &module, "--enable-module-command", "yes"]);
+    let mut con = common::conn(&server.url());
+    let store = store_on(server.url()).await;
+    let at = store.now_us();
+    assert!(store.check(b"k", &rules, 2).await.unwrap().is_allowed());
+    common::reset_stats(&mut con);
+    assert!(!store.settle(b"k", &rules, 2, 2, at).await.unwrap());
+    assert!(store.settle(b"k", &rules, 2, 5, at).await.unwrap());
+    assert!(store.settle(b"k", &rules, 2, 1, at).await.unwrap());
+    assert_eq!(
+        calls(&mut con),
+        [0, 0, 0, 2],
+        "settles in the check commands"
+    );
+    assert_eq!(left(&store, b"k").await, 6);
+
+    // Loaded again of protocol 2: the store, told protocol 5 at its connection, finds
+    // its edit refused (nothing written) and sends it as a command of its own; DEBIT is
+    // unknown too, so it goes to Lua, and the module keeps the checks.
     for args in [
         &["UNLOAD", "ratelimit"][..],
         &["LOAD", &module, "protocol", "2"],
@@ -1282,11 +1302,11 @@ fn lua_and_module_write_the_same_bytes() {
     });
     // The traces reached every command of both paths.
     let stats = common::commandstats(&mut con.borrow_mut());
+    // (Give-backs and debt ride the check commands: edits in batches.)
     for command in [
         "ratelimit.refund",
-        "ratelimit.give_back",
-        "ratelimit.debit",
         "ratelimit.block",
+        "ratelimit.check_state",
     ] {
         let calls = stats.get(command).map_or(0, |s| s.0);
         assert!(calls > 20, "{command}: {calls} calls");

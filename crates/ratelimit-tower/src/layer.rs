@@ -16,7 +16,7 @@ use crate::customer::{self, Customers, Resolver, DEFAULT_CUSTOMER_CACHE, DEFAULT
 use crate::deny_cache::{DenyCache, DenyCacheConfig};
 use crate::error::BuildError;
 use crate::fallback::{fallback_store, FallbackRules};
-use crate::limiter::{ChargeWhen, Limiter};
+use crate::limiter::{ChargeWhen, Handover, Limiter};
 use crate::limits::{Limits, LimitsHandle, Live, Settings};
 use crate::meter::Metering;
 use crate::metrics::DEFAULT_METRICS_TIER_LABELS;
@@ -96,6 +96,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             on_rejection: Arc::new(PlainText),
             failure_policy: FailurePolicy::default(),
             fallback: FallbackRules::Same,
+            handover: true,
             omitted_key_status: StatusCode::BAD_REQUEST,
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
@@ -247,6 +248,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     on_rejection: Arc<dyn OnRejection>,
     failure_policy: FailurePolicy,
     fallback: FallbackRules,
+    handover: bool,
     omitted_key_status: StatusCode,
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
@@ -296,6 +298,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             on_rejection: self.on_rejection,
             failure_policy: self.failure_policy,
             fallback: self.fallback,
+            handover: self.handover,
             omitted_key_status: self.omitted_key_status,
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
@@ -423,6 +426,16 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     pub fn fallback_rules(mut self, rules: RuleSet) -> Self {
         self.failure_policy = FailurePolicy::Fallback;
         self.fallback = FallbackRules::Rules(rules);
+        self
+    }
+
+    /// Whether the fallback's usage is handed to the store when it answers again (on by
+    /// default; see [the crate docs](crate#while-the-store-is-down)). Off, the store
+    /// resumes as if the outage had admitted nothing: for tests that show what the
+    /// handover bounds, not for production.
+    #[doc(hidden)]
+    pub fn fallback_handover(mut self, on: bool) -> Self {
+        self.handover = on;
         self
     }
 
@@ -782,6 +795,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         let namespace_arc: Arc<str> = namespace.as_str().into();
         let limiter = Limiter {
             fallback: fallback.then(|| fallback_store(&store)),
+            handover: fallback.then(|| Handover::new(self.handover)),
             store,
             key: self.key,
             cost: self.cost,

@@ -411,7 +411,8 @@
 //! limit, burst and capacity divided by N, rounded down), or rules of their own
 //! ([`fallback_rules`](RateLimitLayerBuilder::fallback_rules)). Every request asks the
 //! store first (a denial still in the deny cache aside), so the first one after the
-//! store answers again is decided by the store.
+//! store answers again is decided by the store, once what the fallback admitted for its
+//! key is handed over ([switching back](#switching-back)).
 //!
 //! **Fields.** The fields describe the rules actually enforced. Each fallback rule's item
 //! is named as the rule would be (a named rule keeps its name; an unnamed one is named by
@@ -441,21 +442,15 @@
 //!
 //! **Concurrency rules.** `fallback_share(N)` gives each instance `limit / N` slots
 //! (`4 concurrent` shared by 4: one slot each) with the rule's timeout. A slot taken from
-//! the fallback store is renewed and released there, also after the store is back, and
-//! the store never learns of it. So the bound holds within each side but not across the
-//! switch:
-//!
-//! * slots the store gave before the outage are unknown to the fallback: a key holding
-//!   all its slots in the store when it fails can have as many again in flight from the
-//!   instances' fallbacks. Their renewals fail (`DEBUG`) and are tried again every third
-//!   of the timeout; their releases are tried four times within about 1.3 s, then left to
-//!   their deadlines (`WARN`), so after the outage the store holds them until then, and
-//!   the key admits fewer at once. A slot the store let expire meanwhile is found gone
-//!   by its next renewal (`WARN`), and its request runs on without one;
-//! * slots the fallbacks gave are unknown to the store: once it answers, it admits up to
-//!   its limit while the requests the fallbacks admitted still run. Across the switch a
-//!   key may have up to twice its limit in flight fleet-wide, for as long as those
-//!   requests last.
+//! the fallback store is renewed and released there. Slots the store gave before the
+//! outage are unknown to the fallback: a key holding all its slots in the store when it
+//! fails can have as many again in flight from the instances' fallbacks. Their renewals
+//! fail (`DEBUG`) and are tried again every third of the timeout; their releases are
+//! tried four times within about 1.3 s, then left to their deadlines (`WARN`), so after
+//! the outage the store holds them until then, and the key admits fewer at once. A slot
+//! the store let expire meanwhile is found gone by its next renewal (`WARN`), and its
+//! request runs on without one. Slots the fallback gave and that are still held when the
+//! store answers again are handed to it ([switching back](#switching-back)).
 //!
 //! **Metered costs.** The estimate is reserved in the fallback store against the share,
 //! and the request's settle goes where its charge went, whenever it comes: a charge made
@@ -467,9 +462,106 @@
 //! more, then lost. Refunds of charging by outcome follow the same path, and a refunded
 //! `RateLimit` field is rewritten in the fallback's items.
 //!
-//! The fallback's charges are not handed to the store when it returns: a key can be
-//! admitted its share on each instance during the outage and the limit again from the
-//! store after it, within one window.
+//! ## Switching back
+//!
+//! When the store answers again, each instance hands it what its fallback admitted
+//! before the store decides those keys again, so that the limit holds across the
+//! switch, also when the store restarted empty (the handover re-seeds it). Per key, the
+//! layer keeps the time and units of each fallback admission (those closer together
+//! than a sixty-fourth of the key's shortest period as one, at the later time; at most
+//! 256 per key, the oldest merged into the next: counted longer, never shorter) and the
+//! fallback's slots still held, for up to 100,000 keys (a `WARN` says when more are
+//! not kept). A key is handed over by its next request, whose check waits for it (a
+//! check of cost 0 first, while the store has not been seen answering since the last
+//! fallback admission: during the outage that is the one call the check would have
+//! been; then the handover's call; another request of the key meanwhile waits for it
+//! too, at most the store timeout, else a second, and then follows the failure
+//! policy), or, whichever comes first, by a background task that asks the store every
+//! 100 ms whether it answers (a check of cost 0 on a pending key) and then hands every
+//! pending key over, 64 at a time so that the store batches them. Per rule, what is
+//! handed over is what still counts:
+//!
+//! * fixed window: the fallback's units in the current window (a closed window's count
+//!   is gone from the store too);
+//! * sliding window counter: those of the last period and one sub-window; sliding log:
+//!   those of the last period. Charged now, they count a little longer than they would
+//!   have, never shorter;
+//! * token bucket, GCRA, leaky bucket: what has not drained, at the rate of the
+//!   fallback's rule (the instance's share of the rate: the fleet's shares drain at most
+//!   the whole rate together, so the instances' handovers add up to at least what the
+//!   fleet's usage would have left in the store's bucket);
+//! * concurrency: each slot still held is taken in the store by a check of one unit
+//!   (decided with the key's rate rules, which it charges instead of the handover's
+//!   debit); the request then holds both, and its renewals and release go to the store
+//!   too. A slot the store refuses (it is full already) stays local until its request
+//!   ends (`WARN`).
+//!
+//! The units go in one charge per key, unconditionally
+//! ([`Store::settle`](ratelimit_core::Store::settle) from 0: debt
+//! where they pass the limit), of the most any rule of the key still counts: a shorter
+//! rule may be charged more than its own count, so it refuses longer, never admits
+//! more; units above what one charge takes ([`settle_cap`](ratelimit_core::algo::settle_cap))
+//! go in several. A handover costs the store one call per key with usage, plus one per
+//! slot still held, plus the probes: `BENCHMARKS.md` has the figures. Once every key is
+//! handed over, one `INFO` line says what it took (`keys`, `units`, `slots`,
+//! `store_calls`, `took_ms`); a handover that fails keeps the usage for the next try
+//! (a charge that ran in the store but whose answer was lost is then charged twice: the
+//! key refuses longer, never admits more).
+//! What the fallback gave back (charging by outcome) is handed over still (it counts
+//! more, never less); debt a settle ran up in the fallback is not.
+//!
+//! ## What a key may admit across an outage
+//!
+//! For one key, N instances with `fallback_share(N)`, and a rule of limit `L` per
+//! period `P` (`r = L / P`; `B` the burst or capacity of a bucket): the store fails at
+//! `t_down` and answers again at `t_up`; each instance switches back at its first store
+//! call that succeeds after that (its own connection's return: `RedisStore` reconnects
+//! with pauses growing to 2 s). Two terms bound what the fleet admits beyond the limit
+//! in a window `W`:
+//!
+//! * **before(W)**, what the store admitted in `W` before `t_down`, when `W` holds
+//!   `t_down`: the fallbacks start empty and cannot know it (at most `L`; 0 in every
+//!   window that does not hold the outage's start). A store restarted empty forgets it
+//!   too, and that is all it forgets: the handover gives it the rest back.
+//! * **lag(W)**, what fallbacks admitted in `W` that the store had not been handed when
+//!   it admitted in `W`: their admissions after `t_up` (an instance whose connection is
+//!   not back yet decides by its fallback while the store decides for the others), and
+//!   every fallback admission in `W` of an instance that switched back after the
+//!   store's first admission in `W` after the outage (for a bucket, what drained before
+//!   that instance's handover is not handed over at all). 0 when the instances switch
+//!   back together; an instance adds at most its share per period while it lags
+//!   (`BENCHMARKS.md` has the spread measured).
+//!
+//! Then, the fleet's admissions, counting both stores:
+//!
+//! | rule | over | at most |
+//! |---|---|---|
+//! | fixed window | each window | `L + before(W) + lag(W)` |
+//! | sliding window counter (precision `p`) | each run of `p` aligned sub-windows | `L + before(W) + lag(W)` |
+//! | sliding log | each interval of length `P` | `L + before(W) + lag(W)` |
+//! | token bucket, GCRA, leaky bucket | each interval `W = [a, b]` | `B + r × (b − a) + before(W) + lag(W)` |
+//! | `N concurrent` | each instant `t` | `N + before(t) + lag(t)` in flight |
+//!
+//! For a concurrency rule, `before(t)` is the store's requests from before the outage
+//! still running at `t` and `lag(t)` the fallbacks' requests still running that were
+//! admitted after `t_up`, or by an instance that switched back after the store first
+//! admitted the key again, or
+//! whose slot the store refused to take at the handover (it was full: of slots it gave
+//! meanwhile, or of slots from before the outage whose release failed, until their
+//! deadlines).
+//!
+//! Without the handover, a window that holds `t_up` gets the limit again from the store
+//! on top of what the fallbacks admitted in it: `L + fallback(W)`, up to `2L` (`100/10s`
+//! shared by 4, Redis down 3 s across a window's start: 25 by the fallbacks, then 103
+//! from the store). With it, a window that does not hold the outage's start admits at
+//! most `L + lag(W)`. The deny cache changes none of this: it only refuses. The test
+//! `tests/recovery.rs` runs four instances on one redis-server killed for 3 s (restarted
+//! with its data and empty, on the module and on Lua), sweeps every window of `10/s`,
+//! `100/min fixed-window`, `50/min sliding-window` and `4 concurrent` against these
+//! bounds, and checks that the same runs with the handover switched off break them.
+//!
+//! No other limiter we know of hands an outage's usage over: rate-limiter-flexible's
+//! insurance limiter, Envoy and limitador fail open or switch to local counters and back.
 //!
 //! # Limits per customer
 //!

@@ -66,6 +66,11 @@ impl SlotGuard {
         Self(Box::new(Inner { slot, bound: None }))
     }
 
+    /// The slot's number.
+    pub(crate) fn slot(&self) -> u64 {
+        self.0.slot
+    }
+
     /// Binds the slot to `slots`, which releases it when the guard drops, and starts
     /// renewing it every third of `timeout` (when a Tokio runtime runs).
     pub(crate) fn bind(

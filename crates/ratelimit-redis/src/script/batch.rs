@@ -22,6 +22,10 @@ pub(crate) struct CheckJob {
     packed: Vec<u8>,
     /// Rules of the check, which the length of its reply depends on.
     pub(crate) rules: usize,
+    /// When the check was sent, on the store's reading of the Redis clock: no later
+    /// than it charged, the time its charge is given back from when its caller stopped
+    /// waiting ([`CheckJob::undo`]).
+    pub(crate) sent_at: u64,
 }
 
 impl CheckJob {
@@ -34,7 +38,39 @@ impl CheckJob {
         cost: u64,
         ttl_floor_ms: u64,
     ) -> Self {
-        let has_log = rules.log_limit() > 0;
+        Self::with_packed(
+            prefix,
+            key,
+            rules.log_limit() > 0,
+            CheckArgs::pack(time, cost, ttl_floor_ms, rules),
+            rules.len(),
+        )
+    }
+
+    /// An edit of `key`'s state after its check, carried by a batch in place of a check
+    /// ([`packed::Edit`]): for a settle, of the check of `rules` (`None` for a slot's
+    /// edit) for `units` units at the injected time `now`. Its reply is `{4, 0 or 1}`
+    /// ([`CheckReply::edited`](super::CheckReply::edited)).
+    pub(crate) fn edit(
+        prefix: &str,
+        key: &[u8],
+        rules: Option<&RuleSet>,
+        edit: packed::Edit,
+        now: Option<u64>,
+        units: u64,
+        ttl_floor_ms: u64,
+    ) -> Self {
+        let rules = rules.filter(|_| edit.has_rules());
+        Self::with_packed(
+            prefix,
+            key,
+            rules.is_some_and(|rules| rules.log_limit() > 0),
+            packed::pack_edit(edit, rules, now, units, ttl_floor_ms),
+            0,
+        )
+    }
+
+    fn with_packed(prefix: &str, key: &[u8], has_log: bool, packed: Vec<u8>, rules: usize) -> Self {
         let mut names = KeyNames::new(prefix, key);
         let mut all = String::with_capacity(3 * (prefix.len() + 48));
         let mut ends = [0; 3];
@@ -50,8 +86,83 @@ impl CheckJob {
             names: all,
             ends,
             keys: 2 + usize::from(has_log),
-            packed: CheckArgs::pack(time, cost, ttl_floor_ms, rules),
-            rules: rules.len(),
+            packed,
+            rules,
+            sent_at: 0,
+        }
+    }
+
+    /// The edits that undo this check, which `reply` says admitted and charged: its
+    /// units given back and its slot released, as jobs of the same key (none when it
+    /// was refused, a peek, or is no check). For a check whose caller stopped waiting
+    /// (a timeout) after it was sent: the caller decided without it (a failure policy),
+    /// so it must not also count in Redis.
+    pub(crate) fn undo(&self, reply: &[u8]) -> Vec<CheckJob> {
+        let value = |bytes: &[u8], i: usize| packed::value(bytes, i);
+        let (Some(first), Some(cost), Some(n)) = (
+            value(&self.packed, 0),
+            value(&self.packed, 2),
+            value(&self.packed, 4),
+        ) else {
+            return Vec::new();
+        };
+        let n = usize::try_from(n).unwrap_or(0);
+        // A check's decision: `{status 0 or 2, delay, per rule (allowed, ..)}`.
+        let status = reply
+            .get(..8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
+        let decided = matches!(status, Some(s) if s == 0.0 || s == 2.0)
+            && reply.len() == 16 + 32 * n
+            && first <= 1;
+        let allowed = |r: usize| {
+            reply
+                .get(16 + 32 * r..24 + 32 * r)
+                .is_some_and(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) == 1.0)
+        };
+        if !decided || !(0..n).all(allowed) {
+            return Vec::new();
+        }
+        let injected = (first == 1).then(|| value(&self.packed, 1)).flatten();
+        let ttl_floor = value(&self.packed, 3).unwrap_or(0);
+        let mut undo = Vec::new();
+        if cost > 0 {
+            let mut give_back = self.packed.clone();
+            let charged_at = injected.unwrap_or(self.sent_at);
+            give_back[..8].copy_from_slice(&((first + 2) as f64).to_le_bytes());
+            let at = 8 * (packed::HEADER - 1);
+            give_back[at..at + 8].copy_from_slice(&(charged_at as f64).to_le_bytes());
+            undo.push(self.sibling(give_back, self.keys, 0));
+        }
+        // A concurrency rule's slot: its number is the rule's retry.
+        for r in 0..n {
+            let code = value(&self.packed, packed::HEADER + packed::PER_RULE * r);
+            let slot = reply
+                .get(40 + 32 * r..48 + 32 * r)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                .filter(|&x| x >= 1.0 && x.fract() == 0.0);
+            if let (Some(packed::CONCURRENT_CODE), Some(slot)) = (code, slot) {
+                let edit = packed::Edit::Release { slot: slot as u64 };
+                let release = packed::pack_edit(edit, None, injected, 0, ttl_floor);
+                undo.push(self.sibling(release, 2, 0));
+            }
+        }
+        undo
+    }
+
+    /// A job on this job's key names (the first `keys` of them) with its own packed value.
+    fn sibling(&self, packed: Vec<u8>, keys: usize, rules: usize) -> CheckJob {
+        let names = self.names[..self.ends[keys - 1]].to_owned();
+        let mut ends = self.ends;
+        for end in &mut ends[keys..] {
+            *end = names.len();
+        }
+        CheckJob {
+            names,
+            ends,
+            keys,
+            packed,
+            rules,
+            sent_at: 0,
         }
     }
 

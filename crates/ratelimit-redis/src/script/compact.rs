@@ -121,7 +121,11 @@ pub(crate) fn expand(args: &[&[u8]], local: bool) -> Option<Vec<Vec<u8>>> {
         let mut pack = packs.get(index)?.to_vec();
         pack.get_mut(DEADLINE)?
             .copy_from_slice(&(deadline.unwrap_or(0) as f64).to_le_bytes());
-        let log = Header::parse(&pack).ok()?.0.log_limit > 0;
+        let log = match packed::parse_edit(&pack) {
+            Ok(Some((_, header, _))) => header.log_limit > 0,
+            Ok(None) => Header::parse(&pack).ok()?.0.log_limit > 0,
+            Err(_) => return None,
+        };
         let sibling = |kind: u8| {
             let mut name = state.to_vec();
             *name.last_mut()? = kind;

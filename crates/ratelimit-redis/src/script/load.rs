@@ -98,6 +98,10 @@ pub(crate) struct Paths {
     /// a state after its check (`RATELIMIT.GIVE_BACK`, `DEBIT`, `REFUND`, `RELEASE`,
     /// `RENEW`) carry a call id and are decided once.
     pub(crate) edits_once: AtomicBool,
+    /// Every primary found with the module serves its protocol 5 (or none has it): the
+    /// edits of a state after its check (give-backs, debt, releases, renewals) queue
+    /// with the checks and leave in their batches, else each is a call of its own.
+    pub(crate) edits_batched: AtomicBool,
     /// On a Cluster where only some primaries have the module: the slots whose node has
     /// it, one bit each, as of the last node map; a call on a key of such a slot goes as
     /// the module's command, any other as Lua. `None` otherwise.
@@ -125,6 +129,8 @@ impl Paths {
             once: AtomicBool::new(false),
             debt: AtomicBool::new(false),
             edits_once: AtomicBool::new(false),
+            // Until the servers were asked which modules they have.
+            edits_batched: AtomicBool::new(false),
             module_slots: RwLock::new(None),
             module_nodes: RwLock::new(Vec::new()),
             remap: AtomicBool::new(false),
@@ -188,6 +194,7 @@ impl Paths {
         self.compact.store(false, Ordering::Relaxed);
         self.once.store(false, Ordering::Relaxed);
         self.edits_once.store(false, Ordering::Relaxed);
+        self.edits_batched.store(false, Ordering::Relaxed);
         let cluster = !self
             .module_nodes
             .read()
@@ -487,6 +494,8 @@ const LIBRARY_SOURCE: &str = concat!(
     include_str!("../../lua/debit.lua"),
     "\n",
     include_str!("../../lua/slots.lua"),
+    "\n",
+    include_str!("../../lua/edits.lua"),
     "\n",
     include_str!("../../lua/once.lua"),
 );

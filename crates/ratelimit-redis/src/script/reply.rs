@@ -43,11 +43,30 @@ impl CheckReply {
                 let range = 16..16 + n as usize;
                 return (range.end <= bytes.len()).then_some(Err(range));
             }
-            1.0 | 3.0 => 16,
+            // A block, a late check, an edit's `{4, 0 or 1}`.
+            1.0 | 3.0 | 4.0 => 16,
             0.0 | 2.0 => 16 + 32 * rules,
             _ => return None,
         };
         (len <= bytes.len()).then_some(Ok(len))
+    }
+
+    /// Whether an edit carried by a batch changed the state, from its reply `{4, 0 or
+    /// 1}` ([`ratelimit_core::packed::encode_edit`]).
+    pub(crate) fn edited(bytes: &[u8]) -> Result<bool, RedisStoreError> {
+        let value = |i: usize| {
+            let chunk = bytes.get(8 * i..8 * i + 8)?;
+            Some(f64::from_le_bytes(chunk.try_into().ok()?))
+        };
+        match (bytes.len(), value(0), value(1)) {
+            (16, Some(4.0), Some(changed)) if changed == 0.0 || changed == 1.0 => {
+                Ok(changed == 1.0)
+            }
+            _ => Err(unexpected(
+                "an edit should answer {4, 0 or 1}",
+                &Bytes(bytes),
+            )),
+        }
     }
 
     /// Turns the bytes of a check's reply into a [`Decided`].
@@ -202,6 +221,17 @@ mod tests {
         assert_eq!(CheckReply::len(3, &decided), None, "too short for 3 rules");
         assert_eq!(CheckReply::len(5, &bytes(&[1.0, -1.0])), Some(Ok(16)));
         assert_eq!(CheckReply::len(5, &bytes(&[3.0, 1e15])), Some(Ok(16)));
+        // An edit's reply, whatever the rules.
+        assert_eq!(CheckReply::len(0, &bytes(&[4.0, 1.0])), Some(Ok(16)));
+        assert!(CheckReply::edited(&bytes(&[4.0, 1.0])).unwrap());
+        assert!(!CheckReply::edited(&bytes(&[4.0, 0.0])).unwrap());
+        for bad in [
+            bytes(&[4.0, 2.0]),
+            bytes(&[1.0, 1.0]),
+            bytes(&[4.0, 1.0, 0.0]),
+        ] {
+            assert!(CheckReply::edited(&bad).is_err(), "{bad:?}");
+        }
         let mut failed = bytes(&[-1.0, 7.0]);
         failed.extend_from_slice(b"RLSTATE and more");
         assert_eq!(CheckReply::len(1, &failed), Some(Err(16..23)));
@@ -209,7 +239,7 @@ mod tests {
             bytes(&[-1.0, 99.0]),
             bytes(&[-1.0, 0.5]),
             bytes(&[-1.0, -3.0]),
-            bytes(&[4.0, 0.0]),
+            bytes(&[5.0, 0.0]),
             bytes(&[f64::NAN, 0.0]),
             bytes(&[1.0]),
             vec![0; 7],

@@ -25,6 +25,11 @@ pub(crate) use conn::{failure, Failure};
 pub(crate) use link::{Link, Source};
 pub(crate) use pool::Pooled;
 
+/// A call's send as [`Transport::call`] awaits it: boxed, to keep its callers' future
+/// types shallow.
+type SendFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Value, Failure>> + Send + 'a>>;
+
 mod cluster;
 mod conn;
 mod link;
@@ -73,7 +78,11 @@ impl Transport {
         request: &Request<'_>,
         timeout: Duration,
     ) -> Result<Value, RedisStoreError> {
-        match tokio::time::timeout(timeout, self.send(request)).await {
+        // Boxed, once per Redis call: the client's futures nest deep, and every future
+        // that awaits a store operation (the layer's, an application's) would otherwise
+        // carry them, near the depth rustc lays out by default.
+        let send: SendFuture<'_> = Box::pin(self.send(request));
+        match tokio::time::timeout(timeout, send).await {
             Ok(reply) => reply.map_err(|e| failure(e, timeout)),
             Err(_) => Err(RedisStoreError::Timeout(timeout)),
         }
@@ -141,6 +150,8 @@ impl Transport {
             };
             Ok::<_, Failure>(reply.inspect_err(|e| link.node_lost(e))?)
         };
+        // Boxed, as in `call`.
+        let send: SendFuture<'_> = Box::pin(send);
         match tokio::time::timeout(timeout, send).await {
             Ok(reply) => reply.map_err(|e| failure(e, timeout)),
             Err(_) => Err(RedisStoreError::Timeout(timeout)),

@@ -158,6 +158,7 @@ pub(super) async fn detect_module(
 ) -> Result<(), Failure> {
     if shared.force_lua {
         shared.paths.module.store(false, Ordering::Relaxed);
+        shared.paths.edits_batched.store(true, Ordering::Relaxed);
         shared.paths.set_module_nodes(Vec::new());
         shared.paths.set_module_slots(None::<fn(u16) -> bool>);
         tracing::info!("rate-limit decisions run as Lua functions (force_lua)");
@@ -226,6 +227,16 @@ pub(super) async fn detect_module(
             .filter(|(_, f)| has(f))
             .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 4));
     shared.paths.edits_once.store(edits_once, Ordering::Relaxed);
+    // Edits in batches (protocol 5): where every module primary takes them, or none has
+    // the module (the Lua functions of this version take them).
+    let edits_batched = found
+        .iter()
+        .filter(|(_, f)| has(f))
+        .all(|(_, f)| f.as_ref().is_some_and(|f| f.protocol >= 5));
+    shared
+        .paths
+        .edits_batched
+        .store(edits_batched, Ordering::Relaxed);
     shared.paths.module.store(all, Ordering::Relaxed);
     shared.paths.set_module_nodes(with.clone());
     let mixed = !all && !with.is_empty();

@@ -124,6 +124,21 @@ where
             }
         }
         let tier = check.tier.get(&version);
+        // A key whose fallback usage waits to be handed to the store is handed over first,
+        // in the check's future.
+        if this
+            .handover
+            .as_ref()
+            .is_some_and(|h| h.is_pending(&check.key))
+        {
+            return Begin::Later(Self::check_later(
+                this,
+                arc_swap::Guard::into_inner(version),
+                check,
+                charged_at,
+                None,
+            ));
+        }
         // `Store::check`'s future borrows the key and the rules, so a named response future
         // could only hold it boxed; a store that decides in process answers here instead
         // and the request costs no allocation.
@@ -194,12 +209,28 @@ where
     }
 
     /// Binds the slot an admitted request took, if any, to the store that gave it (the
-    /// fallback store's rules when it was that one), so that it is released there.
+    /// fallback store's rules when it was that one), so that it is released there; keeps
+    /// what the fallback admitted, to hand it to the store once it answers.
     fn bind_slot(this: &Arc<Self>, pass: &mut Pass, charged: Charged, tier: &Tier, check: &Check) {
+        let by_fallback = charged == Charged::Fallback;
+        // Shadow mode passes what the fallback refused: that admitted nothing.
+        let refused = pass.fields.as_ref().is_some_and(|f| f.shadow.is_some());
+        if by_fallback && !refused && (check.cost > 0 || pass.slot.is_some()) {
+            if let Some(fallback_rules) = &tier.fallback_rules {
+                let slot = pass.slot.as_ref().map(SlotGuard::slot);
+                Self::record_fallback(
+                    this,
+                    &check.key,
+                    &tier.rules,
+                    fallback_rules,
+                    check.cost,
+                    slot,
+                );
+            }
+        }
         let Some(slot) = &mut pass.slot else {
             return;
         };
-        let by_fallback = charged == Charged::Fallback;
         slot.bind(
             Arc::clone(this) as Arc<dyn crate::slot::Slots>,
             &check.key,
@@ -288,13 +319,24 @@ where
             let tier = check.tier.get(&version);
             #[cfg(feature = "metrics")]
             let started = std::time::Instant::now();
-            let call = limiter.store.check(&check.key, &tier.rules, check.cost);
-            let result = match limiter.store_timeout {
-                None => call.await.map_err(|e| e.to_string()),
-                Some(t) => match tokio::time::timeout(t, call).await {
-                    Ok(r) => r.map_err(|e| e.to_string()),
-                    Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
-                },
+            // What the fallback admitted for this key goes to the store before the store
+            // decides it again; a store that fails that fails the check too.
+            let handed = match &limiter.handover {
+                Some(h) if h.is_pending(&check.key) => limiter.hand_over_key(&check.key).await,
+                _ => Ok(()),
+            };
+            let result = match handed {
+                Err(e) => Err(e),
+                Ok(()) => {
+                    let call = limiter.store.check(&check.key, &tier.rules, check.cost);
+                    match limiter.store_timeout {
+                        None => call.await.map_err(|e| e.to_string()),
+                        Some(t) => match tokio::time::timeout(t, call).await {
+                            Ok(r) => r.map_err(|e| e.to_string()),
+                            Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
+                        },
+                    }
+                }
             };
             #[cfg(feature = "metrics")]
             limiter.store_latency.record(started.elapsed(), &result);

@@ -4,11 +4,13 @@
 //! its future only carry verdicts out.
 
 mod decide;
+mod handover;
 mod refuse;
 mod settle;
 mod slot;
 mod state;
 mod verdict;
 
+pub(crate) use handover::Handover;
 pub(crate) use state::{ChargeWhen, Limiter};
 pub(crate) use verdict::{Begin, CheckFuture, Pass, Verdict};

@@ -32,8 +32,71 @@ where
             if let Some(fallback) = &self.fallback {
                 fallback.release_now(&held.key, held.slot);
             }
+            // A slot handed to the store is released there too.
+            let moved = (self.handover.as_ref()).and_then(|h| h.released(&held.key, held.slot));
+            if let Some(slot) = moved {
+                self.release_in_store(Held {
+                    slot,
+                    by_fallback: false,
+                    ..held
+                });
+            }
             return;
         }
+        self.release_in_store(held);
+    }
+
+    fn lost(&self, held: &Held) {
+        self.slot_lost(held);
+    }
+
+    fn renew(
+        self: Arc<Self>,
+        held: &Held,
+    ) -> Pin<Box<dyn Future<Output = Result<bool, String>> + Send>> {
+        if held.by_fallback {
+            let renewed = self
+                .fallback
+                .as_ref()
+                .is_some_and(|f| f.renew_now(&held.key, &held.rules, held.slot));
+            // A slot handed to the store is renewed there: the store's copy is the one the
+            // fleet counts.
+            let moved = (self.handover.as_ref()).and_then(|h| h.moved_to(&held.key, held.slot));
+            let Some(slot) = moved else {
+                return Box::pin(std::future::ready(Ok(renewed)));
+            };
+            let (key, rules) = (held.key.clone(), held.rules.clone());
+            return Box::pin(async move { self.renew_in_store(&key, &rules, slot).await });
+        }
+        let (key, rules, slot) = (held.key.clone(), held.rules.clone(), held.slot);
+        Box::pin(async move { self.renew_in_store(&key, &rules, slot).await })
+    }
+}
+
+impl<S: Store, K, C, T> Limiter<S, K, C, T>
+where
+    K: Send + Sync + 'static,
+    C: Send + Sync + 'static,
+    T: Send + Sync + 'static,
+{
+    async fn renew_in_store(
+        &self,
+        key: &[u8],
+        rules: &ratelimit_core::RuleSet,
+        slot: u64,
+    ) -> Result<bool, String> {
+        let call = self.store.renew(key, rules, slot);
+        match self.store_timeout {
+            None => call.await.map_err(|e| e.to_string()),
+            Some(t) => match tokio::time::timeout(t, call).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
+            },
+        }
+    }
+
+    /// Releases a slot the store gave, now or in a task with retries.
+    fn release_in_store(self: Arc<Self>, held: Held) {
         if let Some(result) = self.store.release_sync(&held.key, &held.rules, held.slot) {
             if let Err(e) = result {
                 self.release_failed(&held, &e.to_string());
@@ -66,34 +129,6 @@ where
             }
             self.release_failed(&held, &error);
         });
-    }
-
-    fn lost(&self, held: &Held) {
-        self.slot_lost(held);
-    }
-
-    fn renew(
-        self: Arc<Self>,
-        held: &Held,
-    ) -> Pin<Box<dyn Future<Output = Result<bool, String>> + Send>> {
-        if held.by_fallback {
-            let renewed = self
-                .fallback
-                .as_ref()
-                .is_some_and(|f| f.renew_now(&held.key, &held.rules, held.slot));
-            return Box::pin(std::future::ready(Ok(renewed)));
-        }
-        let (key, rules, slot) = (held.key.clone(), held.rules.clone(), held.slot);
-        Box::pin(async move {
-            let call = self.store.renew(&key, &rules, slot);
-            match self.store_timeout {
-                None => call.await.map_err(|e| e.to_string()),
-                Some(t) => match tokio::time::timeout(t, call).await {
-                    Ok(r) => r.map_err(|e| e.to_string()),
-                    Err(_) => Err(format!("no answer within the store timeout of {t:?}")),
-                },
-            }
-        })
     }
 }
 

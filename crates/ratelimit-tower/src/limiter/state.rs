@@ -26,6 +26,9 @@ pub(crate) struct Limiter<S, K, C, T> {
     pub(crate) on_rejection: Arc<dyn OnRejection>,
     pub(crate) failure_policy: FailurePolicy,
     pub(crate) fallback: Option<FallbackStore>,
+    /// What the fallback admitted, to hand to the store when it answers again (with the
+    /// fallback policy).
+    pub(crate) handover: Option<super::Handover>,
     /// The status for requests whose client left out the key.
     pub(crate) omitted_key_status: StatusCode,
     pub(crate) missing_key: MissingKey,

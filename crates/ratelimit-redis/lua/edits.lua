@@ -1,0 +1,77 @@
+-- edits.lua: edits of a state after its check carried by a batch in place of a check,
+-- so that settles and releases leave in the call that carries the checks queued beside
+-- them (the core's packed::Edit; the module's batch protocol 5). Part of the library
+-- check.lua opens.
+--
+-- An edit's packed value is a check's header whose first value is injected + 2 x op and
+-- whose last (a check's deadline) is the edit's own number:
+--   op 1  give_back: the check's rules follow; the number is the charge's time
+--   op 2  debit: the check's rules follow (the header's cost is the units)
+--   op 3  release: no rules; the number is the slot's
+--   op 4  renew: no rules; the number is the slot's, and the timeout in us follows the
+--         header
+-- It runs on the check's keys (the state, and the log for a settle under rules with a
+-- sliding log) by the same function as its own call, reading its keys itself, and is
+-- answered with the doubles {4, 1} when it changed the state, {4, 0} when not; an error
+-- is its failure entry, as a check's.
+
+-- `first` and `number` are the packed value's first and last header values, as
+-- check_one read them (`first` above 1); `redis_now` the batch's Redis time, when read.
+edit_one = function(state, log, packed, first, number, redis_now)
+  local fmt = string.format
+  local op = (first - first % 2) / 2
+  local injected = first % 2
+  local len = #packed
+  if not (first % 1 == 0 and op >= 1 and op <= 4 and number >= 0 and number < TOP
+      and number % 1 == 0) then
+    return redis.error_reply(fmt('RLARGS an edit of op %s is none this library knows',
+      tostring(op)) .. VERSION_SKEW)
+  end
+  local reply
+  if op <= 2 then
+    -- The check's own packed values, as give_back and debit take them: injected first
+    -- (the number, in the deadline's place, they do not read).
+    local check = struct.pack('<d', injected) .. string.sub(packed, 9)
+    if op == 1 then
+      reply = give_back({ state, log }, { check, fmt('%d', number) })
+    else
+      reply = debit({ state, log }, { check })
+    end
+  else
+    local want = 8 * HEADER
+    if op == 4 then
+      want = want + 8
+    end
+    if len ~= want then
+      return redis.error_reply(fmt('RLARGS a slot\'s edit takes %d bytes, got %d', want, len)
+        .. VERSION_SKEW)
+    end
+    local _, injected_now, _, ttl_floor = struct.unpack('<dddd', packed)
+    if not (injected_now >= 0 and injected_now < TOP and injected_now % 1 == 0
+        and ttl_floor >= 0 and ttl_floor < TOP and ttl_floor % 1 == 0) then
+      return redis.error_reply('RLARGS a value of the header is out of range' .. VERSION_SKEW)
+    end
+    local now = ''
+    if injected == 1 then
+      now = fmt('%d', injected_now)
+    elseif op == 3 and redis_now then
+      -- A release on the server's clock, read once for the batch (no TIME of its own);
+      -- its expiry does not depend on the clock's kind, a renewal's does.
+      now = fmt('%d', redis_now)
+    end
+    if op == 3 then
+      reply = release({ state }, { now, fmt('%d', number) })
+    else
+      local timeout = struct.unpack('<d', packed, 8 * HEADER + 1)
+      if not (timeout >= 0 and timeout < TOP and timeout % 1 == 0) then
+        return redis.error_reply('RLARGS a renewal\'s timeout is out of range' .. VERSION_SKEW)
+      end
+      reply = renew({ state }, { now, fmt('%d', number), fmt('%d', timeout),
+        fmt('%d', ttl_floor) })
+    end
+  end
+  if type(reply) == 'number' then
+    return struct.pack('<dd', 4, reply)
+  end
+  return reply
+end
