@@ -43,8 +43,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
+mod link;
 mod provision;
 
+pub use link::{LinkMode, LinkProxy};
 pub use provision::install_valkey;
 
 /// How long a server or cluster may take to come up.
