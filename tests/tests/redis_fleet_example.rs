@@ -1,5 +1,6 @@
 //! The `redis_fleet` example started while Redis is down: it serves under its failure
-//! policies, then limits through Redis once Redis is up, without a restart.
+//! policies, then limits through Redis once Redis is up, without a restart, with what
+//! it admitted meanwhile handed over to Redis.
 
 use std::num::NonZeroU32;
 
@@ -49,9 +50,9 @@ async fn the_fleet_example_starts_without_redis_and_limits_through_it_once_up() 
             s => panic!("unexpected status {s}"),
         }
     }
-    // The fleet's 10 per minute in Redis; the three local admissions were not counted
-    // there.
-    assert_eq!(admitted, 10);
+    // The fleet's 10 per minute in Redis, less the three admissions the fallback made
+    // while it was down: the instance hands them over before Redis decides the key again.
+    assert_eq!(admitted, 7);
     assert_eq!(
         status(http.post(a.url("/login")).send().await.unwrap()),
         200
