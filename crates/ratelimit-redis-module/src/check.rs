@@ -115,9 +115,6 @@ pub(crate) fn check_one(
     server_now: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
-    if crate::protocol() >= 5 && crate::edits::is_edit(packed_check) {
-        return crate::edits::edit_one(ctx, keys.state, keys.log, packed_check, None, out);
-    }
     let (header, rules) = read_check(packed_check)?;
     if (header.log_limit > 0) != keys.log.is_some() {
         return Err(args_error(&format_args!(

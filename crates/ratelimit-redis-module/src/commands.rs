@@ -98,15 +98,31 @@ fn check_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
     };
     let packed_check = args[args.len() - 1].as_slice();
     let mut out = Vec::with_capacity(16 + 32 * 4);
-    guarded(|| check_one(ctx, &keys, packed_check, server_now_us(), &mut out))
+    guarded(|| entry_one(ctx, &keys, packed_check, server_now_us(), &mut out))
         .map_err(RedisError::String)?;
     Ok(RedisValue::StringBuffer(out))
+}
+
+/// One entry of a batch or a single check's command, on its keys: a check, or from
+/// batch protocol 5 an edit of a state after its check ([`edits`]); its reply appended
+/// to `out`, or the message of its failure.
+fn entry_one(
+    ctx: &Context,
+    keys: &Keys<'_>,
+    packed_value: &[u8],
+    now: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    if crate::protocol() >= 5 && edits::is_edit(packed_value) {
+        return edits::edit_one(ctx, keys.state, keys.log, packed_value, None, out);
+    }
+    check_one(ctx, keys, packed_value, now, out)
 }
 
 /// One check of a batch: its reply, or its failure entry.
 fn batch_entry(ctx: &Context, keys: &Keys<'_>, packed_check: &[u8], now: u64, out: &mut Vec<u8>) {
     let start = out.len();
-    if let Err(message) = guarded(|| check_one(ctx, keys, packed_check, now, out)) {
+    if let Err(message) = guarded(|| entry_one(ctx, keys, packed_check, now, out)) {
         out.truncate(start);
         packed::encode_failure(out, message.as_bytes());
     }
