@@ -100,9 +100,6 @@ const TOKEN_BUCKET: u64 = 4;
 const LEAKY_BUCKET: u64 = 5;
 const GCRA: u64 = 6;
 const CONCURRENT: u64 = 7;
-/// The algorithm code of a concurrency rule (the first of a rule's packed values): a
-/// check it admitted answers its slot's number as the rule's retry.
-pub const CONCURRENT_CODE: u64 = CONCURRENT;
 
 /// What is wrong with packed values: a message for the error reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -10,6 +10,7 @@ use ratelimit_core::RuleSet;
 use super::args::{CheckArgs, Time};
 use super::compact;
 use super::load::{Call, Paths, Script, BATCH, CHECK, LOCAL};
+use super::reply::CheckReply;
 use crate::keys::{key_slot, KeyNames};
 
 /// One check as a batch carries it: its key names, its packed values, its number of rules.
@@ -98,53 +99,34 @@ impl CheckJob {
     /// (a timeout) after it was sent: the caller decided without it (a failure policy),
     /// so it must not also count in Redis.
     pub(crate) fn undo(&self, reply: &[u8]) -> Vec<CheckJob> {
-        let value = |bytes: &[u8], i: usize| packed::value(bytes, i);
-        let (Some(first), Some(cost), Some(n)) = (
-            value(&self.packed, 0),
-            value(&self.packed, 2),
-            value(&self.packed, 4),
-        ) else {
+        // The check's header and rules, to read its reply as any check's is read (an
+        // edit's packed value is no check: it is undone by nothing).
+        let Ok((header, rule_bytes)) = packed::Header::parse(&self.packed) else {
             return Vec::new();
         };
-        let n = usize::try_from(n).unwrap_or(0);
-        // A check's decision: `{status 0 or 2, delay, per rule (allowed, ..)}`.
-        let status = reply
-            .get(..8)
-            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
-        let decided = matches!(status, Some(s) if s == 0.0 || s == 2.0)
-            && reply.len() == 16 + 32 * n
-            && first <= 1;
-        let allowed = |r: usize| {
-            reply
-                .get(16 + 32 * r..24 + 32 * r)
-                .is_some_and(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) == 1.0)
-        };
-        if !decided || !(0..n).all(allowed) {
+        let Ok(rules) = packed::PackedRules::parse(rule_bytes, &header) else {
             return Vec::new();
-        }
-        let injected = (first == 1).then(|| value(&self.packed, 1)).flatten();
-        let ttl_floor = value(&self.packed, 3).unwrap_or(0);
+        };
+        let decision = match CheckReply::decision_from(rules.rules(), reply) {
+            Ok(Ok((decision, _))) if decision.is_allowed() => decision,
+            _ => return Vec::new(),
+        };
         let mut undo = Vec::new();
-        if cost > 0 {
+        if header.cost > 0 {
+            // The check's own packed values as a give-back (`packed::Edit`): the op in
+            // the first value, the charge's time where the deadline was.
             let mut give_back = self.packed.clone();
-            let charged_at = injected.unwrap_or(self.sent_at);
-            give_back[..8].copy_from_slice(&((first + 2) as f64).to_le_bytes());
+            let first = u64::from(header.now.is_some()) + 2;
+            let charged_at = header.now.unwrap_or(self.sent_at);
+            give_back[..8].copy_from_slice(&(first as f64).to_le_bytes());
             let at = 8 * (packed::HEADER - 1);
             give_back[at..at + 8].copy_from_slice(&(charged_at as f64).to_le_bytes());
             undo.push(self.sibling(give_back, self.keys, 0));
         }
-        // A concurrency rule's slot: its number is the rule's retry.
-        for r in 0..n {
-            let code = value(&self.packed, packed::HEADER + packed::PER_RULE * r);
-            let slot = reply
-                .get(40 + 32 * r..48 + 32 * r)
-                .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-                .filter(|&x| x >= 1.0 && x.fract() == 0.0);
-            if let (Some(packed::CONCURRENT_CODE), Some(slot)) = (code, slot) {
-                let edit = packed::Edit::Release { slot: slot as u64 };
-                let release = packed::pack_edit(edit, None, injected, 0, ttl_floor);
-                undo.push(self.sibling(release, 2, 0));
-            }
+        if let Some(slot) = decision.slot() {
+            let edit = packed::Edit::Release { slot };
+            let release = packed::pack_edit(edit, None, header.now, 0, header.ttl_floor_ms);
+            undo.push(self.sibling(release, 2, 0));
         }
         undo
     }
