@@ -331,41 +331,36 @@ async fn settles_go_to_the_module_where_it_has_debit() {
         async move { store.check(key, &rules, 0).await.unwrap().rules()[0].remaining }
     };
 
-    // Protocol 4: each settle that needs one is a command of its own.
-    let four = RedisServer::start_with(&["--loadmodule", &module, "protocol", "4"]);
-    let mut con = common::conn(&four.url());
-    let store = store_on(four.url()).await;
-    let at = store.now_us();
-    assert!(store.check(b"k", &rules, 2).await.unwrap().is_allowed());
-    common::reset_stats(&mut con);
-    assert!(!store.settle(b"k", &rules, 2, 2, at).await.unwrap());
-    assert!(store.settle(b"k", &rules, 2, 5, at).await.unwrap());
-    assert!(store.settle(b"k", &rules, 2, 1, at).await.unwrap());
-    assert_eq!(
-        calls(&mut con),
-        [1, 1, 0, 0],
-        "one call per settle that needs one"
-    );
-    assert_eq!(left(&store, b"k").await, 6);
-
-    // Protocol 5: a settle is an edit the check commands carry (alone here: nothing else
-    // queued with it).
-    let server =
-        RedisServer::start_with(&["--loadmodule", &module, "--enable-module-command", "yes"]);
-    let mut con = common::conn(&server.url());
-    let store = store_on(server.url()).await;
-    let at = store.now_us();
-    assert!(store.check(b"k", &rules, 2).await.unwrap().is_allowed());
-    common::reset_stats(&mut con);
-    assert!(!store.settle(b"k", &rules, 2, 2, at).await.unwrap());
-    assert!(store.settle(b"k", &rules, 2, 5, at).await.unwrap());
-    assert!(store.settle(b"k", &rules, 2, 1, at).await.unwrap());
-    assert_eq!(
-        calls(&mut con),
-        [0, 0, 0, 2],
-        "settles in the check commands"
-    );
-    assert_eq!(left(&store, b"k").await, 6);
+    // Protocol 4: each settle that needs one is a command of its own. Protocol 5: a
+    // settle is an edit the check commands carry (alone here: nothing else queued with
+    // it). The second server stays for what follows.
+    let mut last = None;
+    for (load, expected, what) in [
+        (
+            &["--loadmodule", &module, "protocol", "4"][..],
+            [1, 1, 0, 0],
+            "one call per settle that needs one",
+        ),
+        (
+            &["--loadmodule", &module, "--enable-module-command", "yes"][..],
+            [0, 0, 0, 2],
+            "settles in the check commands",
+        ),
+    ] {
+        let server = RedisServer::start_with(load);
+        let mut con = common::conn(&server.url());
+        let store = store_on(server.url()).await;
+        let at = store.now_us();
+        assert!(store.check(b"k", &rules, 2).await.unwrap().is_allowed());
+        common::reset_stats(&mut con);
+        assert!(!store.settle(b"k", &rules, 2, 2, at).await.unwrap());
+        assert!(store.settle(b"k", &rules, 2, 5, at).await.unwrap());
+        assert!(store.settle(b"k", &rules, 2, 1, at).await.unwrap());
+        assert_eq!(calls(&mut con), expected, "{what}");
+        assert_eq!(left(&store, b"k").await, 6);
+        last = Some((server, con, store, at));
+    }
+    let (_server, mut con, store, at) = last.expect("two servers");
 
     // Loaded again of protocol 2: the store, told protocol 5 at its connection, finds
     // its edit refused (nothing written) and sends it as a command of its own; DEBIT is
