@@ -8,7 +8,7 @@ use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
 use crate::check::{args_error, check_one, decide_one, read_check, server_now_us, Keys};
-use crate::keyspace::{hash_tag, served, StableSlots};
+use crate::keyspace::{exists_here, hash_tag, served, StableSlots};
 use crate::{edits, once};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
@@ -313,14 +313,19 @@ fn compact_checks(
                         String::from_utf8_lossy(&name[name.len().saturating_sub(64)..])
                     )));
                 }
-                if let Some(stable) = stable.as_deref_mut() {
-                    let block = sibling(name, b'b', &mut scratch);
-                    served(ctx, &[&block], stable).map_err(|why| format!("RLMOVED {why}"))?;
-                }
                 // A settle under rules with a sliding log edits the log too.
                 let log = packed::value(pack, 6)
                     .is_some_and(|limit| limit > 0)
                     .then(|| sibling(name, b'l', &mut scratch));
+                if let Some(stable) = stable.as_deref_mut() {
+                    // An edit touches its state alone (and the log, for a settle under
+                    // a sliding log): a state this node holds is one Redis itself would
+                    // let a command of the key edit here, migrating slot or not.
+                    if log.is_some() || !exists_here(ctx, state) {
+                        let block = sibling(name, b'b', &mut scratch);
+                        served(ctx, &[&block], stable).map_err(|why| format!("RLMOVED {why}"))?;
+                    }
+                }
                 let number = r.deadline.unwrap_or(0);
                 edits::edit_one(ctx, state, log.as_ref(), pack, Some(number), &mut out)
             });

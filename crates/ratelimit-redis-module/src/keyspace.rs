@@ -8,8 +8,8 @@
 //! `StringDMA` (a new key: an object and its buffer allocated, then copied into), sets a
 //! relative expiry only, and its `Context::replicate` copies every argument into a new
 //! Redis string and builds the argument vector by reallocation. Here a new value is one
-//! Redis string handed to the key and to the replicated command alike (`StringSet`), a
-//! value of the same length is rewritten in place, the expiry is the absolute one the
+//! Redis string handed to the key and to the replicated command alike (`StringSet`), an
+//! existing value is rewritten in place (resized first when its length changes), the expiry is the absolute one the
 //! replicas receive (`SetAbsExpire`: primary and replicas expire the key at the same
 //! millisecond), and `RedisModule_Replicate` gets its arguments as they are (`sbsl`).
 //! Together they cut what a write costs the server by a quarter, and a committed check's
@@ -83,11 +83,6 @@ impl<'a> StateKey<'a> {
         value: &[u8],
         expiry: Expiry,
     ) -> Result<(), String> {
-        // `StringSet` replaces the key, expiry included: an expiry to keep is read first.
-        let kept = match expiry {
-            Expiry::Kept => self.abs_expire(),
-            _ => None,
-        };
         // Decided before the write: `StringSet` drops the key's expiry.
         let expiry = match expiry {
             Expiry::AtLeast(at_ms) => Expiry::At(
@@ -97,16 +92,22 @@ impl<'a> StateKey<'a> {
             ),
             other => other,
         };
+        let mut kept = None;
         let rewritten = match self.buffer_of_len(value.len()) {
-            // The common case, a key checked again: its buffer rewritten, nothing
-            // allocated for the key, its expiry untouched.
+            // The common case, a key checked again: its buffer rewritten (resized first
+            // when a slot was taken or freed), nothing allocated for the key, its expiry
+            // untouched.
             Some(buffer) => {
                 buffer.copy_from_slice(value);
                 None
             }
-            // A new key, or one of another type or length: one string for the key and the
+            // A new key, or one of another type: one string for the key and the
             // replicated command.
             None => {
+                // `StringSet` replaces the key, expiry included: one to keep is read first.
+                if expiry == Expiry::Kept {
+                    kept = self.abs_expire();
+                }
                 let string = RedisString::create_from_slice(ptr::null_mut(), value);
                 if raw::string_set(self.key, string.inner) != raw::Status::Ok {
                     return Err("RLSTATE the state could not be written".to_owned());
@@ -164,15 +165,26 @@ impl<'a> StateKey<'a> {
         (at != c_longlong::from(raw::REDISMODULE_NO_EXPIRE)).then_some(at)
     }
 
-    /// The value's buffer for writing, when the key holds a string of `len` bytes.
+    /// The value's buffer for writing, when the key holds a string: resized to `len`
+    /// bytes in place when it has another length (`StringTruncate` reallocates the
+    /// buffer alone, where `StringSet` would replace the key's object and expiry).
     fn buffer_of_len(&mut self, len: usize) -> Option<&mut [u8]> {
         if self.key_type() != KeyType::String {
             return None;
         }
         let mut have = 0;
-        let ptr = raw::string_dma(self.key, &mut have, raw::KeyMode::WRITE);
-        if ptr.is_null() || have != len {
+        let mut ptr = raw::string_dma(self.key, &mut have, raw::KeyMode::WRITE);
+        if ptr.is_null() {
             return None;
+        }
+        if have != len {
+            if raw::string_truncate(self.key, len) != raw::Status::Ok {
+                return None;
+            }
+            ptr = raw::string_dma(self.key, &mut have, raw::KeyMode::WRITE);
+            if ptr.is_null() || have != len {
+                return None;
+            }
         }
         // SAFETY: RM_StringDMA in write mode returned the value's own buffer (unshared)
         // of `len` bytes, valid while the key is open and not resized; the borrow of
@@ -369,6 +381,20 @@ pub(crate) fn served(
     };
     raw::free_call_reply(reply);
     answer
+}
+
+/// Whether this node holds the key `name` (a live one): a Cluster node serves a
+/// command on a key it holds, whatever its slot's migration state, so an edit of such a
+/// key needs no [`served`] question. `false` where the server has no `KeyExists`
+/// (before Redis 7), so that the question is asked.
+pub(crate) fn exists_here(ctx: &Context, name: &RedisString) -> bool {
+    // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+    let Some(key_exists) = (unsafe { raw::RedisModule_KeyExists }) else {
+        return false;
+    };
+    // SAFETY: `name` is a live Redis string; RM_KeyExists looks the key up without
+    // opening it or touching its access time.
+    unsafe { key_exists(ctx.get_raw(), name.inner) != 0 }
 }
 
 /// A key's Cluster slot, as Redis computes it: CRC16 (XMODEM) of its hash tag, or of the

@@ -51,7 +51,7 @@ local function window_used(st, off, p, cur)
   return used
 end
 
-local function debit(KEYS, ARGV)
+local function debit(KEYS, ARGV, batch_now, pre)
   local packed = ARGV[1]
   local len = #packed
   if #ARGV ~= 1 or len < 8 * HEADER or len % 8 ~= 0 then
@@ -89,9 +89,12 @@ local function debit(KEYS, ARGV)
   local now = injected_now
   injected = injected == 1
   if not injected then
-    now = redis_time()
+    now = batch_now or redis_time()
   end
-  local ok, raw = pcall(redis.call, 'GET', KEYS[1])
+  local ok, raw = true, pre
+  if type(raw) ~= 'string' then
+    ok, raw = pcall(redis.call, 'GET', KEYS[1])
+  end
   if not ok then
     return 0
   end

@@ -16,8 +16,9 @@
 -- is its failure entry, as a check's.
 
 -- `first` and `number` are the packed value's first and last header values, as
--- check_one read them (`first` above 1); `redis_now` the batch's Redis time, when read.
-edit_one = function(state, log, packed, first, number, redis_now)
+-- check_one read them (`first` above 1); `redis_now` the batch's Redis time, when read;
+-- `pre` the state as the batch read it, when it did (else false or nil: read here).
+edit_one = function(state, log, packed, first, number, redis_now, pre)
   local fmt = string.format
   local op = (first - first % 2) / 2
   local injected = first % 2
@@ -33,9 +34,9 @@ edit_one = function(state, log, packed, first, number, redis_now)
     -- (the number, in the deadline's place, they do not read).
     local check = struct.pack('<d', injected) .. string.sub(packed, 9)
     if op == 1 then
-      reply = give_back({ state, log }, { check, fmt('%d', number) })
+      reply = give_back({ state, log }, { check, fmt('%d', number) }, redis_now, pre)
     else
-      reply = debit({ state, log }, { check })
+      reply = debit({ state, log }, { check }, redis_now, pre)
     end
   else
     local want = 8 * HEADER
@@ -60,14 +61,14 @@ edit_one = function(state, log, packed, first, number, redis_now)
       now = fmt('%d', redis_now)
     end
     if op == 3 then
-      reply = release({ state }, { now, fmt('%d', number) })
+      reply = release({ state }, { now, fmt('%d', number) }, pre)
     else
       local timeout = struct.unpack('<d', packed, 8 * HEADER + 1)
       if not (timeout >= 0 and timeout < TOP and timeout % 1 == 0) then
         return redis.error_reply('RLARGS a renewal\'s timeout is out of range' .. VERSION_SKEW)
       end
       reply = renew({ state }, { now, fmt('%d', number), fmt('%d', timeout),
-        fmt('%d', ttl_floor) })
+        fmt('%d', ttl_floor) }, pre)
     end
   end
   if type(reply) == 'number' then

@@ -266,7 +266,9 @@ end
 -- not yet drained (what drained may have gone to other checks meanwhile). The keys keep
 -- their TTLs (KEEPTTL): a refund only makes the state expire sooner in truth.
 --
--- Returns 1 when something was given back, 0 otherwise.
+-- Returns 1 when something was given back, 0 otherwise. In a batch (edits.lua),
+-- `batch_now` is the batch's Redis time and `pre` the state as the batch read it (a
+-- string; otherwise it is read here).
 -- A count less the units given back, never below 0.
 local function less(count, cost)
   if count > cost then
@@ -275,7 +277,7 @@ local function less(count, cost)
   return 0
 end
 
-local function give_back(KEYS, ARGV)
+local function give_back(KEYS, ARGV, batch_now, pre)
   local packed = ARGV[1]
   local len = #packed
   if len < 8 * HEADER or len % 8 ~= 0 then
@@ -298,9 +300,12 @@ local function give_back(KEYS, ARGV)
   end
   local now = injected_now
   if injected ~= 1 then
-    now = redis_time()
+    now = batch_now or redis_time()
   end
-  local ok, raw = pcall(redis.call, 'GET', KEYS[1])
+  local ok, raw = true, pre
+  if type(raw) ~= 'string' then
+    ok, raw = pcall(redis.call, 'GET', KEYS[1])
+  end
   if not ok or not raw then
     return 0
   end

@@ -15,9 +15,13 @@
 -- Returns 1 when the slot was held and live (freed, or renewed), 0 otherwise: a release
 -- sent again frees nothing. The state is rewritten only when the slot was live, and only
 -- that slot changes; a release keeps the key's expiry, a
--- renewal moves it on to the new deadline when that is later.
-local function edit_slot(KEYS, ARGV, timeout)
-  local raw = redis.pcall('GET', KEYS[1])
+-- renewal moves it on to the new deadline when that is later. In a batch (edits.lua),
+-- `pre` is the state as the batch read it (a string; otherwise it is read here).
+local function edit_slot(KEYS, ARGV, timeout, pre)
+  local raw = pre
+  if type(raw) ~= 'string' then
+    raw = redis.pcall('GET', KEYS[1])
+  end
   if type(raw) ~= 'string' or #raw % 8 ~= 0 or #raw < 16 or #raw > 8 * MAX_STATE then
     return 0
   end
@@ -107,15 +111,15 @@ local function edit_slot(KEYS, ARGV, timeout)
   return 1
 end
 
-local function release(KEYS, ARGV)
-  return edit_slot(KEYS, ARGV, nil)
+local function release(KEYS, ARGV, pre)
+  return edit_slot(KEYS, ARGV, nil, pre)
 end
 
-local function renew(KEYS, ARGV)
+local function renew(KEYS, ARGV, pre)
   local timeout = tonumber(ARGV[3])
   if not timeout or timeout < 1 or timeout > 3600000000 then
     return redis.error_reply('RLARGS renew takes a timeout of 1 to 3600000000 us; the store '
       .. 'and the script are from different versions')
   end
-  return edit_slot(KEYS, ARGV, timeout)
+  return edit_slot(KEYS, ARGV, timeout, pre)
 end

@@ -176,6 +176,25 @@ async fn client_kill_under_load_charges_no_check_twice_on_a_cluster() {
     kills_charge_nothing_unreported(store, killer(ports)).await;
 }
 
+/// Over the application's own pool too: a dead pooled connection is replaced and the
+/// call sent again, decided once, also when the new connection dies as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_kill_under_load_charges_no_check_twice_over_a_pool() {
+    let server = RedisServer::start();
+    let pool = ratelimit_redis::bb8::Pool::builder()
+        .test_on_check_out(false)
+        .max_size(4)
+        .build(ratelimit_redis::bb8_redis::RedisConnectionManager::new(server.url()).unwrap())
+        .await
+        .unwrap();
+    let store = RedisStore::builder()
+        .prefix("inflight")
+        .clock(ManualClock::new(T0_US))
+        .timeout(Duration::from_millis(500))
+        .build_with_pool(pool);
+    kills_charge_nothing_unreported(store, killer(vec![server.port()])).await;
+}
+
 /// Cuts every client connection of the server on `port` every 100 ms until `done`;
 /// the thread's result is the number of cuts.
 fn kill_every_100ms(port: u16, done: Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {

@@ -661,11 +661,25 @@ async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
         assert!(store.check(b"r", &refunded, 1).await.unwrap().is_allowed());
     }
     assert!(store.refund(b"r", &refunded, 2, charged_at).await.unwrap());
+    // Slots taken and freed: the state grows and shrinks in place on the primary, and
+    // the replica holds the same bytes.
+    let slots: RuleSet = "10/min gcra burst=10; 3 concurrent timeout=60s"
+        .parse()
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let decision = store.check(b"c", &slots, 1).await.unwrap();
+        held.push(decision.slot().expect("a slot"));
+    }
+    assert!(store.release(b"c", &slots, held[1]).await.unwrap());
     let mut p = common::conn(&primary.url());
     let mut r = common::conn(&replica.url());
     let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
     assert_eq!(acked, 1, "the replica acknowledged the writes");
-    for key in ["rep:{k6b}:s", "rep:{k6b}:l", "rep:{k62}:b", "rep:{k72}:s"] {
+    let mut keys: Vec<String> = redis::cmd("KEYS").arg("rep:*").query(&mut p).unwrap();
+    keys.sort();
+    assert_eq!(keys.len(), 5, "{keys:?}");
+    for key in &keys {
         let dump = |con: &mut redis::Connection| -> (Value, i64) {
             let kind: String = redis::cmd("TYPE").arg(key).query(con).unwrap();
             let value = if kind == "list" {

@@ -1015,17 +1015,6 @@ pub(crate) enum Request<'a> {
 }
 
 impl<'a> Request<'a> {
-    /// Whether the request may be sent again after its connection broke with it in
-    /// flight, when it may have run already: plain commands (`DEL`, `TIME`, `CONFIG
-    /// GET`, ...) and the block script may; a check or a refund must not, or it would
-    /// charge or give back twice.
-    pub(crate) fn repeatable(&self) -> bool {
-        match self {
-            Request::Call(call) => call.repeatable(),
-            Request::Cmd(_) => true,
-        }
-    }
-
     /// The request to send again after its connection broke with it in flight: itself
     /// when running it twice does no harm, the resend of a call decided once; `None`
     /// when it may have run and must not run again.

@@ -397,8 +397,8 @@ impl Link {
     }
 
     /// Sends `request`; the caller's timeout bounds everything here. A request whose
-    /// connection broke with it in flight goes again, once, on the next connection, when
-    /// that cannot decide it twice ([`Request::resent`]): a call the module decides
+    /// connection broke with it in flight goes again on the next connection (and the next,
+    /// while they break too), when that cannot decide it twice ([`Request::resent`]): a call the module decides
     /// once is sent as its resend, which answers the first run's reply if there was
     /// one. Errors that prove nothing ran (a demoted primary, a Cluster redirect, down or
     /// without a connection to the node) are sent again after a short pause, the slot
@@ -417,25 +417,7 @@ impl Link {
             Err(e) => return Err(e.into()),
         };
         match conn.send(request).await {
-            Err(e) if self.breaks(&e) => {
-                // Redis restarted, failed over or the network dropped the socket: the
-                // first reconnection starts at once; send once more if it works (the
-                // caller's timeout bounds the wait). A demoted server answered without
-                // running the call; a lost connection tells nothing, so only a request
-                // that cannot be decided twice goes again.
-                self.broken(generation, &e);
-                let again = request.resent();
-                if is_connection_error(&e) && again.is_none() {
-                    return Err(in_flight(&e).into());
-                }
-                if !self.is_connected() {
-                    let _ = attempts.changed().await;
-                }
-                let Ok((mut conn, _)) = self.conn() else {
-                    return Err(e.into());
-                };
-                Ok(conn.send(again.as_ref().unwrap_or(request)).await?)
-            }
+            Err(e) if self.breaks(&e) => self.after_break(request, generation, e, attempts).await,
             Err(e) if moved(&e) || migrating(&e) => match conn {
                 Conn::Cluster(mut conn) => Ok(follow_slot(&mut conn, request, e).await?),
                 Conn::Multiplexed(_) => Err(e.into()),
@@ -452,6 +434,44 @@ impl Link {
                 Err(e.into())
             }
             Ok(reply) => Ok(reply),
+        }
+    }
+
+    /// `request`'s connection (of `generation`) broke with `e`: Redis restarted, failed
+    /// over or the network dropped the socket. The first reconnection starts at once, and
+    /// the request goes again on each new connection until it gets an answer of another
+    /// kind (the caller's timeout bounds the wait): a demoted server answered without
+    /// running it, so it goes as it was; a lost connection tells nothing, so only a
+    /// request that cannot be decided twice goes again, as its resend, which answers the
+    /// first run's reply if there was one (also when a resend's own connection breaks:
+    /// connections killed in a row under load).
+    async fn after_break(
+        self: &Arc<Self>,
+        request: &Request<'_>,
+        mut generation: u64,
+        mut e: RedisError,
+        mut attempts: tokio::sync::watch::Receiver<u64>,
+    ) -> Result<Value, Failure> {
+        let again = request.resent();
+        loop {
+            self.broken(generation, &e);
+            if is_connection_error(&e) && again.is_none() {
+                return Err(in_flight(&e).into());
+            }
+            if !self.is_connected() {
+                let _ = attempts.changed().await;
+            }
+            let Ok((mut conn, next_generation)) = self.conn() else {
+                return Err(e.into());
+            };
+            match conn.send(again.as_ref().unwrap_or(request)).await {
+                Err(next) if self.breaks(&next) => {
+                    tracing::debug!(error = %next, "a resent call lost its connection too");
+                    generation = next_generation;
+                    e = next;
+                }
+                reply => return Ok(reply?),
+            }
         }
     }
 

@@ -59,10 +59,12 @@ impl std::fmt::Debug for Transport {
 
 impl Transport {
     /// Sends `request`. A request whose connection turned out dead (or whose server is no
-    /// longer the primary) is sent once more if a fresh connection comes up in time, but
-    /// only when running it twice does no harm ([`Request::repeatable`]): a check or a
-    /// refund lost with its connection may have run in Redis before the connection
-    /// broke, and nothing tells whether it did, so it fails (the caller's failure policy
+    /// longer the primary) goes again on a fresh connection, while the caller's timeout
+    /// allows, when that cannot decide it twice ([`Request::resent`]): as itself when
+    /// running it twice does no harm, as its resend when it is a call decided once (a
+    /// batch of checks and edits, a settle, a release), which answers the first run's
+    /// reply if there was one. Any other request lost with its connection may have run,
+    /// and nothing tells whether it did, so it fails (the caller's failure policy
     /// decides) rather than charge or give back twice. A call the server answered
     /// without running it (a missing script or function, a moved slot) is resent.
     pub(crate) async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {

@@ -68,27 +68,34 @@ impl Pooled {
         }
     }
 
+    /// Sends `request`. After a connection error the dead pooled connections are
+    /// replaced and the request goes again (and again, while its new connections die
+    /// too: the caller's timeout bounds the wait) when that cannot decide it twice: as
+    /// itself when running it twice does no harm, as its resend when it is a call
+    /// decided once (which answers the first run's reply if there was one).
     pub(super) async fn send(&self, request: &Request<'_>) -> Result<Value, Failure> {
-        let seen = self.repairs.seen();
-        let first = async {
-            let mut conn = self.checkout().await?;
-            self.prepared(&conn).await?;
-            Ok::<_, Failure>(request.send(&mut conn).await?)
-        };
-        match first.await {
-            Err(Failure::Redis(e)) if is_connection_error(&e) => {
-                // Redis restarted or the network dropped the socket: replace the dead pooled
-                // connections and send once more, if the request may run twice.
-                tracing::debug!(error = %e, "Redis connection failed; reconnecting");
-                self.repairs.once(seen, || self.replace_dead()).await?;
-                if !request.repeatable() {
-                    return Err(in_flight(&e).into());
-                }
+        let mut seen = self.repairs.seen();
+        let again = request.resent();
+        let mut next = request;
+        loop {
+            let sent = async {
                 let mut conn = self.checkout().await?;
                 self.prepared(&conn).await?;
-                Ok(request.send(&mut conn).await?)
+                Ok::<_, Failure>(next.send(&mut conn).await?)
+            };
+            match sent.await {
+                Err(Failure::Redis(e)) if is_connection_error(&e) => {
+                    // Redis restarted or the network dropped the socket.
+                    tracing::debug!(error = %e, "Redis connection failed; reconnecting");
+                    self.repairs.once(seen, || self.replace_dead()).await?;
+                    seen = self.repairs.seen();
+                    match &again {
+                        Some(again) => next = again,
+                        None => return Err(in_flight(&e).into()),
+                    }
+                }
+                other => return other,
             }
-            other => other,
         }
     }
 
