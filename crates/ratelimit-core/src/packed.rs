@@ -833,7 +833,11 @@ pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
 /// ([`Edit::value`]): op 1 gives a charge back (the check's rules follow; the number is
 /// the charge's time), 2 charges debt (the rules follow, the header's cost the units;
 /// no number), 3 releases a slot and 4 renews one (no rules; the number is the slot's,
-/// and a renewal's timeout in µs follows the header). The number travels where a
+/// and a renewal's timeout in µs follows the header), 5 gives a lease's unspent units
+/// back (the rules follow, the header's cost the units; the number is the
+/// reservation's time, and the units it charged follow the rules), 6 blocks the key
+/// (no rules; the number is the block's length in µs, and 1 for a block without end,
+/// else 0, follows the header). The number travels where a
 /// check's deadline does, so that in a compact batch it rides in `refs` and edits of
 /// one rule set share their packed value as checks do. Its reply in the batch is `{4,
 /// 1}` when it changed the state, `{4, 0}` when not ([`encode_edit`]).
@@ -858,6 +862,22 @@ pub enum Edit {
         /// The slot's new timeout.
         timeout_us: u64,
     },
+    /// Units a lease reserved at `start_us` (charging `granted`) and did not spend,
+    /// given back (the header's cost): to each rule's entry written under the same
+    /// limit, no more than what of the reservation has not drained, a fixed window's
+    /// only in the reservation's window (`start_us` divided by its period).
+    Refund {
+        /// When the reservation charged, on the store's clock.
+        start_us: u64,
+        /// The units the reservation charged.
+        granted: u64,
+    },
+    /// The key blocked for `length_us` from now, or without end (`None`), replacing
+    /// any earlier block.
+    Block {
+        /// The block's length in µs (below 2^52), `None` for a block without end.
+        length_us: Option<u64>,
+    },
 }
 
 /// The status of an edit's reply in a batch.
@@ -870,21 +890,30 @@ impl Edit {
             Edit::Debit => 2,
             Edit::Release { .. } => 3,
             Edit::Renew { .. } => 4,
+            Edit::Refund { .. } => 5,
+            Edit::Block { .. } => 6,
         }
     }
 
-    /// Whether the edit carries the check's rules (a settle) or none (a slot's edit).
+    /// Whether the edit carries the check's rules (a settle, a lease's refund) or none
+    /// (a slot's edit, a block).
     pub fn has_rules(self) -> bool {
-        matches!(self, Edit::GiveBack { .. } | Edit::Debit)
+        matches!(
+            self,
+            Edit::GiveBack { .. } | Edit::Debit | Edit::Refund { .. }
+        )
     }
 
     /// The edit's own number, carried where a check's deadline is: a give-back's charge
-    /// time, a slot's number; 0 for debt.
+    /// time, a slot's number, a refund's reservation time, a block's length; 0 for debt
+    /// and a block without end.
     pub fn value(self) -> u64 {
         match self {
             Edit::GiveBack { charged_at } => charged_at,
             Edit::Debit => 0,
             Edit::Release { slot } | Edit::Renew { slot, .. } => slot,
+            Edit::Refund { start_us, .. } => start_us,
+            Edit::Block { length_us } => length_us.unwrap_or(0),
         }
     }
 
@@ -899,14 +928,32 @@ impl Edit {
                 slot: value,
                 timeout_us,
             },
+            Edit::Refund { granted, .. } => Edit::Refund {
+                start_us: value,
+                granted,
+            },
+            Edit::Block { length_us } => Edit::Block {
+                length_us: length_us.map(|_| value),
+            },
         }
     }
 
-    /// Values after the header and the rules, by op: a renewal's timeout.
+    /// Values after the header and the rules, by op: a renewal's timeout, a refund's
+    /// units granted, whether a block is without end.
     fn extras_of(op: u64) -> Option<usize> {
         match op {
             1..=3 => Some(0),
-            4 => Some(1),
+            4..=6 => Some(1),
+            _ => None,
+        }
+    }
+
+    /// The value after the header and the rules (see [`extras_of`](Self::extras_of)).
+    fn extra(self) -> Option<u64> {
+        match self {
+            Edit::Renew { timeout_us, .. } => Some(timeout_us),
+            Edit::Refund { granted, .. } => Some(granted),
+            Edit::Block { length_us } => Some(u64::from(length_us.is_none())),
             _ => None,
         }
     }
@@ -947,8 +994,8 @@ pub fn pack_edit(
         out
     };
     out[..8].copy_from_slice(&(first as f64).to_le_bytes());
-    if let Edit::Renew { timeout_us, .. } = edit {
-        push(&mut out, timeout_us.min(MAX_EXACT));
+    if let Some(extra) = edit.extra() {
+        push(&mut out, extra.min(MAX_EXACT));
     }
     out
 }
@@ -975,15 +1022,35 @@ pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
     let number = v[HEADER - 1];
     v[0] %= 2;
     v[HEADER - 1] = 0;
+    let extra = || {
+        value(bytes, body / 8).ok_or_else(|| {
+            PackedError(format!(
+                "edit {op}'s last value is not an integer below 2^53"
+            ))
+        })
+    };
     let edit = match op {
         1 => Edit::GiveBack { charged_at: number },
         2 => Edit::Debit,
         3 => Edit::Release { slot: number },
-        _ => Edit::Renew {
+        4 => Edit::Renew {
             slot: number,
-            timeout_us: value(bytes, body / 8).ok_or_else(|| {
-                PackedError("a renewal's timeout is not an integer below 2^53".to_owned())
-            })?,
+            timeout_us: extra()?,
+        },
+        5 => Edit::Refund {
+            start_us: number,
+            granted: extra()?,
+        },
+        _ => Edit::Block {
+            length_us: match extra()? {
+                0 => Some(number),
+                1 => None,
+                other => {
+                    return Err(PackedError(format!(
+                        "a block is without end (1) or not (0), got {other}"
+                    )))
+                }
+            },
         },
     };
     let header = if edit.has_rules() {
@@ -994,7 +1061,7 @@ pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
                 Ok(h)
             } else {
                 Err(PackedError(format!(
-                    "a slot's edit carries no rules, got {}",
+                    "a slot's edit or a block carries no rules, got {}",
                     h.rules
                 )))
             }
@@ -1028,16 +1095,28 @@ mod tests {
                 },
                 None,
             ),
+            (
+                Edit::Refund {
+                    start_us: 41,
+                    granted: 8,
+                },
+                Some(50),
+            ),
+            (
+                Edit::Block {
+                    length_us: Some(7_000_000),
+                },
+                None,
+            ),
+            (Edit::Block { length_us: None }, Some(9)),
         ] {
             let packed = pack_edit(edit, Some(&rules), now, 3, 250);
             let (read, header, rule_bytes) = parse_edit(&packed).unwrap().unwrap();
             assert_eq!(read, edit);
             // The edit's number where a check's deadline is, which compact refs carry.
             assert_eq!(value(&packed, HEADER - 1), Some(edit.value()));
-            assert_eq!(
-                read.with_value(9).value(),
-                if edit == Edit::Debit { 0 } else { 9 }
-            );
+            let numbered = !matches!(edit, Edit::Debit | Edit::Block { length_us: None });
+            assert_eq!(read.with_value(9).value(), if numbered { 9 } else { 0 });
             assert_eq!(header.deadline, None);
             assert_eq!(header.now, now);
             assert_eq!(header.ttl_floor_ms, 250);
@@ -1054,7 +1133,7 @@ mod tests {
         let check = pack_check(&rules, None, 1, 0, None);
         assert_eq!(parse_edit(&check).unwrap(), None);
         let mut bad = pack_edit(Edit::Release { slot: 1 }, None, None, 0, 0);
-        bad[..8].copy_from_slice(&12f64.to_le_bytes());
+        bad[..8].copy_from_slice(&14f64.to_le_bytes());
         assert!(parse_edit(&bad).is_err());
         assert!(parse_edit(&bad[..8 * HEADER]).is_err());
     }

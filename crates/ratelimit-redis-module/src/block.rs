@@ -22,10 +22,34 @@ pub(crate) fn block(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     // Every value is read and checked before the key is touched: a refused command
     // writes nothing.
     let floor = ttl_floor_arg(floor)?;
-    let written = if length.as_slice().is_empty() {
+    let injected = !now.as_slice().is_empty();
+    let now = now_arg(now)?;
+    let length = if length.as_slice().is_empty() {
         None
     } else {
-        Some(marker(now, length, floor)?)
+        Some(number(length, "the block's length")?)
+    };
+    block_at(ctx, name, now, injected, length, floor)
+}
+
+/// [`block`] at the time `now` (µs; `injected`, else the server's), for `length` µs
+/// (`None`: without end): as its command and as an edit of a batch.
+pub(crate) fn block_at(
+    ctx: &Context,
+    name: &RedisString,
+    now: u64,
+    injected: bool,
+    length: Option<u64>,
+    floor: u64,
+) -> Result<i64, String> {
+    if floor > packed::MAX_EXACT / 1000 {
+        return Err(args_error(&format_args!(
+            "the TTL floor is at most 2^53 us in ms, got {floor}"
+        )));
+    }
+    let written = match length {
+        None => None,
+        Some(length) => Some(marker(now, injected, length, floor)?),
     };
     let mut key = StateKey::open(ctx, name);
     let kind = key.key_type();
@@ -55,10 +79,7 @@ const MAX_LENGTH_US: u64 = 1 << 52;
 
 /// A timed block's end in µs and its marker's expiry in ms, from the arguments; an
 /// error, before anything is written, for a value out of range.
-fn marker(now: &RedisString, length: &RedisString, floor: u64) -> Result<(u64, u64), String> {
-    let injected = !now.as_slice().is_empty();
-    let now = now_arg(now)?;
-    let length = number(length, "the block's length")?;
+fn marker(now: u64, injected: bool, length: u64, floor: u64) -> Result<(u64, u64), String> {
     if length > MAX_LENGTH_US {
         return Err(args_error(&format_args!(
             "the block's length is at most 2^52 us, got {length}"

@@ -114,7 +114,15 @@ fn entry_one(
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
     if crate::protocol() >= 5 && edits::is_edit(packed_value) {
-        return edits::edit_one(ctx, keys.state, keys.log, packed_value, None, out);
+        return edits::edit_one(
+            ctx,
+            Some(keys.block),
+            keys.state,
+            keys.log,
+            packed_value,
+            None,
+            out,
+        );
     }
     check_one(ctx, keys, packed_value, now, out)
 }
@@ -317,17 +325,27 @@ fn compact_checks(
                 let log = packed::value(pack, 6)
                     .is_some_and(|limit| limit > 0)
                     .then(|| sibling(name, b'l', &mut scratch));
+                let block = edits::is_block(pack).then(|| sibling(name, b'b', &mut scratch));
                 if let Some(stable) = stable.as_deref_mut() {
                     // An edit touches its state alone (and the log, for a settle under
                     // a sliding log): a state this node holds is one Redis itself would
-                    // let a command of the key edit here, migrating slot or not.
-                    if log.is_some() || !exists_here(ctx, state) {
-                        let block = sibling(name, b'b', &mut scratch);
-                        served(ctx, &[&block], stable).map_err(|why| format!("RLMOVED {why}"))?;
+                    // let a command of the key edit here, migrating slot or not. A block
+                    // writes its marker, which may have left with a migrating slot.
+                    if block.is_some() || log.is_some() || !exists_here(ctx, state) {
+                        let marker = sibling(name, b'b', &mut scratch);
+                        served(ctx, &[&marker], stable).map_err(|why| format!("RLMOVED {why}"))?;
                     }
                 }
                 let number = r.deadline.unwrap_or(0);
-                edits::edit_one(ctx, state, log.as_ref(), pack, Some(number), &mut out)
+                edits::edit_one(
+                    ctx,
+                    block.as_ref(),
+                    state,
+                    log.as_ref(),
+                    pack,
+                    Some(number),
+                    &mut out,
+                )
             });
             if let Err(message) = edited {
                 out.truncate(start);

@@ -1,11 +1,13 @@
 //! Edits of a state after its check carried by a batch beside the checks (batch
 //! protocol 5, [`packed::Edit`]): a charge given back, debt, a slot released or renewed,
-//! each run by the same code as its own command and answered `{4, 0 or 1}` in its turn.
+//! a lease's unspent units given back, a block, each run by the same code as its own
+//! command and answered `{4, 0 or 1}` in its turn.
 
 use ratelimit_core::packed::{self, Edit, Header};
 use redis_module::{Context, RedisString};
 
 use crate::check::args_error;
+use crate::refund::Leased;
 
 /// Whether a batch's packed value is an edit rather than a check: read before the
 /// check's own parse, which refuses it.
@@ -13,13 +15,21 @@ pub(crate) fn is_edit(packed_value: &[u8]) -> bool {
     packed::value(packed_value, 0).is_some_and(|first| first > 1)
 }
 
+/// Whether a batch's packed value is a block (which edits the block marker, not the
+/// state).
+pub(crate) fn is_block(packed_value: &[u8]) -> bool {
+    packed::value(packed_value, 0).is_some_and(|first| first / 2 == 6)
+}
+
 /// Runs the edit `packed_value` on the state `state` (and the sliding log `log`, for a
-/// settle under rules with one) and appends its reply; an `Err` is the message of its
-/// failure entry, with nothing appended. `number` is the edit's own number as a compact
-/// batch's `refs` carry it (in place of a check's deadline), which replaces the packed
-/// value's: edits of one rule set share a packed value as checks do.
+/// settle under rules with one; the block marker `block`, for a block) and appends its
+/// reply; an `Err` is the message of its failure entry, with nothing appended. `number`
+/// is the edit's own number as a compact batch's `refs` carry it (in place of a check's
+/// deadline), which replaces the packed value's: edits of one rule set share a packed
+/// value as checks do.
 pub(crate) fn edit_one(
     ctx: &Context,
+    block: Option<&RedisString>,
     state: &RedisString,
     log: Option<&RedisString>,
     packed_value: &[u8],
@@ -35,7 +45,33 @@ pub(crate) fn edit_one(
         Some(number) => edit.with_value(number),
         None => edit,
     };
-    let changed = run(ctx, state, log, edit, &header, rule_bytes)?;
+    let changed = match edit {
+        Edit::Block { length_us } => {
+            let block = block.ok_or_else(|| args_error(&"a block without its marker's key"))?;
+            let now = header.now.unwrap_or_else(crate::check::server_now_us);
+            crate::block::block_at(
+                ctx,
+                block,
+                now,
+                header.now.is_some(),
+                length_us,
+                header.ttl_floor_ms,
+            )?;
+            1
+        }
+        Edit::Refund { start_us, granted } => {
+            let rules = leased(packed_value, header.rules, start_us)?;
+            if header.cost < 1 || granted < header.cost {
+                return Err(args_error(&format_args!(
+                    "a lease's refund gives back {} of {granted} units",
+                    header.cost
+                )));
+            }
+            let now = header.now.unwrap_or_else(crate::check::server_now_us);
+            crate::refund::lease_refund_at(ctx, state, now, header.cost, start_us, granted, &rules)?
+        }
+        _ => run(ctx, state, log, edit, &header, rule_bytes)?,
+    };
     packed::encode_edit(out, changed == 1);
     Ok(())
 }
@@ -65,6 +101,35 @@ fn run(
             header.now,
             header.ttl_floor_ms,
         ),
-        // `Edit` is exhaustive here; a later edit is refused by `parse_edit`.
+        // Run by `edit_one` itself; a later edit is refused by `parse_edit`.
+        Edit::Refund { .. } | Edit::Block { .. } => Ok(0),
     }
+}
+
+/// A lease refund's rules as its command takes them, from the packed rules of
+/// `packed_value` (`n` of them): identity, algorithm code, limit, period, and for a
+/// fixed window the index of the window of the reservation's time `start`.
+fn leased(packed_value: &[u8], n: usize, start: u64) -> Result<Vec<Leased>, String> {
+    (0..n)
+        .map(|i| {
+            let at = packed::HEADER + packed::PER_RULE * i;
+            let v = |k: usize| {
+                packed::value(packed_value, at + k)
+                    .ok_or_else(|| args_error(&format_args!("a lease's rule {i} is cut short")))
+            };
+            let (code, limit, period, id) = (v(0)?, v(1)?, v(2)?, v(5)?);
+            if limit == 0 || period == 0 {
+                return Err(args_error(&format_args!(
+                    "a lease's rule {i} has a limit or period of 0"
+                )));
+            }
+            Ok(Leased {
+                id,
+                code,
+                limit,
+                period,
+                window: if code == 1 { start / period } else { 0 },
+            })
+        })
+        .collect()
 }

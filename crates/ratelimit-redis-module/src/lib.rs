@@ -67,12 +67,13 @@
 //!   are.
 //! - Edits in batches (protocol 5): a batch (`CHECK_MANY`, `CHECK_LOCAL`, the compact
 //!   forms, and a single check's commands) may carry, in place of a check, an edit of a
-//!   state after its check: a charge given back, debt, a slot released or renewed
+//!   state after its check: a charge given back, debt, a slot released or renewed, a
+//!   lease's unspent units given back, or a block of the key
 //!   ([`ratelimit_core::packed::Edit`]: the packed header's first value is `injected +
 //!   2 × op`). It runs in its turn as its own command would, on the check's keys, and is
 //!   answered `{4, 1}` when it changed the state, `{4, 0}` when not; in a call decided
-//!   once, with the call. A store sends settles and releases this way, in the same call
-//!   as the checks queued with them.
+//!   once, with the call. A store sends settles, releases, renewals, lease refunds and
+//!   blocks this way, in the same call as the checks queued with them.
 //! - `RATELIMIT.STATS`: what the module keeps across calls (rule sets cached, replies
 //!   kept and their bytes).
 //! - `RATELIMIT.VERSION`: the module's version, the state format it reads and writes

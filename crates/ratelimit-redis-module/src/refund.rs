@@ -57,12 +57,12 @@ pub(crate) fn now_arg(arg: &RedisString) -> Result<u64, String> {
 }
 
 /// One rule of a lease refund, as the store sends it.
-struct Leased {
-    id: u64,
-    code: u64,
-    limit: u64,
-    period: u64,
-    window: u64,
+pub(crate) struct Leased {
+    pub(crate) id: u64,
+    pub(crate) code: u64,
+    pub(crate) limit: u64,
+    pub(crate) period: u64,
+    pub(crate) window: u64,
 }
 
 /// `RATELIMIT.REFUND state now units start granted (id code limit period window)..`:
@@ -101,7 +101,20 @@ pub(crate) fn lease_refund(ctx: &Context, args: &[RedisString]) -> Result<i64, S
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
+    lease_refund_at(ctx, name, now, units, start, granted, &rules)
+}
 
+/// [`lease_refund`] at the time `now` (µs) of `units` of the `granted` a lease reserved
+/// at `start`, to `rules`: as its command and as an edit of a batch.
+pub(crate) fn lease_refund_at(
+    ctx: &Context,
+    name: &RedisString,
+    now: u64,
+    units: u64,
+    start: u64,
+    granted: u64,
+    rules: &[Leased],
+) -> Result<i64, String> {
     let mut key = StateKey::open(ctx, name);
     match key.key_type() {
         KeyType::String => {}
@@ -113,7 +126,7 @@ pub(crate) fn lease_refund(ctx: &Context, args: &[RedisString]) -> Result<i64, S
         return Ok(0);
     };
     let mut changed = false;
-    for leased in &rules {
+    for leased in rules {
         let Some(&(_, o)) = entries.iter().rev().find(|(id, _)| *id == leased.id) else {
             continue;
         };

@@ -16,8 +16,9 @@
 --   refund.lua      refund (a lease's unspent units) and give_back
 --   debit.lua       debit
 --   slots.lua       release and renew
---   edits.lua       give_back, debit, release and renew carried by a batch in place of
---                   a check
+--   block.lua       block (also the store's block script, alone)
+--   edits.lua       give_back, debit, release, renew, refund and block carried by a
+--                   batch in place of a check
 --   once.lua        calls decided once (a record per call) and the registered entry
 --                   points
 --

@@ -143,10 +143,15 @@ end
 -- hidden that way, so giving back at most that never admits more than the exact limiter.
 -- The key keeps its TTL (KEEPTTL): a refund only makes the state expire sooner in truth.
 --
--- Returns 1 when the state was rewritten, 0 when there was nothing to give back to.
+-- Returns 1 when the state was rewritten, 0 when there was nothing to give back to. In a
+-- batch (edits.lua), `pre` is the state as the batch read it (a string; otherwise it is
+-- read here), and the values may be numbers.
 
-local function refund(KEYS, ARGV)
-  local raw = redis.call('GET', KEYS[1])
+local function refund(KEYS, ARGV, pre)
+  local raw = pre
+  if type(raw) ~= 'string' then
+    raw = redis.call('GET', KEYS[1])
+  end
   if not raw or #raw % 8 ~= 0 or #raw == 0 then
     return 0
   end

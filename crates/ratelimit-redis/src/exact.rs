@@ -241,8 +241,8 @@ impl Exact {
         call: impl FnOnce() -> Call<'a>,
     ) -> Result<bool, RedisStoreError> {
         let shared = &self.shared;
-        if shared.paths.edits_batched.load(Ordering::Relaxed) {
-            let job = CheckJob::edit(
+        let job = || {
+            CheckJob::edit(
                 &shared.prefix,
                 key,
                 rules,
@@ -250,7 +250,21 @@ impl Exact {
                 self.injected_now(),
                 units,
                 shared.ttl_floor_ms,
-            );
+            )
+        };
+        self.edit_job(job, call).await
+    }
+
+    /// Runs the edit `job` makes in the checks' batch where the servers take edits there,
+    /// else as `call`, a call of its own (see [`edit`](Self::edit)).
+    async fn edit_job<'a>(
+        &'a self,
+        job: impl FnOnce() -> CheckJob,
+        call: impl FnOnce() -> Call<'a>,
+    ) -> Result<bool, RedisStoreError> {
+        let shared = &self.shared;
+        if shared.paths.edits_batched.load(Ordering::Relaxed) {
+            let job = job();
             // A check alone answers its failure as a batch entry too.
             let reply =
                 self.batcher
@@ -312,13 +326,39 @@ impl Exact {
         .await
     }
 
-    /// Gives a lease's unspent units back to the state named `state`.
+    /// Gives a lease's unspent units back to the state named `state`: in the checks'
+    /// batch where the servers take edits there, else a call of its own.
     pub(crate) async fn refund_unspent(
         &self,
         state: &str,
         rules: &RuleSet,
         unspent: &Unspent<'_>,
     ) -> Result<(), RedisStoreError> {
+        if unspent.units == 0 {
+            return Ok(());
+        }
+        let edit = Edit::Refund {
+            start_us: unspent.start_us,
+            granted: unspent.granted,
+        };
+        let shared = &self.shared;
+        let job = || {
+            CheckJob::edit_of_state(
+                state,
+                rules,
+                edit,
+                self.injected_now(),
+                unspent.units,
+                shared.ttl_floor_ms,
+            )
+        };
+        self.edit_job(job, || self.refund_call(state, rules, unspent))
+            .await
+            .map(drop)
+    }
+
+    /// A lease refund as a call of its own.
+    fn refund_call(&self, state: &str, rules: &RuleSet, unspent: &Unspent<'_>) -> Call<'_> {
         let mut call = REFUND.call(&self.shared.paths, state.as_bytes(), 1, 5 + 5 * rules.len());
         call.cmd.arg(state);
         self.now_arg(&mut call.cmd);
@@ -340,25 +380,33 @@ impl Exact {
                 .arg(window);
         }
         call.arg_once(state, self.shared.record_keep_ms());
-        self.run(Request::Call(call)).await.map(drop)
+        call
     }
 
-    /// Blocks `key` for `duration` (for good without one).
+    /// Blocks `key` for `duration` (for good without one): in the checks' batch where
+    /// the servers take edits there, so that a check queued after it sees it, else a call
+    /// of its own.
     pub(crate) async fn block(
         &self,
         key: &[u8],
         duration: Option<Duration>,
     ) -> Result<(), RedisStoreError> {
-        let mut names = KeyNames::new(&self.shared.prefix, key);
-        let mut call = BLOCK.call(&self.shared.paths, names.block().as_bytes(), 1, 4);
-        call.cmd.arg(names.block());
-        self.now_arg(&mut call.cmd);
-        match duration {
-            Some(d) => call.cmd.arg(block_us(d)),
-            None => call.cmd.arg(""),
-        };
-        call.cmd.arg(self.shared.ttl_floor_ms);
-        self.run(Request::Call(call)).await.map(drop)
+        let length_us = duration.map(block_us);
+        let edit = Edit::Block { length_us };
+        self.edit(key, None, edit, 0, || {
+            let mut names = KeyNames::new(&self.shared.prefix, key);
+            let mut call = BLOCK.call(&self.shared.paths, names.block().as_bytes(), 1, 4);
+            call.cmd.arg(names.block());
+            self.now_arg(&mut call.cmd);
+            match length_us {
+                Some(us) => call.cmd.arg(us),
+                None => call.cmd.arg(""),
+            };
+            call.cmd.arg(self.shared.ttl_floor_ms);
+            call
+        })
+        .await
+        .map(drop)
     }
 
     pub(crate) async fn unblock(&self, key: &[u8]) -> Result<(), RedisStoreError> {

@@ -483,9 +483,12 @@ impl Leased {
         let Some(leases) = &self.leases else {
             return;
         };
-        for (name, rules, lease) in leases.ended(self.exact.shared().now_us()) {
+        // All at once: the refunds queue together and leave in the checks' batches.
+        let ended = leases.ended(self.exact.shared().now_us());
+        futures::future::join_all(ended.into_iter().map(|(name, rules, lease)| async move {
             refund_or_log(&self.exact, leases, &name, &rules, Some(lease)).await;
-        }
+        }))
+        .await;
     }
 
     /// Gives back the units of leases that ended, every half lease length, for as long

@@ -28,14 +28,15 @@ async fn store(server: &RedisServer, prefix: &str, clock: Option<ManualClock>) -
     store
 }
 
-/// Batch calls and single calls since the last reset: FCALLs, or on the module its
-/// single checks, compact batches and edits of their own. On the module, requires that no batch went in the
-/// older form (the module has the compact one).
+/// Batch calls and single calls since the last reset: FCALLs and scripts (a block's),
+/// or on the module its single checks, compact batches and edits, refunds and blocks of
+/// their own. On the module, requires that no batch went in the older form (the module
+/// has the compact one).
 fn calls(con: &mut redis::Connection, module: bool) -> u64 {
     let stats = common::commandstats(con);
     let count = |command: &str| stats.get(command).map_or(0, |s| s.0);
     if !module {
-        return count("fcall");
+        return count("fcall") + count("evalsha") + count("eval");
     }
     assert_eq!(count("fcall"), 0, "a check went to Lua");
     assert_eq!(
@@ -48,6 +49,8 @@ fn calls(con: &mut redis::Connection, module: bool) -> u64 {
         "ratelimit.debit",
         "ratelimit.release",
         "ratelimit.renew",
+        "ratelimit.refund",
+        "ratelimit.block",
     ]
     .map(count)
     .iter()
@@ -310,6 +313,130 @@ async fn edits_ride_the_batches(module: bool) {
             .map(|r| r.remaining)
             .collect();
         assert_eq!(remaining[..2], expected[..2], "key {k}");
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn blocks_ride_the_checks_batches() {
+    blocks_ride_the_batches(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn blocks_ride_the_module_checks_batches() {
+    blocks_ride_the_batches(true).await;
+}
+
+/// An operator blocks 16 keys (half of them for good) while 48 checks of them queue: the
+/// blocks leave in the checks' calls, each decided in its turn (a check queued after its
+/// key's block is refused by it), and every key is blocked at the end.
+async fn blocks_ride_the_batches(module: bool) {
+    const KEYS: usize = 16;
+    let server = server(module);
+    let mut con = common::conn(&server.url());
+    let store = store(&server, "blocks", Some(ManualClock::new(T0_US))).await;
+    let rules: RuleSet = "1000/min".parse().unwrap();
+    common::reset_stats(&mut con);
+    let key = |i: usize| format!("blocked-{}", i % KEYS).into_bytes();
+    let tasks: Vec<_> = (0..4 * KEYS)
+        .map(|i| {
+            let (store, rules) = (store.clone(), rules.clone());
+            tokio::spawn(async move {
+                if i < KEYS {
+                    let length = (i % 2 == 0).then_some(Duration::from_secs(60));
+                    store.block(&key(i), length).await.expect("block");
+                    None
+                } else {
+                    Some(store.check(&key(i), &rules, 1).await.expect("check"))
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        if let Some(d) = task.await.unwrap() {
+            // Queued after every block: each is refused by its key's block.
+            assert!(!d.is_allowed(), "a check after its key's block");
+        }
+    }
+    let calls = calls(&mut con, module);
+    assert!(
+        calls <= 4,
+        "{calls} calls for {KEYS} blocks and {} checks",
+        3 * KEYS
+    );
+    for i in 0..KEYS {
+        let d = store.check(&key(i), &rules, 1).await.unwrap();
+        assert!(!d.is_allowed(), "key {i} is blocked");
+        let retry = d.retry_after();
+        if i % 2 == 0 {
+            assert_eq!(retry, Some(Duration::from_secs(60)), "key {i}");
+        } else {
+            assert_eq!(retry, None, "key {i}: blocked for good");
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn lease_refunds_ride_the_checks_batches() {
+    lease_refunds_ride_the_batches(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn lease_refunds_ride_the_module_checks_batches() {
+    lease_refunds_ride_the_batches(true).await;
+}
+
+/// A lease store's refunds of 16 hot keys at the end of their leases leave together,
+/// and each key gets back what its lease did not spend.
+async fn lease_refunds_ride_the_batches(module: bool) {
+    const KEYS: usize = 16;
+    const LEASE: Duration = Duration::from_millis(100);
+    let server = server(module);
+    let mut con = common::conn(&server.url());
+    let clock = ManualClock::new(T0_US);
+    let leased = RedisStore::builder()
+        .prefix("refunds")
+        .timeout(Duration::from_secs(5))
+        .clock(clock.clone())
+        .lease(LEASE)
+        .build(&server.url())
+        .await
+        .unwrap();
+    wait_connected(&leased).await;
+    let exact = store(&server, "refunds", Some(clock.clone())).await;
+    let rules: RuleSet = "10/s token-bucket capacity=40; 1000/min fixed-window"
+        .parse()
+        .unwrap();
+    let key = |i: usize| format!("hot-{i}").into_bytes();
+    for i in 0..KEYS {
+        // Seen 3 times: exact. The 4th reserves a block of 4 and spends 1.
+        for _ in 0..4 {
+            assert!(leased.check(&key(i), &rules, 1).await.unwrap().is_allowed());
+        }
+        let d = exact.check(&key(i), &rules, 0).await.unwrap();
+        assert_eq!(
+            d.rules()[0].remaining,
+            33,
+            "key {i}: the lease's block reserved"
+        );
+    }
+    common::reset_stats(&mut con);
+    clock.advance(LEASE);
+    leased.sweep_leases().await;
+    let calls = calls(&mut con, module);
+    assert!(
+        calls <= 4,
+        "{calls} calls for {KEYS} refunds: they went alone"
+    );
+    for i in 0..KEYS {
+        let d = exact.check(&key(i), &rules, 0).await.unwrap();
+        let remaining: Vec<u64> = d.rules().iter().map(|r| r.remaining).collect();
+        // The bucket: 33 left, 3 unspent given back, 1 refilled in the lease's 100 ms.
+        // The window: the 3 exact checks and the spent unit.
+        assert_eq!(
+            remaining,
+            [37, 996],
+            "key {i}: the 3 unspent units given back"
+        );
     }
 }
 

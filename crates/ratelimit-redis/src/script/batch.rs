@@ -71,6 +71,33 @@ impl CheckJob {
         )
     }
 
+    /// An edit (see [`edit`](Self::edit)) of the state named `state`, a name of the
+    /// store's (`..{tag}:s`, whose block marker's name ends in `b` in its place): a lease's
+    /// refund, which knows its state by name.
+    pub(crate) fn edit_of_state(
+        state: &str,
+        rules: &RuleSet,
+        edit: packed::Edit,
+        now: Option<u64>,
+        units: u64,
+        ttl_floor_ms: u64,
+    ) -> Self {
+        let mut names = String::with_capacity(2 * state.len());
+        names.push_str(state.strip_suffix('s').unwrap_or(state));
+        names.push('b');
+        let block = names.len();
+        names.push_str(state);
+        let end = names.len();
+        CheckJob {
+            names,
+            ends: [block, end, end],
+            keys: 2,
+            packed: packed::pack_edit(edit, Some(rules), now, units, ttl_floor_ms),
+            rules: 0,
+            sent_at: 0,
+        }
+    }
+
     fn with_packed(prefix: &str, key: &[u8], has_log: bool, packed: Vec<u8>, rules: usize) -> Self {
         let mut names = KeyNames::new(prefix, key);
         let mut all = String::with_capacity(3 * (prefix.len() + 48));

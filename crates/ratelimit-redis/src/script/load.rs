@@ -495,6 +495,8 @@ const LIBRARY_SOURCE: &str = concat!(
     "\n",
     include_str!("../../lua/slots.lua"),
     "\n",
+    include_str!("../../lua/block.lua"),
+    "\n",
     include_str!("../../lua/edits.lua"),
     "\n",
     include_str!("../../lua/once.lua"),
@@ -536,7 +538,13 @@ pub(crate) static RENEW: LazyLock<&'static Script> = LazyLock::new(|| &DECISIONS
 /// The block script; see `lua/block.lua` for its contract.
 pub(crate) static BLOCK: LazyLock<Script> = LazyLock::new(|| Script {
     module: Some(ModuleCommand::new("RATELIMIT.BLOCK", false)),
-    ..Script::new(include_str!("../../lua/block.lua").to_owned())
+    ..Script::new(
+        concat!(
+            include_str!("../../lua/block.lua"),
+            "\nreturn block(KEYS, ARGV)\n"
+        )
+        .to_owned(),
+    )
 });
 
 /// The decision script: its body as sent with `SCRIPT LOAD`, its SHA1, its function
