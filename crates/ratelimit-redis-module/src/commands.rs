@@ -504,8 +504,26 @@ fn check_local_states_unguarded(ctx: &Context, args: Vec<RedisString>) -> RedisR
     };
     let refs = refs_of(NAME, refs, checks, packs.len())?;
     let states = &args[args.len() - checks..];
+    let mut stable = StableSlots::new();
+    if let (Some((call, true)), Some(first)) = (id, states.first()) {
+        // Sent again, and not known here: a node that does not serve the first check's
+        // slot (by which the store routes the call) got it from a client whose slot map
+        // is out of date. The first run may have charged on the node that serves it, so
+        // nothing is answered as moved (the store would send those checks again as new
+        // calls): nothing runs here, and the store sends it again where the slot is.
+        let first = first.as_slice();
+        let unknown = matches!(once::seen(&call, true, server_now_us()), once::Seen::New);
+        if unknown && is_state_name(first) {
+            let marker = sibling(first, b'b', &mut Vec::new());
+            if served(ctx, &[&marker], &mut stable).is_err() {
+                return Err(RedisError::Str(
+                    "TRYAGAIN the call was sent again to a node that does not serve its first \
+                     check's slot",
+                ));
+            }
+        }
+    }
     once(id, || {
-        let mut stable = StableSlots::new();
         compact_checks(ctx, states, &refs, packs, Some(&mut stable))
     })
 }

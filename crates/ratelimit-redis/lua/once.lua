@@ -18,7 +18,9 @@
 --
 -- `base` is the number of the call's own arguments; `probe`, for check_local (whose keys
 -- are not declared), reads the record first on every call: a record of a slot the node
--- no longer serves answers every check as moved (`probe`), before anything runs.
+-- no longer serves answers every check as moved (`probe`), before anything runs; when
+-- the call is sent again, `TRYAGAIN` (the first run may have been on the node that
+-- serves it).
 local function once(fn, KEYS, ARGV, base, probe)
   if #ARGV ~= base + 3 then
     return fn(KEYS, ARGV)
@@ -34,6 +36,14 @@ local function once(fn, KEYS, ARGV, base, probe)
   if resent == 1 or probe then
     local r = redis.pcall('GET', rk)
     if type(r) == 'table' then
+      if probe and resent == 1 then
+        -- Sent again to a node that does not serve its record's slot (a client's slot
+        -- map out of date): its first run may have charged on the node that does, so
+        -- nothing is answered as moved (the store would send it again as new calls);
+        -- nothing runs here, and the store sends it again where the slot is served.
+        return redis.error_reply('TRYAGAIN the call was sent again to a node that does '
+          .. 'not serve its record\'s slot')
+      end
       if probe then
         return probe(r.err)
       end

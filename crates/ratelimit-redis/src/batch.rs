@@ -74,6 +74,7 @@ impl Batcher {
                 transport.clone(),
                 shared.clone(),
                 jobs,
+                Some(queue.downgrade()),
                 slots.clone(),
                 settings,
             ));
@@ -135,9 +136,10 @@ impl Batcher {
     /// waiting.
     fn alone(&self, job: Job, slot: Option<OwnedSemaphorePermit>) {
         let (transport, shared) = (self.transport.clone(), self.shared.clone());
+        let undo = self.queue.as_ref().map(mpsc::UnboundedSender::downgrade);
         tokio::spawn(async move {
             let reply = single(&transport, &shared, &job.check).await;
-            deliver(&transport, &shared, job, reply);
+            deliver(&transport, &shared, &undo, job, reply);
             drop(slot);
         });
     }
@@ -151,22 +153,28 @@ fn late_wait(shared: &Shared) -> Duration {
     shared.timeout.saturating_mul(2)
 }
 
+/// Where the edits that undo a check go: the queue of the batcher's checks (none for
+/// a store that sends each check alone, or once the batcher is gone).
+type Undo = Option<mpsc::WeakUnboundedSender<Job>>;
+
 /// Hands `reply` to `job`'s caller. When the caller stopped waiting (its timeout; it
 /// decided without the store, by its failure policy) and the reply is a check that
 /// admitted, the check must not also count in Redis: its units are given back and its
-/// slot released, as calls of their own (on a module older than edits in batches, the
-/// charge stays until it drains, and that is reported).
+/// slot released, queued with the checks (`undo`) where the servers take edits in
+/// batches (on a module older than that, the charge stays until it drains, and that is
+/// reported).
 fn deliver(
     transport: &Arc<Transport>,
     shared: &Arc<Shared>,
+    undo: &Undo,
     job: Job,
     reply: Result<Vec<u8>, RedisStoreError>,
 ) {
     let Err(Ok(bytes)) = job.reply.send(reply) else {
         return;
     };
-    let undo = job.check.undo(&bytes);
-    if undo.is_empty() {
+    let edits = job.check.undo(&bytes);
+    if edits.is_empty() {
         return;
     }
     if !shared.paths.edits_batched.load(Ordering::Relaxed) {
@@ -177,7 +185,56 @@ fn deliver(
         );
         return;
     }
-    tokio::spawn(undo_checks(transport.clone(), shared.clone(), undo));
+    let Some(queue) = undo.as_ref().and_then(mpsc::WeakUnboundedSender::upgrade) else {
+        tokio::spawn(undo_checks(transport.clone(), shared.clone(), edits));
+        return;
+    };
+    // In order, behind the checks queued meanwhile: the give-back, then the release.
+    let mut answers = Vec::with_capacity(edits.len());
+    for check in edits {
+        let (reply, answer) = oneshot::channel();
+        if queue.send(Job { check, reply }).is_err() {
+            break;
+        }
+        answers.push(answer);
+    }
+    tokio::spawn(undone(shared.clone(), answers));
+}
+
+/// Waits for the edits that undo a check, queued with the checks, and says how they
+/// went. Boxed, as [`undo_checks`].
+fn undone(
+    shared: Arc<Shared>,
+    answers: Vec<oneshot::Receiver<Result<Vec<u8>, RedisStoreError>>>,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        for answer in answers {
+            let failed = match tokio::time::timeout(late_wait(&shared), answer).await {
+                Ok(Ok(Ok(bytes))) => match CheckReply::len(0, &bytes) {
+                    Some(Err(message)) => {
+                        Some(String::from_utf8_lossy(&bytes[message]).into_owned())
+                    }
+                    _ => None,
+                },
+                Ok(Ok(Err(e))) => Some(e.to_string()),
+                Ok(Err(_)) => Some("the store's sending task dropped it".to_owned()),
+                Err(_) => Some("no answer in time".to_owned()),
+            };
+            if let Some(error) = failed {
+                tracing::warn!(
+                    prefix = %shared.prefix,
+                    error = %error,
+                    "a check whose caller stopped waiting had charged, and its charge could \
+                     not be given back: it stays until it drains"
+                );
+                return;
+            }
+        }
+        tracing::debug!(
+            prefix = %shared.prefix,
+            "a check whose caller stopped waiting had charged; its charge was given back"
+        );
+    })
 }
 
 /// Sends `undo` (the edits of [`CheckJob::undo`]) in order, each a call of its own.
@@ -211,6 +268,7 @@ async fn dispatch(
     transport: Arc<Transport>,
     shared: Arc<Shared>,
     mut queue: mpsc::UnboundedReceiver<Job>,
+    undo: Undo,
     slots: Arc<Semaphore>,
     settings: Settings,
 ) {
@@ -241,27 +299,27 @@ async fn dispatch(
             }
         }
         let batch = std::mem::replace(&mut jobs, Vec::with_capacity(max));
-        let (transport, shared) = (transport.clone(), shared.clone());
+        let (transport, shared, undo) = (transport.clone(), shared.clone(), undo.clone());
         tokio::spawn(async move {
-            send(&transport, &shared, batch).await;
+            send(&transport, &shared, &undo, batch).await;
             drop(slot);
         });
     }
 }
 
 /// Sends one batch and hands each check its reply.
-async fn send(transport: &Arc<Transport>, shared: &Arc<Shared>, mut batch: Vec<Job>) {
+async fn send(transport: &Arc<Transport>, shared: &Arc<Shared>, undo: &Undo, mut batch: Vec<Job>) {
     // A caller that stopped waiting is not charged.
     batch.retain(|job| !job.reply.is_closed());
     if batch.len() > 1 && transport.is_cluster() {
         match transport.nodes().await {
-            Some(nodes) => return per_node(transport, shared, &nodes, batch).await,
+            Some(nodes) => return per_node(transport, shared, undo, &nodes, batch).await,
             // The slot map could not be read (a node unreachable): each check alone,
             // routed by its key. A batch of keys of many slots would be refused whole.
             None => {
                 join_all(batch.into_iter().map(|job| async move {
                     let reply = single(transport, shared, &job.check).await;
-                    deliver(transport, shared, job, reply);
+                    deliver(transport, shared, undo, job, reply);
                 }))
                 .await;
                 return;
@@ -271,7 +329,7 @@ async fn send(transport: &Arc<Transport>, shared: &Arc<Shared>, mut batch: Vec<J
     if let [job] = &batch[..] {
         let reply = single(transport, shared, &job.check).await;
         if let Some(job) = batch.pop() {
-            deliver(transport, shared, job, reply);
+            deliver(transport, shared, undo, job, reply);
         }
         return;
     }
@@ -286,7 +344,7 @@ async fn send(transport: &Arc<Transport>, shared: &Arc<Shared>, mut batch: Vec<J
     let reply = transport
         .call(&Request::Call(call), late_wait(shared))
         .await;
-    answer(transport, shared, batch, reply);
+    answer(transport, shared, undo, batch, reply);
 }
 
 /// Sends a Cluster's batch as one call per node, the checks of each node in their order.
@@ -294,6 +352,7 @@ async fn send(transport: &Arc<Transport>, shared: &Arc<Shared>, mut batch: Vec<J
 async fn per_node(
     transport: &Arc<Transport>,
     shared: &Arc<Shared>,
+    undo: &Undo,
     nodes: &Nodes,
     batch: Vec<Job>,
 ) {
@@ -314,18 +373,24 @@ async fn per_node(
     join_all(
         groups
             .into_iter()
-            .map(|(_, slot, jobs)| on_node(transport, shared, slot, jobs)),
+            .map(|(_, slot, jobs)| on_node(transport, shared, undo, slot, jobs)),
     )
     .await;
 }
 
 /// Sends `jobs` to the node serving `slot`, then each check the node turned away (its
 /// slot is elsewhere now; nothing was charged for it) as a call of its own, in order.
-async fn on_node(transport: &Arc<Transport>, shared: &Arc<Shared>, slot: u16, mut jobs: Vec<Job>) {
+async fn on_node(
+    transport: &Arc<Transport>,
+    shared: &Arc<Shared>,
+    undo: &Undo,
+    slot: u16,
+    mut jobs: Vec<Job>,
+) {
     if jobs.len() == 1 {
         if let Some(job) = jobs.pop() {
             let reply = single(transport, shared, &job.check).await;
-            deliver(transport, shared, job, reply);
+            deliver(transport, shared, undo, job, reply);
         }
         return;
     }
@@ -353,17 +418,17 @@ async fn on_node(transport: &Arc<Transport>, shared: &Arc<Shared>, slot: u16, mu
     if ran_nothing {
         for job in jobs {
             let reply = single(transport, shared, &job.check).await;
-            deliver(transport, shared, job, reply);
+            deliver(transport, shared, undo, job, reply);
         }
         return;
     }
-    let moved = answer(transport, shared, jobs, reply);
+    let moved = answer(transport, shared, undo, jobs, reply);
     if !moved.is_empty() {
         transport.nodes_stale();
     }
     for job in moved {
         let reply = single(transport, shared, &job.check).await;
-        deliver(transport, shared, job, reply);
+        deliver(transport, shared, undo, job, reply);
     }
 }
 
@@ -372,6 +437,7 @@ async fn on_node(transport: &Arc<Transport>, shared: &Arc<Shared>, slot: u16, mu
 fn answer(
     transport: &Arc<Transport>,
     shared: &Arc<Shared>,
+    undo: &Undo,
     batch: Vec<Job>,
     reply: Result<Value, RedisStoreError>,
 ) -> Vec<Job> {
@@ -409,7 +475,7 @@ fn answer(
             }
             Err(range) => Err(check_error(&bytes[range], timeout)),
         };
-        deliver(transport, shared, job, reply);
+        deliver(transport, shared, undo, job, reply);
     }
     moved
 }

@@ -89,8 +89,10 @@
 //! 7, a Cluster's checks go one call each.
 //!
 //! What follows a check goes the same way: a settle's give-back or debt, a concurrency
-//! slot's release and renewal queue with the checks and leave in the same calls, each
-//! decided in its turn (in order per key) and answered in its place. A metered,
+//! slot's release and renewal, a lease's refund of its unspent units, a block, and the
+//! edits that undo a check whose caller stopped waiting queue with the checks and leave
+//! in the same calls, each decided in its turn (in order per key: a check queued after
+//! its key's block is refused by it) and answered in its place. A metered,
 //! concurrency-limited request (check, settle, release) then costs about as many Redis
 //! calls as a bare check: in the crate's fleet benchmark, 0.262 calls per decision with
 //! checks alone, 0.264 with a release after each and 0.265 with a settle after each
@@ -339,7 +341,7 @@
 //! [`RedisStoreError::Timeout`], decided without it (fail open, or a local fallback).
 //! So the store reads a call's reply up to twice its timeout, and it undoes a check
 //! that admitted after its caller had gone: it gives the units back and releases the
-//! slot, as calls of their own. A reply later than that is not read, and its charge
+//! slot, queued with the checks. A reply later than that is not read, and its charge
 //! stays until it drains (`tests/late_replies.rs`: replies held back 150 ms against a
 //! 100 ms timeout, every charge given back, Lua and module).
 //!

@@ -419,7 +419,16 @@ impl Link {
         match conn.send(request).await {
             Err(e) if self.breaks(&e) => self.after_break(request, generation, e, attempts).await,
             Err(e) if moved(&e) || migrating(&e) => match conn {
-                Conn::Cluster(mut conn) => Ok(follow_slot(&mut conn, request, e).await?),
+                // Followed to the node serving the slot now; a connection that breaks
+                // there (connections cut under load, a node restarting) is as any other
+                // Cluster failure: the call goes again when that cannot decide it twice.
+                Conn::Cluster(mut conn) => match follow_slot(&mut conn, request, e).await {
+                    Ok(reply) => Ok(reply),
+                    Err(e) => {
+                        self.node_lost(&e);
+                        self.cluster_retry(&mut conn, request, e).await
+                    }
+                },
                 Conn::Multiplexed(_) => Err(e.into()),
             },
             Err(e) if self.is_cluster() => {

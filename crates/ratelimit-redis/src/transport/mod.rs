@@ -15,7 +15,7 @@ use std::time::Duration;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Value};
 
-use crate::error::{classify, is_connection_error, RedisStoreError};
+use crate::error::{classify, is_connection_error, ran_nothing, RedisStoreError};
 use crate::script::{Call, Request};
 
 use cluster::on_masters;
@@ -234,7 +234,8 @@ impl Transport {
 
 /// Sends `again`, the resend of a call decided once whose connection broke, to the node
 /// `routing` names, pausing between sends (the cluster connection reconnects to the
-/// node meanwhile), while the connection breaks again; the caller's timeout bounds it.
+/// node meanwhile), while the connection breaks again or the node answers without
+/// running it; the caller's timeout bounds it.
 async fn resend_routed(
     link: &Link,
     conn: &mut redis::cluster_async::ClusterConnection,
@@ -243,7 +244,11 @@ async fn resend_routed(
     mut e: redis::RedisError,
 ) -> redis::RedisResult<Value> {
     let mut pause = link::RETRY_PAUSE;
-    while is_connection_error(&e) {
+    // Once the first send may have run, only an answer of another kind ends this: an
+    // error that proves the resend ran nowhere (a redirect, no connection to the node)
+    // says nothing of the first send, so the caller must not send the checks again as
+    // new calls.
+    while is_connection_error(&e) || ran_nothing(&e) {
         link.nodes_stale();
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(link::MAX_RETRY_PAUSE);
