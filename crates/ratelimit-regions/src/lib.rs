@@ -160,9 +160,11 @@
 //! and before the donor's window end converted from the send time, so the donor's
 //! charge and the recipient's credit fall in one window and a window's total over the
 //! regions does not grow. This holds with the regions' clocks agreeing on window
-//! boundaries (as for the pool's blocks), and with the give-back's date read from the
-//! local store's clock (the Redis store's estimate of its server's time): a reading
-//! ahead of the server by ε gives back up to `ε·L_r/P` more, as any refund does.
+//! boundaries (as for the pool's blocks). The give-back's date is read from the local
+//! store's clock, which must not run ahead of the time the store decides on (the Redis
+//! store's reading of its server's `TIME` never does once it has heard from the
+//! server): a reading ahead by ε would give back up to `ε·L_r/P` more, as any refund
+//! would.
 //!
 //! **Partitions.** The bound holds through any partition, with no fail-open choice:
 //!

@@ -4,7 +4,9 @@
 //!
 //! Time is compressed: W = 1 s, ℓ_i = 50 ms, ℓ_g = 250 ms, 30 ± 10 ms one way between
 //! regions. Each scenario runs `RATELIMIT_REGIONS_SECONDS` (default 5) seconds; run with
-//! `--nocapture` for the report (utilisation, latency, cross-region calls).
+//! `--nocapture` for the report (utilisation, latency, cross-region calls). The region
+//! stores rebalance their shares (T_rb = 1 s, the default; `RATELIMIT_REGIONS_REBALANCE`
+//! = a T_rb in milliseconds, or `off`).
 
 mod rig;
 
@@ -206,6 +208,22 @@ fn scenarios(tag: &str) -> Vec<Scenario> {
     zipf.keys = Keys::Zipf { n: 200, s: 1.1 };
     out.push(Scenario {
         load: zipf,
+        events: vec![],
+        extra: 0,
+        min_utilisation: 0.0,
+    });
+
+    // Beyond the nine: all the demand in one region, moving every 2 s (the other
+    // regions idle): what rebalancing is for.
+    let sun: Demand = Arc::new(|t, region| {
+        if (t / 2.0) as usize % R == region {
+            300.0 / PER_REGION as f64
+        } else {
+            0.0
+        }
+    });
+    out.push(Scenario {
+        load: load("11-follow-the-sun", &gcra, sun),
         events: vec![],
         extra: 0,
         min_utilisation: 0.0,

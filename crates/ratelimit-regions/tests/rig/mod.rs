@@ -32,6 +32,20 @@ pub fn seconds() -> f64 {
         .unwrap_or(5.0)
 }
 
+/// The region stores' T_rb: `RATELIMIT_REGIONS_REBALANCE=<ms>`, or `off` (zero: they do
+/// not rebalance, for a comparison); `None`: the builder's default (1 s).
+pub fn rebalancing() -> Option<Duration> {
+    std::env::var("RATELIMIT_REGIONS_REBALANCE")
+        .ok()
+        .map(|v| match v.as_str() {
+            "off" => Duration::ZERO,
+            ms => Duration::from_millis(
+                ms.parse()
+                    .expect("RATELIMIT_REGIONS_REBALANCE: off or milliseconds"),
+            ),
+        })
+}
+
 pub struct Rig {
     pub servers: Vec<RedisServer>,
     /// `links[from][to]`, `None` on the diagonal.
@@ -138,6 +152,10 @@ impl Rig {
                         .expect("link store");
                     wait_connected(&link).await;
                     builder = builder.link(regions.name(to), link);
+                }
+                if let Some(every) = rebalancing() {
+                    // Zero: no rebalancing.
+                    builder = builder.rebalance_every(every);
                 }
                 out.push(Instance {
                     region,
