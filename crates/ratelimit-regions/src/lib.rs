@@ -95,8 +95,9 @@
 //!    demand took them since the peek) means nothing moved: a denial consumes nothing.
 //!    Δ is what the local share denied since the instance's last round (the key's
 //!    first round asks the most), at most half what the donor has free and half the
-//!    smaller of the two shares' bursts, and more than the local share refills over a
-//!    cross-region round trip (what drains before the give-back, step 2), or no ask.
+//!    smaller of the two shares' bursts, and at least 2 units and more than the local
+//!    share refills over a cross-region round trip (what drains before the give-back,
+//!    step 2), or no ask (a share whose burst is below 4 units is not rebalanced).
 //! 2. **The recipient grows only by that, and only after the reply.** It gives Δ back to
 //!    its own share with the local store's give-back ([`refund`](ratelimit_core::Store::refund)),
 //!    dated at a reading of the local store's clock taken **before the donor's check

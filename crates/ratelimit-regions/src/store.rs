@@ -702,7 +702,12 @@ impl<S: Store> Inner<S> {
         let Some(mine) = split.shares.base(self.region) else {
             return false;
         };
-        let least = self.worth_moving(mine);
+        // Fewer than 2 units is not worth three cross-region calls; nor is what drains
+        // before the give-back.
+        let least = self.worth_moving(mine).max(2);
+        if split.base_cap / 2 < least {
+            return false;
+        }
         let mut peeks = Vec::with_capacity(donors.len());
         for k in 0..donors.len() {
             let donor = donors[first.wrapping_add(k) % donors.len()];
