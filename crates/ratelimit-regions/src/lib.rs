@@ -63,9 +63,10 @@
 //!   GCRA or bucket gets back only what has not drained yet; a fixed window only within
 //!   the same window). The pool is held per instance, not per region: each instance
 //!   reserves for itself.
-//! * **Rebalancing** ([below](#rebalancing)): when a region's share denies a key, an
-//!   instance there asks another region, in the background, to give units of its share
-//!   (donor first), at most once per T_rb per key.
+//! * **Rebalancing** ([below](#rebalancing)): when a region's share denies a key and
+//!   the pool units run short, an instance there asks another region, in the
+//!   background, to give units of its share (donor first), at most once per T_rb per
+//!   key.
 //! * **Home.** FNV-1a of the key modulo R, [`Regions::home_by_tier`] (a layer tier
 //!   pinned to a region), or [`Regions::home_by`] (any function of the key: by
 //!   customer).
@@ -80,8 +81,9 @@
 //!
 //! # Rebalancing
 //!
-//! Shares are configured by weight; demand moves. When the local share denies a key
-//! (and at most once per T_rb for that key at that instance,
+//! Shares are configured by weight; demand moves. When the local share denies a key and
+//! the instance holds too few pool units for it (and at most once per T_rb for that key
+//! at that instance,
 //! [`RegionStoreBuilder::rebalance_every`], default 1 s), the instance runs a round of
 //! the demarcation protocol in the background, with the operations every store already
 //! has (no script changes):
@@ -155,7 +157,9 @@
 //! the credit it got early. So, by induction over the events, every share's level in
 //! the real system is at most its level in the instant one; every admission and every
 //! donor charge the real system makes, the instant one could make too, and the instant
-//! one keeps the bound: **the added term is 0**. A reply that never arrives (or
+//! one keeps the bound: **the added term is 0**. (The comparison is of the regions'
+//! stores; an instance lease spends what its store granted within ℓ_i, as before.) A
+//! reply that never arrives (or
 //! arrives after the deadline) is a donor charge with no credit: lower levels, fewer
 //! admissions. *Fixed window:* a credit is applied only within the window of its send
 //! and before the donor's window end converted from the send time, so the donor's
