@@ -324,6 +324,7 @@ impl Regions {
         };
         Ok(Shares {
             pooled: pool.is_some(),
+            rebalances: pools,
             base,
             pool,
             window_end: rules
@@ -390,6 +391,7 @@ pub struct Shares {
     base: Vec<Option<RuleSet>>,
     pool: Option<RuleSet>,
     pooled: bool,
+    rebalances: bool,
     window_end: bool,
 }
 
@@ -409,6 +411,12 @@ impl Shares {
     /// Whether the set pools anything.
     pub fn is_pooled(&self) -> bool {
         self.pooled
+    }
+
+    /// Whether the regions' shares of the set may be rebalanced (no sliding window or
+    /// log: a unit given back to a sub-window or a log is not the unit a donor charged).
+    pub fn rebalances(&self) -> bool {
+        self.rebalances
     }
 
     /// Whether a pool block must end with the window (the set has a fixed window).

@@ -11,10 +11,15 @@ use ratelimit_core::{Algorithm, Decision, Outcome, RuleOutcome, RuleSet, Store};
 use crate::config::{Regions, Shares};
 use crate::error::RegionsError;
 use crate::pool::{Block, Entry};
+use crate::rebalance::Transfer;
 
 /// The most (key, rule set) pools one instance tracks; past it, new keys are decided on
 /// their regional share alone (fewer admissions, never more).
 pub const MAX_POOLS: usize = 65_536;
+
+/// How often one instance may ask a donor region for units of one key's share, by
+/// default (see [`RegionStoreBuilder::rebalance_every`]).
+pub const DEFAULT_REBALANCE_EVERY: Duration = Duration::from_secs(1);
 
 /// The first byte of a key's name in a region's store: its base share or its pool.
 const BASE_TAG: u8 = b'b';
@@ -78,8 +83,14 @@ struct Inner<S> {
     local: S,
     links: Vec<S>,
     lease_us: u64,
+    /// T_rb in µs; 0: no rebalancing.
+    rebalance_us: u64,
+    /// A cross-region call's duration lately (µs on the local clock, a moving average;
+    /// 0: none measured yet).
+    flight_us: AtomicU64,
     splits: Mutex<HashMap<u64, Vec<Arc<Split>>>>,
     pools: Mutex<HashMap<Vec<u8>, Entry>>,
+    transfers: Mutex<HashMap<Vec<u8>, Transfer>>,
     stats: Counters,
 }
 
@@ -106,7 +117,22 @@ pub struct RegionStats {
     pub units_refunded: u64,
     /// Units whose refund call failed (stranded at home until they drain).
     pub units_refund_failed: u64,
-    /// Calls to another region's store (reservations, refunds, blocks, resets).
+    /// Transfers asked of donor regions (a check of the units on the donor's share).
+    pub transfers_asked: u64,
+    /// Transfers a donor granted (its share had the units free, and they are now
+    /// charged there).
+    pub transfers_granted: u64,
+    /// Transfers that failed (no answer within the link's timeout, an error); if the
+    /// donor charged them, their units are lost until its share refills them.
+    pub transfers_failed: u64,
+    /// Units given to the local share after a donor granted them (the local store gives
+    /// back only what has not drained since the transfer was sent).
+    pub units_moved: u64,
+    /// Units a donor granted that the local share did not get (the reply came after the
+    /// transfer's deadline, or the give-back failed): lost capacity, never extra.
+    pub units_lost: u64,
+    /// Calls to another region's store (reservations, refunds, transfers, blocks,
+    /// resets).
     pub cross_region_calls: u64,
 }
 
@@ -121,6 +147,11 @@ struct Counters {
     units_reserved: AtomicU64,
     units_refunded: AtomicU64,
     units_refund_failed: AtomicU64,
+    transfers_asked: AtomicU64,
+    transfers_granted: AtomicU64,
+    transfers_failed: AtomicU64,
+    units_moved: AtomicU64,
+    units_lost: AtomicU64,
     cross_region_calls: AtomicU64,
 }
 
@@ -141,6 +172,11 @@ impl Counters {
             units_reserved: get(&self.units_reserved),
             units_refunded: get(&self.units_refunded),
             units_refund_failed: get(&self.units_refund_failed),
+            transfers_asked: get(&self.transfers_asked),
+            transfers_granted: get(&self.transfers_granted),
+            transfers_failed: get(&self.transfers_failed),
+            units_moved: get(&self.units_moved),
+            units_lost: get(&self.units_lost),
             cross_region_calls: get(&self.cross_region_calls),
         }
     }
@@ -154,6 +190,7 @@ pub struct RegionStoreBuilder<S> {
     local: Option<S>,
     links: Vec<Option<S>>,
     rules: Vec<RuleSet>,
+    rebalance_every: Option<Duration>,
 }
 
 impl<S> std::fmt::Debug for RegionStoreBuilder<S> {
@@ -163,6 +200,7 @@ impl<S> std::fmt::Debug for RegionStoreBuilder<S> {
             .field("region", &self.region)
             .field("local", &self.local.is_some())
             .field("links", &self.links.iter().filter(|l| l.is_some()).count())
+            .field("rebalance_every", &self.rebalance_every)
             .finish_non_exhaustive()
     }
 }
@@ -201,6 +239,27 @@ impl<S: Store> RegionStoreBuilder<S> {
         self
     }
 
+    /// How often this instance may ask another region for units of one key's base
+    /// share, T_rb (default [`DEFAULT_REBALANCE_EVERY`], 1 s): when the local share
+    /// denies a key and the pool holds too little, the instance asks a donor region, in
+    /// the background, to charge units of the key to the donor's own share and, only
+    /// once the donor granted them, gives as many back to the local share (the
+    /// demarcation protocol; see the [crate docs](crate#rebalancing)). Shorter: more
+    /// cross-region calls, capacity follows demand faster; the bound is the same.
+    /// [`Duration::ZERO`] switches rebalancing off, as
+    /// [`no_rebalance`](Self::no_rebalance) does.
+    pub fn rebalance_every(mut self, every: Duration) -> Self {
+        self.rebalance_every = (!every.is_zero()).then_some(every);
+        self
+    }
+
+    /// Never rebalances base shares: each region keeps its configured share, and
+    /// shifting demand is served by the pool alone.
+    pub fn no_rebalance(mut self) -> Self {
+        self.rebalance_every = None;
+        self
+    }
+
     /// Builds the store. Must run inside a tokio runtime: pool reservations and refunds
     /// run as tasks of their own, and a sweep gives back expired blocks every half pool
     /// lease.
@@ -234,14 +293,22 @@ impl<S: Store> RegionStoreBuilder<S> {
         let handle = tokio::runtime::Handle::try_current()
             .map_err(|_| RegionsError::Config("build the store inside a tokio runtime".into()))?;
         let lease_us = u64::try_from(self.regions.lease().as_micros()).unwrap_or(u64::MAX / 4);
+        let rebalance_us = self.rebalance_every.map_or(0, |every| {
+            u64::try_from(every.as_micros())
+                .unwrap_or(u64::MAX / 4)
+                .max(1)
+        });
         let inner = Arc::new(Inner {
             regions: self.regions,
             region,
             local,
             links,
             lease_us,
+            rebalance_us,
+            flight_us: AtomicU64::new(0),
             splits: Mutex::new(HashMap::new()),
             pools: Mutex::new(HashMap::new()),
+            transfers: Mutex::new(HashMap::new()),
             stats: Counters::default(),
         });
         for rules in &self.rules {
@@ -262,6 +329,7 @@ impl<S: Store> RegionStore<S> {
             local: None,
             links: (0..n).map(|_| None).collect(),
             rules: Vec::new(),
+            rebalance_every: Some(DEFAULT_REBALANCE_EVERY),
         }
     }
 
@@ -450,7 +518,11 @@ impl<S: Store> Inner<S> {
             if home != self.region {
                 bump(&self.stats.cross_region_calls, 1);
             }
-            match link.check(&pool_key, pool, units).await {
+            let answer = link.check(&pool_key, pool, units).await;
+            if home != self.region {
+                self.note_flight(send);
+            }
+            match answer {
                 Ok(d) if d.is_allowed() => {
                     let mut expiry = send.saturating_add(self.lease_us);
                     if split.shares.ends_with_window() {
@@ -529,6 +601,287 @@ impl<S: Store> Inner<S> {
         }
     }
 
+    /// The local share denied `cost` units of `key`: counts the demand and, at most once
+    /// per T_rb and never while one is in flight, starts a rebalancing round in the
+    /// background. Never waits for another region.
+    fn share_denied(self: &Arc<Self>, key: &[u8], split: &Arc<Split>, cost: u64) {
+        if self.rebalance_us == 0 || !split.shares.rebalances() || self.donors(split).is_empty() {
+            return;
+        }
+        let now = self.local.now_us();
+        let name = pool_name(key, &split.rules);
+        let (want, first) = {
+            let mut transfers = self.transfers.lock();
+            if !transfers.contains_key(&name) && transfers.len() >= MAX_POOLS {
+                return;
+            }
+            // Instances (and keys) start their rounds at different donors: the clock's
+            // microseconds are as good as a random number here.
+            let entry = transfers
+                .entry(name.clone())
+                .or_insert_with(|| Transfer::new(now, (now % 65_536) as usize));
+            let Some(want) = entry.note_denied(cost, now, self.rebalance_us) else {
+                return;
+            };
+            let first = entry.next_donor;
+            entry.next_donor = entry.next_donor.wrapping_add(1);
+            (want, first)
+        };
+        let this = Arc::clone(self);
+        let split = Arc::clone(split);
+        let key = key.to_vec();
+        tokio::spawn(async move { this.rebalance(key, name, split, want, first).await });
+    }
+
+    /// The regions that may give units of `split`'s shares to this one: every other
+    /// region with a base share.
+    fn donors(&self, split: &Split) -> Vec<usize> {
+        if self.region_cap(split, self.region) == 0 {
+            return Vec::new();
+        }
+        (0..self.links.len())
+            .filter(|&r| r != self.region && self.region_cap(split, r) > 0)
+            .collect()
+    }
+
+    /// The most one check can take of region `r`'s share (0: no share).
+    fn region_cap(&self, split: &Split, r: usize) -> u64 {
+        if r == self.region {
+            return split.base_cap;
+        }
+        split.shares.base(r).map_or(0, |set| {
+            set.rules()
+                .iter()
+                .map(|rule| rule.capacity())
+                .min()
+                .unwrap_or(0)
+        })
+    }
+
+    /// One rebalancing round for `key`, in the background; then the next round may come
+    /// after T_rb (later after rounds that moved nothing).
+    async fn rebalance(
+        self: Arc<Self>,
+        key: Vec<u8>,
+        name: Vec<u8>,
+        split: Arc<Split>,
+        want: u64,
+        first: usize,
+    ) {
+        let moved = self.round(&key, &split, want, first).await;
+        if let Some(t) = self.transfers.lock().get_mut(&name) {
+            t.finish(moved);
+        }
+    }
+
+    /// The demarcation protocol, donor first, for `key`; answers whether units moved.
+    ///
+    /// 1. Peeks (a check of cost 0, which consumes nothing) at every donor's share of the
+    ///    key, at once, and picks the one with the most units free (ties: from `first`).
+    /// 2. Asks it for Δ: what the local share was denied (`want`), at most half what
+    ///    the donor has free and half the smaller of the two bursts, and no fewer than
+    ///    are worth moving. The ask is an ordinary check of Δ on the donor's store, on
+    ///    the key's share there (the same key and scaled rules the donor's instances
+    ///    decide on): admitted means the donor's share had Δ free and has now spent them;
+    ///    refused means nothing moved.
+    /// 3. Only after a grant, and only if it came within the transfer's deadline (the
+    ///    send time plus ℓ_g on the local clock, and with a fixed window never past the
+    ///    donor's window end converted from the send time), gives Δ back to the local
+    ///    share with the local store's give-back dated at the send: a bucket or GCRA gets
+    ///    back only what has not drained since, a fixed window only within the window of
+    ///    the send. A lost reply loses the units.
+    async fn round(
+        self: &Arc<Self>,
+        key: &[u8],
+        split: &Arc<Split>,
+        want: u64,
+        first: usize,
+    ) -> bool {
+        let donors = self.donors(split);
+        let base_key = tagged(BASE_TAG, key);
+        let Some(mine) = split.shares.base(self.region) else {
+            return false;
+        };
+        // Fewer than 2 units is not worth three cross-region calls; nor is what drains
+        // before the give-back.
+        let least = self.worth_moving(mine).max(2);
+        if split.base_cap / 2 < least {
+            return false;
+        }
+        let mut peeks = Vec::with_capacity(donors.len());
+        for k in 0..donors.len() {
+            let donor = donors[first.wrapping_add(k) % donors.len()];
+            let (this, split, base_key) = (Arc::clone(self), Arc::clone(split), base_key.clone());
+            bump(&self.stats.cross_region_calls, 1);
+            peeks.push((
+                donor,
+                tokio::spawn(async move {
+                    let theirs = split.shares.base(donor)?;
+                    let send = this.local.now_us();
+                    let answer = this.links[donor].check(&base_key, theirs, 0).await;
+                    this.note_flight(send);
+                    match answer {
+                        Ok(d) if d.is_allowed() => d.rules().iter().map(|r| r.remaining).min(),
+                        Ok(_) => None,
+                        Err(e) => {
+                            tracing::debug!(
+                                error = %e,
+                                donor = this.regions.name(donor),
+                                "rebalancing: no answer to a peek"
+                            );
+                            None
+                        }
+                    }
+                }),
+            ));
+        }
+        let mut best: Option<(usize, u64)> = None;
+        for (donor, peek) in peeks {
+            if let Ok(Some(free)) = peek.await {
+                if best.is_none_or(|(_, most)| free > most) {
+                    best = Some((donor, free));
+                }
+            }
+        }
+        let Some((donor, free)) = best else {
+            return false;
+        };
+        let Some(theirs) = split.shares.base(donor) else {
+            return false;
+        };
+        // Half what the donor has free (it keeps some for its own demand), half the
+        // smaller burst (the local share can hold it); more than the local share refills
+        // over a round trip (that much drains before the give-back).
+        let cap = (self.region_cap(split, donor).min(split.base_cap) / 2).max(1);
+        let units = want.min(free / 2).min(cap);
+        if units < least {
+            tracing::debug!(
+                donor = self.regions.name(donor),
+                free,
+                least,
+                "rebalancing: no donor has enough free"
+            );
+            return false;
+        }
+        // Read before the send, so at or before the donor's charge: the deadline and the
+        // give-back's date.
+        let send = self.local.now_us();
+        bump(&self.stats.transfers_asked, 1);
+        bump(&self.stats.cross_region_calls, 1);
+        let answer = self.links[donor].check(&base_key, theirs, units).await;
+        self.note_flight(send);
+        match answer {
+            Ok(d) if d.is_allowed() => {
+                bump(&self.stats.transfers_granted, 1);
+                let mut deadline = send.saturating_add(self.lease_us);
+                for (rule, outcome) in theirs.rules().iter().zip(d.rules()) {
+                    if rule.algorithm() == Algorithm::FixedWindow {
+                        let end = send.saturating_add(
+                            u64::try_from(outcome.reset_after.as_micros()).unwrap_or(u64::MAX),
+                        );
+                        deadline = deadline.min(end);
+                    }
+                }
+                self.credit(&base_key, mine, units, send, deadline, donor)
+                    .await
+            }
+            Ok(d) => {
+                let free = d.rules().iter().map(|r| r.remaining).min().unwrap_or(0);
+                tracing::debug!(
+                    donor = self.regions.name(donor),
+                    asked = units,
+                    free,
+                    outcome = ?d.outcome(),
+                    "rebalancing: the donor's share refused; nothing moved"
+                );
+                false
+            }
+            Err(e) => {
+                bump(&self.stats.transfers_failed, 1);
+                tracing::debug!(
+                    error = %e,
+                    donor = self.regions.name(donor),
+                    units,
+                    "rebalancing: no answer from the donor; its units, if charged, are lost"
+                );
+                false
+            }
+        }
+    }
+
+    /// Records a cross-region call sent at `send` (local clock) that has just answered.
+    fn note_flight(&self, send: u64) {
+        let took = self.local.now_us().saturating_sub(send);
+        let old = self.flight_us.load(Ordering::Relaxed);
+        let new = if old == 0 { took } else { (old * 7 + took) / 8 };
+        self.flight_us.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// The fewest units worth moving to a share of `rules`: one more than the share
+    /// refills over a cross-region call lately (what drains before a give-back).
+    fn worth_moving(&self, rules: &RuleSet) -> u64 {
+        let flight = u128::from(self.flight_us.load(Ordering::Relaxed));
+        rules
+            .rules()
+            .iter()
+            .map(|r| {
+                let drained = flight * u128::from(r.limit()) / u128::from(r.period_us().max(1));
+                u64::try_from(drained).unwrap_or(u64::MAX).saturating_add(1)
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Gives `units` a donor granted back to the local share, if the reply came before
+    /// `deadline` (local clock), dated `send` (the local store's clock before the
+    /// donor's charge).
+    async fn credit(
+        &self,
+        base_key: &[u8],
+        mine: &RuleSet,
+        units: u64,
+        send: u64,
+        deadline: u64,
+        donor: usize,
+    ) -> bool {
+        let now = self.local.now_us();
+        if now >= deadline {
+            bump(&self.stats.units_lost, units);
+            tracing::debug!(
+                donor = self.regions.name(donor),
+                units,
+                late_us = now - deadline,
+                "rebalancing: the donor's grant came after the deadline; its units are lost"
+            );
+            return false;
+        }
+        match self.local.refund(base_key, mine, units, send).await {
+            Ok(true) => {
+                bump(&self.stats.units_moved, units);
+                tracing::debug!(
+                    donor = self.regions.name(donor),
+                    units,
+                    "rebalancing: units moved from the donor's share to this region's"
+                );
+                true
+            }
+            Ok(false) => {
+                bump(&self.stats.units_lost, units);
+                tracing::debug!(
+                    donor = self.regions.name(donor),
+                    units,
+                    "rebalancing: the local share took nothing back (another window, or rules changed)"
+                );
+                false
+            }
+            Err(e) => {
+                bump(&self.stats.units_lost, units);
+                tracing::debug!(error = %e, units, "rebalancing: the local give-back failed; the units are lost");
+                false
+            }
+        }
+    }
+
     /// Gives `block`'s unspent units back at home; answers whether home took them.
     async fn refund(&self, name: &[u8], home: usize, pool: &RuleSet, block: Block) -> bool {
         // The table's name is the fingerprint, then the key.
@@ -557,6 +910,9 @@ impl<S: Store> Inner<S> {
     /// given back (a reset forgets it at home anyway; a blocked key spends nothing).
     fn forget(&self, key: &[u8]) {
         self.pools.lock().retain(|name, _| &name[8..] != key);
+        self.transfers
+            .lock()
+            .retain(|name, t| t.in_flight || &name[8..] != key);
     }
 
     /// `outcomes` relabelled with the limits of the rules as configured (not the share's).
@@ -627,6 +983,10 @@ async fn sweep<S: Store>(inner: Weak<Inner<S>>) {
                 }
                 !(entry.is_idle() && now.saturating_sub(entry.last_seen_us) > 2 * inner.lease_us)
             });
+        }
+        if inner.rebalance_us > 0 {
+            let idle = 2 * inner.rebalance_us.max(inner.lease_us);
+            inner.transfers.lock().retain(|_, t| !t.is_idle(now, idle));
         }
         for (name, home, pool, blocks) in work {
             for block in blocks {
@@ -723,6 +1083,10 @@ impl<S: Store> Store for RegionStore<S> {
             return Err(RegionsError::store(e));
         }
         bump(&inner.stats.denied, 1);
+        if denied.is_some() {
+            // The share denied and the pool held too little: demand a donor may serve.
+            inner.share_denied(key, &split, cost);
+        }
         Ok(match denied {
             Some(d) => Inner::<S>::relabel(&split, &d, None),
             None => Inner::<S>::pool_only(

@@ -4,7 +4,9 @@
 //!
 //! Time is compressed: W = 1 s, ℓ_i = 50 ms, ℓ_g = 250 ms, 30 ± 10 ms one way between
 //! regions. Each scenario runs `RATELIMIT_REGIONS_SECONDS` (default 5) seconds; run with
-//! `--nocapture` for the report (utilisation, latency, cross-region calls).
+//! `--nocapture` for the report (utilisation, latency, cross-region calls). The region
+//! stores rebalance their shares (T_rb = 1 s, the default; `RATELIMIT_REGIONS_REBALANCE`
+//! = a T_rb in milliseconds, or `off`).
 
 mod rig;
 
@@ -16,9 +18,9 @@ use ratelimit_redis::redis;
 use ratelimit_redis::testing::LinkMode;
 use ratelimit_regions::Regions;
 use rig::{
-    check, diff, drive, key_name, percentile, reference, region_deciders, seconds, total_stats,
-    uncoordinated_deciders, Bound, Decide, Demand, Event, Keys, Load, Rig, Run, LEASE_G, LEASE_I,
-    R,
+    check, credit_first_deciders, diff, drive, key_name, percentile, reference, region_deciders,
+    seconds, total_stats, uncoordinated_deciders, Bound, Decide, Demand, Event, Keys, Load, Rig,
+    Run, LEASE_G, LEASE_I, R,
 };
 
 /// One rig at a time: they are timed, and the machine has two cores.
@@ -211,6 +213,22 @@ fn scenarios(tag: &str) -> Vec<Scenario> {
         min_utilisation: 0.0,
     });
 
+    // Beyond the nine: all the demand in one region, moving every 2 s (the other
+    // regions idle): what rebalancing is for.
+    let sun: Demand = Arc::new(|t, region| {
+        if (t / 2.0) as usize % R == region {
+            300.0 / PER_REGION as f64
+        } else {
+            0.0
+        }
+    });
+    out.push(Scenario {
+        load: load("11-follow-the-sun", &gcra, sun),
+        events: vec![],
+        extra: 0,
+        min_utilisation: 0.0,
+    });
+
     // Beyond the nine: a sliding log pools nothing (g = 0) and holds L in any window,
     // with a non-home region black-holed for a while (it needs no other region).
     let log: RuleSet = "200/s sliding-log".parse().unwrap();
@@ -304,7 +322,8 @@ async fn all_scenarios(module: bool) {
         .await;
         println!(
             "{path:6} {:16} base {} pool {} reservations {} (failed {}) units reserved {} \
-             refunded {} (held at the end {held}) refund failed {}; cross-region calls per 1,000 decisions {:.1}",
+             refunded {} (held at the end {held}) refund failed {}; transfers asked {} granted {} \
+             failed {} units moved {} lost {}; cross-region calls per 1,000 decisions {:.1}",
             scenario.load.name,
             stats.base_admitted,
             stats.pool_admitted,
@@ -313,6 +332,11 @@ async fn all_scenarios(module: bool) {
             stats.units_reserved,
             stats.units_refunded,
             stats.units_refund_failed,
+            stats.transfers_asked,
+            stats.transfers_granted,
+            stats.transfers_failed,
+            stats.units_moved,
+            stats.units_lost,
             stats.cross_region_calls as f64 * 1000.0 / stats.decisions.max(1) as f64,
         );
         if r.violations > 0 {
@@ -424,7 +448,53 @@ async fn negative_controls_fail_the_checker() {
         "R independent limiters admit about R·L, got {ratio:.2}"
     );
 
-    // 2. Merged counters (design C) under a partition of region 1 for the whole run.
+    // 2. A broken rebalancing: a recipient that credits its share before the donor's
+    //    reply. Every region is overloaded, so donors have nothing free: the protocol
+    //    moves (nearly) nothing and holds the bound, and crediting first creates what
+    //    the donors refuse.
+    let overload = |name: &'static str| Load {
+        name,
+        rules: gcra.clone(),
+        key_prefix: format!("nc-{name}"),
+        keys: Keys::One,
+        demand: steady(600.0),
+        window_bursts: None,
+        seconds: s,
+    };
+    let honest = overload("donor-first");
+    let before = total_stats(&instances);
+    let run = drive(
+        &mut rig,
+        &honest,
+        region_deciders(&instances, &gcra),
+        vec![],
+    )
+    .await;
+    let moved = diff(before, total_stats(&instances));
+    let r = report("donor-first", "lua", &run, &gcra, &honest.key_prefix, bound).await;
+    println!(
+        "donor-first, every region overloaded: transfers asked {} granted {}, units moved {}",
+        moved.transfers_asked, moved.transfers_granted, moved.units_moved
+    );
+    assert_eq!(r.violations, 0, "the protocol holds the bound");
+    let broken = overload("credit-first");
+    let deciders = credit_first_deciders(&rig, &instances, &regions, &gcra).await;
+    let run = drive(&mut rig, &broken, deciders, vec![]).await;
+    let r = report(
+        "credit-first",
+        "lua",
+        &run,
+        &gcra,
+        &broken.key_prefix,
+        bound,
+    )
+    .await;
+    assert!(
+        r.violations > 0,
+        "the checker must catch a recipient that credits before the donor's reply"
+    );
+
+    // 3. Merged counters (design C) under a partition of region 1 for the whole run.
     let fixed: RuleSet = "200/s fixed-window".parse().unwrap();
     let period = fixed.rules()[0].period_us();
     let limit = fixed.rules()[0].limit();

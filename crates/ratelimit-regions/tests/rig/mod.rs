@@ -32,6 +32,20 @@ pub fn seconds() -> f64 {
         .unwrap_or(5.0)
 }
 
+/// The region stores' T_rb: `RATELIMIT_REGIONS_REBALANCE=<ms>`, or `off` (zero: they do
+/// not rebalance, for a comparison); `None`: the builder's default (1 s).
+pub fn rebalancing() -> Option<Duration> {
+    std::env::var("RATELIMIT_REGIONS_REBALANCE")
+        .ok()
+        .map(|v| match v.as_str() {
+            "off" => Duration::ZERO,
+            ms => Duration::from_millis(
+                ms.parse()
+                    .expect("RATELIMIT_REGIONS_REBALANCE: off or milliseconds"),
+            ),
+        })
+}
+
 pub struct Rig {
     pub servers: Vec<RedisServer>,
     /// `links[from][to]`, `None` on the diagonal.
@@ -138,6 +152,10 @@ impl Rig {
                         .expect("link store");
                     wait_connected(&link).await;
                     builder = builder.link(regions.name(to), link);
+                }
+                if let Some(every) = rebalancing() {
+                    // Zero: no rebalancing.
+                    builder = builder.rebalance_every(every);
                 }
                 out.push(Instance {
                     region,
@@ -423,6 +441,75 @@ pub fn uncoordinated_deciders(
         .collect()
 }
 
+/// Negative control: a broken rebalancing. Each instance decides on its region store;
+/// when that denies, at most once a second, it first gives its region's share half the
+/// smaller share burst back (the local store's give-back, dated now) and only then asks
+/// the next region's share for as many, whatever that answers: a recipient that credits
+/// before the donor's reply.
+pub async fn credit_first_deciders(
+    rig: &Rig,
+    instances: &[Instance],
+    regions: &Regions,
+    rules: &RuleSet,
+) -> Vec<(usize, usize, Decide)> {
+    let shares = regions.split(rules).expect("shares");
+    let mut out = Vec::new();
+    for i in instances {
+        let donor = (i.region + 1) % R;
+        let link = RedisStore::builder()
+            .prefix("mr")
+            .timeout(Duration::from_millis(200))
+            .build(&rig.url(i.region, donor))
+            .await
+            .expect("link store");
+        wait_connected(&link).await;
+        let link = Arc::new(link);
+        let own = shares.base(i.region).expect("a share").clone();
+        let theirs = shares.base(donor).expect("a share").clone();
+        let burst = |set: &RuleSet| set.rules().iter().map(|r| r.capacity()).min().unwrap();
+        let units = (burst(&own).min(burst(&theirs)) / 2).max(1);
+        let store = i.store.clone();
+        let rules = rules.clone();
+        let last: Arc<Mutex<Option<Instant>>> = Arc::default();
+        let decide: Decide = Arc::new(move |key: Vec<u8>| {
+            let (store, rules, link, last) = (
+                store.clone(),
+                rules.clone(),
+                Arc::clone(&link),
+                Arc::clone(&last),
+            );
+            let (own, theirs) = (own.clone(), theirs.clone());
+            Box::pin(async move {
+                let d = store
+                    .check(&key, &rules, 1)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if d.is_allowed() {
+                    return Ok(true);
+                }
+                let due = {
+                    let mut last = last.lock().unwrap();
+                    let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+                    if due {
+                        *last = Some(Instant::now());
+                    }
+                    due
+                };
+                if due {
+                    // The region store's key for the key's base share: `b` + key.
+                    let base_key = [&b"b"[..], &key].concat();
+                    let now = store.local().now_us();
+                    let _ = store.local().refund(&base_key, &own, units, now).await;
+                    let _ = link.check(&base_key, &theirs, units).await;
+                }
+                Ok(false)
+            })
+        });
+        out.push((i.region, i.index, decide));
+    }
+    out
+}
+
 /// The bound the checker holds a run to.
 #[derive(Debug, Clone, Copy)]
 pub struct Bound {
@@ -606,6 +693,11 @@ pub fn total_stats(instances: &[Instance]) -> RegionStats {
         t.units_reserved += s.units_reserved;
         t.units_refunded += s.units_refunded;
         t.units_refund_failed += s.units_refund_failed;
+        t.transfers_asked += s.transfers_asked;
+        t.transfers_granted += s.transfers_granted;
+        t.transfers_failed += s.transfers_failed;
+        t.units_moved += s.units_moved;
+        t.units_lost += s.units_lost;
         t.cross_region_calls += s.cross_region_calls;
     }
     t
@@ -622,6 +714,11 @@ pub fn diff(a: RegionStats, b: RegionStats) -> RegionStats {
     t.units_reserved = b.units_reserved - a.units_reserved;
     t.units_refunded = b.units_refunded - a.units_refunded;
     t.units_refund_failed = b.units_refund_failed - a.units_refund_failed;
+    t.transfers_asked = b.transfers_asked - a.transfers_asked;
+    t.transfers_granted = b.transfers_granted - a.transfers_granted;
+    t.transfers_failed = b.transfers_failed - a.transfers_failed;
+    t.units_moved = b.units_moved - a.units_moved;
+    t.units_lost = b.units_lost - a.units_lost;
     t.cross_region_calls = b.cross_region_calls - a.cross_region_calls;
     t
 }
