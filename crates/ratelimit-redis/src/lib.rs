@@ -45,7 +45,10 @@
 //! [`RedisStoreError::Connection`] (no check waits for a server that is not there) and the
 //! caller's failure policy decides, e.g. the tower layer's fail open, fail closed or
 //! local fallback. Meanwhile the store reconnects by itself in the background, pausing
-//! 50 ms, then twice as long after each failed attempt, up to 2 s. Each (re)connection
+//! 50 ms, then twice as long after each failed attempt, up to 2 s; while checks keep
+//! coming, a check that finds no connection cuts the pause short (at most every 250 ms),
+//! so a store under traffic is back within about 250 ms of Redis, and an idle one backs
+//! off. Each (re)connection
 //! sets the connection up as the first one: loads the function library, reads `TIME`
 //! (for deadlines) and `maxmemory-policy` (on a Cluster, from every master, and again
 //! whenever the cluster connection lost a node and reconnects: a dropped connection, a

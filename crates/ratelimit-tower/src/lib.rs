@@ -516,7 +516,9 @@
 //! period `P` (`r = L / P`; `B` the burst or capacity of a bucket): the store fails at
 //! `t_down` and answers again at `t_up`; each instance switches back at its first store
 //! call that succeeds after that (its own connection's return: `RedisStore` reconnects
-//! with pauses growing to 2 s). Two terms bound what the fleet admits beyond the limit
+//! with pauses growing to 2 s, cut to at most 250 ms while requests ask for the store,
+//! so that the instances of a fleet under traffic return within about 250 ms of `t_up`
+//! and of each other). Two terms bound what the fleet admits beyond the limit
 //! in a window `W`:
 //!
 //! * **before(W)**, what the store admitted in `W` before `t_down`, when `W` holds

@@ -22,6 +22,11 @@ use super::setup::{detect_module, prepare, read_policy};
 /// The first pause between reconnection attempts; it doubles up to [`MAX_BACKOFF`].
 pub(super) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
+/// While requests keep asking for a connection that is not there, the reconnection tries
+/// again at least this often, whatever its pause has grown to: a store under traffic is
+/// back within this of Redis answering again, an idle one backs off to [`MAX_BACKOFF`].
+pub(super) const ASKED_EVERY: Duration = Duration::from_millis(250);
+
 /// The longest pause between reconnection attempts.
 pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
@@ -71,7 +76,8 @@ pub(super) struct Health {
 
 /// Connections the store opened itself. While they work, requests go through them; once
 /// one fails, they are dropped and a background task reconnects with growing pauses
-/// (50 ms doubling to 2 s), setting every new connection up as at build: the scripts
+/// (50 ms doubling to 2 s; at most [`ASKED_EVERY`] while requests ask for a connection),
+/// setting every new connection up as at build: the scripts
 /// loaded, Redis `TIME` read, `maxmemory-policy` read. Meanwhile requests fail at once
 /// with [`RedisStoreError::Connection`](crate::RedisStoreError::Connection): no request
 /// waits for a server that is not there.
@@ -97,6 +103,10 @@ pub(crate) struct Link {
     preparing: tokio::sync::Mutex<()>,
     /// On a Cluster, a task reads the masters' `maxmemory-policy` again.
     rereading: std::sync::atomic::AtomicBool,
+    /// Cuts the reconnection's pause short: a request found no connection.
+    wake: Arc<tokio::sync::Notify>,
+    /// When a request last cut the pause short.
+    woken_at: Mutex<Option<Instant>>,
 }
 
 impl Link {
@@ -115,7 +125,20 @@ impl Link {
             unprepared: std::sync::atomic::AtomicBool::new(false),
             preparing: tokio::sync::Mutex::new(()),
             rereading: std::sync::atomic::AtomicBool::new(false),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            woken_at: Mutex::new(None),
         })
+    }
+
+    /// A request found no connection: the reconnection tries now, unless a request woke
+    /// it under [`ASKED_EVERY`] ago.
+    fn asked(&self) {
+        let mut woken_at = self.woken_at.lock().unwrap_or_else(PoisonError::into_inner);
+        if woken_at.is_some_and(|at| at.elapsed() < ASKED_EVERY) {
+            return;
+        }
+        *woken_at = Some(Instant::now());
+        self.wake.notify_one();
     }
 
     /// Sets up the application's connection on its first call (nothing to do for the
@@ -358,6 +381,7 @@ impl Link {
             }
             None => {
                 drop(current);
+                self.asked();
                 let detail = match &self.lock_health().last_error {
                     Some(e) => format!("last attempt: {e}"),
                     None => "the connection was lost".to_owned(),
@@ -568,10 +592,18 @@ pub(super) async fn reread_policy(link: Weak<Link>) {
 
 pub(super) async fn reconnect(link: Weak<Link>, mut pause_first: bool) {
     let mut pause = FIRST_BACKOFF;
+    let Some(wake) = link.upgrade().map(|link| link.wake.clone()) else {
+        return;
+    };
     loop {
         if pause_first {
-            tokio::time::sleep(jitter(pause)).await;
-            pause = (pause * 2).min(MAX_BACKOFF);
+            // Cut short by a request that found no connection (at most every
+            // `ASKED_EVERY`): under traffic the store is back soon after Redis.
+            // A pause cut short does not grow.
+            tokio::select! {
+                () = tokio::time::sleep(jitter(pause)) => pause = (pause * 2).min(MAX_BACKOFF),
+                () = wake.notified() => {}
+            }
         }
         pause_first = true;
         let Some(link) = link.upgrade() else {
