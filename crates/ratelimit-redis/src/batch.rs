@@ -208,32 +208,22 @@ fn undone(
     answers: Vec<oneshot::Receiver<Result<Vec<u8>, RedisStoreError>>>,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
     Box::pin(async move {
+        let mut outcome = Ok(());
         for answer in answers {
-            let failed = match tokio::time::timeout(late_wait(&shared), answer).await {
+            outcome = match tokio::time::timeout(late_wait(&shared), answer).await {
                 Ok(Ok(Ok(bytes))) => match CheckReply::len(0, &bytes) {
-                    Some(Err(message)) => {
-                        Some(String::from_utf8_lossy(&bytes[message]).into_owned())
-                    }
-                    _ => None,
+                    Some(Err(message)) => Err(String::from_utf8_lossy(&bytes[message]).into()),
+                    _ => Ok(()),
                 },
-                Ok(Ok(Err(e))) => Some(e.to_string()),
-                Ok(Err(_)) => Some("the store's sending task dropped it".to_owned()),
-                Err(_) => Some("no answer in time".to_owned()),
+                Ok(Ok(Err(e))) => Err(e.to_string()),
+                Ok(Err(_)) => Err("the store's sending task dropped it".to_owned()),
+                Err(_) => Err("no answer in time".to_owned()),
             };
-            if let Some(error) = failed {
-                tracing::warn!(
-                    prefix = %shared.prefix,
-                    error = %error,
-                    "a check whose caller stopped waiting had charged, and its charge could \
-                     not be given back: it stays until it drains"
-                );
-                return;
+            if outcome.is_err() {
+                break;
             }
         }
-        tracing::debug!(
-            prefix = %shared.prefix,
-            "a check whose caller stopped waiting had charged; its charge was given back"
-        );
+        report_undo(&shared, outcome);
     })
 }
 
@@ -246,22 +236,32 @@ fn undo_checks(
     undo: Vec<CheckJob>,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
     Box::pin(async move {
+        let mut outcome = Ok(());
         for edit in undo {
             if let Err(e) = single(&transport, &shared, &edit).await {
-                tracing::warn!(
-                    prefix = %shared.prefix,
-                    error = %e,
-                    "a check whose caller stopped waiting had charged, and its charge could \
-                     not be given back: it stays until it drains"
-                );
-                return;
+                outcome = Err(e.to_string());
+                break;
             }
         }
-        tracing::debug!(
+        report_undo(&shared, outcome);
+    })
+}
+
+/// Says how undoing a check whose caller stopped waiting went: `Err` the failure of the
+/// first edit that did not run (those after it were not sent or not awaited).
+fn report_undo(shared: &Shared, outcome: Result<(), String>) {
+    match outcome {
+        Err(error) => tracing::warn!(
+            prefix = %shared.prefix,
+            error = %error,
+            "a check whose caller stopped waiting had charged, and its charge could not be \
+             given back: it stays until it drains"
+        ),
+        Ok(()) => tracing::debug!(
             prefix = %shared.prefix,
             "a check whose caller stopped waiting had charged; its charge was given back"
-        );
-    })
+        ),
+    }
 }
 
 async fn dispatch(
