@@ -393,6 +393,29 @@ fn pool_name(key: &[u8], rules: &RuleSet) -> Vec<u8> {
 }
 
 impl<S: Store> Inner<S> {
+    /// Runs `op` on every region's store: this region's own, the others' through their
+    /// links (a cross-region call each). Every region is tried; the first failure is
+    /// answered.
+    async fn in_every_region<'a, F, Fut>(&'a self, op: F) -> Result<(), RegionsError>
+    where
+        F: Fn(&'a S) -> Fut,
+        Fut: std::future::Future<Output = Result<(), S::Error>>,
+    {
+        let mut first = None;
+        for r in 0..self.links.len() {
+            let store = if r == self.region {
+                &self.local
+            } else {
+                bump(&self.stats.cross_region_calls, 1);
+                &self.links[r]
+            };
+            if let Err(e) = op(store).await {
+                first.get_or_insert(RegionsError::store(e));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     fn split(&self, rules: &RuleSet) -> Result<Arc<Split>, RegionsError> {
         let fp = rules.fingerprint();
         if let Some(found) = self
@@ -1106,38 +1129,17 @@ impl<S: Store> Store for RegionStore<S> {
         let inner = &self.inner;
         inner.forget(key);
         let base_key = tagged(BASE_TAG, key);
-        let mut first = None;
-        for r in 0..inner.links.len() {
-            let result = if r == inner.region {
-                inner.local.block(&base_key, duration).await
-            } else {
-                bump(&inner.stats.cross_region_calls, 1);
-                inner.links[r].block(&base_key, duration).await
-            };
-            if let Err(e) = result {
-                first.get_or_insert(RegionsError::store(e));
-            }
-        }
-        first.map_or(Ok(()), Err)
+        inner
+            .in_every_region(|store| store.block(&base_key, duration))
+            .await
     }
 
     /// Lifts a block in every region, as [`block`](Store::block) places it.
     async fn unblock(&self, key: &[u8]) -> Result<(), RegionsError> {
-        let inner = &self.inner;
         let base_key = tagged(BASE_TAG, key);
-        let mut first = None;
-        for r in 0..inner.links.len() {
-            let result = if r == inner.region {
-                inner.local.unblock(&base_key).await
-            } else {
-                bump(&inner.stats.cross_region_calls, 1);
-                inner.links[r].unblock(&base_key).await
-            };
-            if let Err(e) = result {
-                first.get_or_insert(RegionsError::store(e));
-            }
-        }
-        first.map_or(Ok(()), Err)
+        self.inner
+            .in_every_region(|store| store.unblock(&base_key))
+            .await
     }
 
     /// Forgets the key's usage in every region's share and in its pool at home, and the
@@ -1147,26 +1149,15 @@ impl<S: Store> Store for RegionStore<S> {
         let inner = &self.inner;
         inner.forget(key);
         let base_key = tagged(BASE_TAG, key);
-        let mut first = None;
-        for r in 0..inner.links.len() {
-            let result = if r == inner.region {
-                inner.local.reset(&base_key, rules).await
-            } else {
-                bump(&inner.stats.cross_region_calls, 1);
-                inner.links[r].reset(&base_key, rules).await
-            };
-            if let Err(e) = result {
-                first.get_or_insert(RegionsError::store(e));
-            }
-        }
+        let shares = inner
+            .in_every_region(|store| store.reset(&base_key, rules))
+            .await;
         let home = inner.regions.home(key);
         if home != inner.region {
             bump(&inner.stats.cross_region_calls, 1);
         }
-        if let Err(e) = inner.links[home].reset(&tagged(POOL_TAG, key), rules).await {
-            first.get_or_insert(RegionsError::store(e));
-        }
-        first.map_or(Ok(()), Err)
+        let pool = inner.links[home].reset(&tagged(POOL_TAG, key), rules).await;
+        shares.and(pool.map_err(RegionsError::store))
     }
 
     /// Gives nothing back (answers `false`): a check's units came from the local share
