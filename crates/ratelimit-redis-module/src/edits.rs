@@ -45,54 +45,27 @@ pub(crate) fn edit_one(
         Some(number) => edit.with_value(number),
         None => edit,
     };
-    let changed = match edit {
-        Edit::Block { length_us } => {
-            let block = block.ok_or_else(|| args_error(&"a block without its marker's key"))?;
-            let now = header.now.unwrap_or_else(crate::check::server_now_us);
-            crate::block::block_at(
-                ctx,
-                block,
-                now,
-                header.now.is_some(),
-                length_us,
-                header.ttl_floor_ms,
-            )?;
-            1
-        }
-        Edit::Refund { start_us, granted } => {
-            let rules = leased(packed_value, header.rules, start_us)?;
-            if header.cost < 1 || granted < header.cost {
-                return Err(args_error(&format_args!(
-                    "a lease's refund gives back {} of {granted} units",
-                    header.cost
-                )));
-            }
-            let now = header.now.unwrap_or_else(crate::check::server_now_us);
-            crate::refund::lease_refund_at(ctx, state, now, header.cost, start_us, granted, &rules)?
-        }
-        _ => run(ctx, state, log, edit, &header, rule_bytes)?,
-    };
+    let changed = run(ctx, block, state, log, edit, &header, rule_bytes)?;
     packed::encode_edit(out, changed == 1);
     Ok(())
 }
 
 fn run(
     ctx: &Context,
+    block: Option<&RedisString>,
     state: &RedisString,
     log: Option<&RedisString>,
     edit: Edit,
     header: &Header,
     rule_bytes: &[u8],
 ) -> Result<i64, String> {
+    let now = || header.now.unwrap_or_else(crate::check::server_now_us);
     match edit {
         Edit::GiveBack { charged_at } => {
             crate::refund::give_back_parsed(ctx, state, log, header, rule_bytes, charged_at)
         }
         Edit::Debit => crate::refund::debit_parsed(ctx, state, log, header, rule_bytes),
-        Edit::Release { slot } => {
-            let now = header.now.unwrap_or_else(crate::check::server_now_us);
-            crate::slots::release_at(ctx, state, slot, now)
-        }
+        Edit::Release { slot } => crate::slots::release_at(ctx, state, slot, now()),
         Edit::Renew { slot, timeout_us } => crate::slots::renew_at(
             ctx,
             state,
@@ -101,20 +74,42 @@ fn run(
             header.now,
             header.ttl_floor_ms,
         ),
-        // Run by `edit_one` itself; a later edit is refused by `parse_edit`.
-        Edit::Refund { .. } | Edit::Block { .. } => Ok(0),
+        Edit::Refund { start_us, granted } => {
+            let rules = leased(rule_bytes, header.rules, start_us)?;
+            if header.cost < 1 || granted < header.cost {
+                return Err(args_error(&format_args!(
+                    "a lease's refund gives back {} of {granted} units",
+                    header.cost
+                )));
+            }
+            crate::refund::lease_refund_at(
+                ctx,
+                state,
+                now(),
+                header.cost,
+                start_us,
+                granted,
+                &rules,
+            )
+        }
+        Edit::Block { length_us } => {
+            let block = block.ok_or_else(|| args_error(&"a block without its marker's key"))?;
+            let (now, injected) = (now(), header.now.is_some());
+            crate::block::block_at(ctx, block, now, injected, length_us, header.ttl_floor_ms)?;
+            Ok(1)
+        } // `Edit` is exhaustive here; a later edit is refused by `parse_edit`.
     }
 }
 
-/// A lease refund's rules as its command takes them, from the packed rules of
-/// `packed_value` (`n` of them): identity, algorithm code, limit, period, and for a
-/// fixed window the index of the window of the reservation's time `start`.
-fn leased(packed_value: &[u8], n: usize, start: u64) -> Result<Vec<Leased>, String> {
+/// A lease refund's rules as its command takes them, from the packed rules
+/// `rule_bytes` (`n` of them): identity, algorithm code, limit, period, and for a fixed
+/// window the index of the window of the reservation's time `start`.
+fn leased(rule_bytes: &[u8], n: usize, start: u64) -> Result<Vec<Leased>, String> {
     (0..n)
         .map(|i| {
-            let at = packed::HEADER + packed::PER_RULE * i;
+            let at = packed::PER_RULE * i;
             let v = |k: usize| {
-                packed::value(packed_value, at + k)
+                packed::value(rule_bytes, at + k)
                     .ok_or_else(|| args_error(&format_args!("a lease's rule {i} is cut short")))
             };
             let (code, limit, period, id) = (v(0)?, v(1)?, v(2)?, v(5)?);

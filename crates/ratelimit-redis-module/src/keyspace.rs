@@ -9,9 +9,9 @@
 //! relative expiry only, and its `Context::replicate` copies every argument into a new
 //! Redis string and builds the argument vector by reallocation. Here a new value is one
 //! Redis string handed to the key and to the replicated command alike (`StringSet`), an
-//! existing value is rewritten in place (resized first when its length changes), the expiry is the absolute one the
-//! replicas receive (`SetAbsExpire`: primary and replicas expire the key at the same
-//! millisecond), and `RedisModule_Replicate` gets its arguments as they are (`sbsl`).
+//! existing value is rewritten in place (resized first when its length changes), the
+//! expiry is the absolute one the replicas receive (`SetAbsExpire`: primary and
+//! replicas expire the key at the same millisecond), and `RedisModule_Replicate` gets its arguments as they are (`sbsl`).
 //! Together they cut what a write costs the server by a quarter, and a committed check's
 //! whole cost by a fifth (new keys) to 29 % (keys checked again; BENCHMARKS.md).
 //!
