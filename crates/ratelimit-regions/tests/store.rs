@@ -473,6 +473,16 @@ fn instance(regions: Regions, region: &str, own: &Mem, link: Net) -> RegionStore
         .unwrap()
 }
 
+/// An instance in eu and one in us of `regions`, each reaching the other region 30 ms
+/// away.
+fn linked(regions: &Regions, eu: &Mem, us: &Mem) -> (RegionStore<Net>, RegionStore<Net>) {
+    let far = Duration::from_millis(30);
+    (
+        instance(regions.clone(), "eu", eu, Net::new(us, far)),
+        instance(regions.clone(), "us", us, Net::new(eu, far)),
+    )
+}
+
 async fn admit(store: &RegionStore<Net>, rules: &RuleSet, n: u32) -> u32 {
     let mut admitted = 0;
     for _ in 0..n {
@@ -496,13 +506,7 @@ async fn a_recipient_gains_only_what_the_donor_had_free() {
     let (eu, us) = (mem(&clock), mem(&clock));
     let regions = unpooled(Duration::from_secs(1));
     let rules: RuleSet = "100/min gcra burst=100".parse().unwrap();
-    let eu_side = instance(
-        regions.clone(),
-        "eu",
-        &eu,
-        Net::new(&us, Duration::from_millis(30)),
-    );
-    let us_side = instance(regions, "us", &us, Net::new(&eu, Duration::from_millis(30)));
+    let (eu_side, us_side) = linked(&regions, &eu, &us);
     assert_eq!(admit(&us_side, &rules, 45).await, 45);
     assert_eq!(admit(&eu_side, &rules, 50).await, 50);
     // eu's share is spent: this denial starts a round in the background.
@@ -534,13 +538,7 @@ async fn a_refused_transfer_moves_nothing() {
     for race in [false, true] {
         let (eu, us) = (mem(&clock), mem(&clock));
         let regions = unpooled(Duration::from_secs(1));
-        let eu_side = instance(
-            regions.clone(),
-            "eu",
-            &eu,
-            Net::new(&us, Duration::from_millis(30)),
-        );
-        let us_side = instance(regions, "us", &us, Net::new(&eu, Duration::from_millis(30)));
+        let (eu_side, us_side) = linked(&regions, &eu, &us);
         let spent = if race { 10 } else { 50 };
         assert_eq!(admit(&us_side, &rules, spent).await, spent);
         assert_eq!(admit(&eu_side, &rules, 51).await, 50);
