@@ -35,8 +35,11 @@
 //!   most an exact limiter could have admitted of what was offered, sum over keys of
 //!   min(offered, B + r x elapsed).
 //!
-//! Releases and settles go as the layer sends them: spawned after the decision, so that
-//! the task's next check does not wait for them (they queue with the other checks).
+//! Releases and settles go as the layer sends them: handed to the store, which queues
+//! them with its next batch and reads their replies itself (`Store::release_detached`,
+//! `Store::settle_detached`), so that the task's next check does not wait for them.
+//! `DETACHED=0` spawns each as a task that awaits the store's answer instead (what the
+//! layer does for a store that does not take them).
 //!
 //! Settings (environment): `INSTANCES` (4), `TASKS` per instance (16), `DURATION` seconds
 //! (10), `KEYS` (100000), `ZIPF_S` (1.1), `RULE` (`100/s gcra burst=50`), `CONCURRENT`
@@ -403,6 +406,7 @@ async fn drive(
     settle: bool,
 ) -> Vec<TaskTally> {
     let deadline = Instant::now() + duration;
+    let detached = env_or("DETACHED", 1) == 1;
     let mut handles = Vec::new();
     for (i, store) in stores.iter().enumerate() {
         for t in 0..tasks {
@@ -439,10 +443,20 @@ async fn drive(
                                 tally.settles += 1;
                                 tally.settles_changed += u64::from(actual != estimate);
                             }
-                            if settle.is_some() || d.slot().is_some() {
+                            // Handed to the store to send with its next batch, as
+                            // the layer hands them over when the store takes them;
+                            // else spawned, as the layer does for other stores.
+                            let settle = settle.filter(|&actual| {
+                                !(detached
+                                    && store
+                                        .settle_detached(key, &rules, estimate, actual, charged_at))
+                            });
+                            let slot = d.slot().filter(|&slot| {
+                                !(detached && store.release_detached(key, &rules, slot))
+                            });
+                            if settle.is_some() || slot.is_some() {
                                 let (store, rules) = (Arc::clone(&store), rules.clone());
                                 let key = key.clone();
-                                let slot = d.slot();
                                 after.spawn(async move {
                                     if let Some(actual) = settle {
                                         store

@@ -180,6 +180,39 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Hands a release to the store to carry out on its own, for a caller that does not
+    /// wait for the answer (a middleware, once the response has gone): a networked store
+    /// queues it with its next call instead of a call and a task of its own. Answers
+    /// `false` when the store does not take it, and the caller releases through
+    /// [`Store::release_sync`] or [`Store::release`].
+    ///
+    /// A store that answers `true` owns the release from then on: it sends it again after
+    /// a lost connection (freeing the slot once), retries it for about a second while
+    /// the store is unreachable, and reports one that never ran (the slot stays taken
+    /// until its deadline). The default answers `false`.
+    fn release_detached(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
+        let _ = (key, rules, slot);
+        false
+    }
+
+    /// Hands a settle to the store to carry out on its own, as
+    /// [`release_detached`](Store::release_detached) does a release: `true` when the store
+    /// took it (or there was nothing to do, `actual == charged`). A give-back is tried
+    /// once (a second run would lend units other requests may take); a debt may be tried
+    /// again (twice limits more, never less). A settle that failed is reported by the
+    /// store: the estimate stays charged. The default answers `false`.
+    fn settle_detached(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> bool {
+        let _ = (key, rules, charged, actual, charged_at);
+        false
+    }
+
     /// Moves the deadline of the live slot numbered `slot` on to now plus the timeout of
     /// the `N concurrent` rule of `rules`, for a request that runs on (a long stream), as
     /// [`algo::renew`](crate::algo::renew) says. Answers whether the slot was live; a
@@ -317,6 +350,21 @@ impl<S: Store> Store for Arc<S> {
         slot: u64,
     ) -> Option<Result<bool, Self::Error>> {
         (**self).release_sync(key, rules, slot)
+    }
+
+    fn release_detached(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
+        (**self).release_detached(key, rules, slot)
+    }
+
+    fn settle_detached(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> bool {
+        (**self).settle_detached(key, rules, charged, actual, charged_at)
     }
 
     fn renew(

@@ -11,7 +11,7 @@
 //! connection) and checks arriving meanwhile wait in the queue for the next call, up to
 //! the batch size; `batch_wait` optionally holds a batch open a little longer to fill it.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,7 +41,42 @@ pub(crate) struct Settings {
 /// A check waiting for its batch.
 struct Job {
     check: CheckJob,
-    reply: oneshot::Sender<Result<Vec<u8>, RedisStoreError>>,
+    reply: Reply,
+}
+
+/// Who takes a job's reply.
+enum Reply {
+    /// A caller, until its timeout.
+    Caller(oneshot::Sender<Result<Vec<u8>, RedisStoreError>>),
+    /// No one: an edit handed over to run in its own time ([`Batcher::detach`]).
+    Detached(Detached),
+}
+
+impl Reply {
+    /// Whether no one waits any more: a caller that stopped waiting is not charged. A
+    /// detached edit is always wanted.
+    fn is_closed(&self) -> bool {
+        match self {
+            Self::Caller(reply) => reply.is_closed(),
+            Self::Detached(_) => false,
+        }
+    }
+}
+
+/// An edit no caller waits for (a release, a settle's give-back or debt, after the
+/// response): its failure is retried while tries are left, then reported.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Detached {
+    /// What it is, for the report.
+    pub(crate) what: &'static str,
+    /// What a failure leaves, for the report.
+    pub(crate) leaves: &'static str,
+    /// The waits before each try after the first: only for an edit whose second run
+    /// changes nothing more (a release frees a slot once), or limits more, never less (a
+    /// debt charged twice).
+    pub(crate) retries: &'static [Duration],
+    /// Tries made so far.
+    pub(crate) tried: usize,
 }
 
 /// The queue of a store's checks and the task that sends them, the layer between the
@@ -57,6 +92,10 @@ pub(crate) struct Batcher {
     shared: Arc<Shared>,
     /// Every check waits in the queue (a batch wait is set), none goes alone at once.
     always_queue: bool,
+    /// Jobs queued and not yet in a batch that holds its call's permit: while any are,
+    /// a check queues behind them rather than going alone, so that it never overtakes
+    /// an edit queued before it (a detached release of its key).
+    queued: Arc<AtomicUsize>,
 }
 
 impl Batcher {
@@ -68,13 +107,20 @@ impl Batcher {
         settings: Settings,
     ) -> Self {
         let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+        let queued = Arc::new(AtomicUsize::new(0));
         let queue = (settings.max > 1).then(|| {
             let (queue, jobs) = mpsc::unbounded_channel();
             tokio::spawn(dispatch(
                 transport.clone(),
                 shared.clone(),
-                jobs,
-                Some(queue.downgrade()),
+                Queue {
+                    jobs,
+                    undo: Some(Requeue {
+                        queue: queue.downgrade(),
+                        queued: queued.clone(),
+                    }),
+                    queued: queued.clone(),
+                },
                 slots.clone(),
                 settings,
             ));
@@ -86,6 +132,7 @@ impl Batcher {
             transport,
             shared,
             always_queue: settings.wait.is_some(),
+            queued,
         }
     }
 
@@ -101,7 +148,10 @@ impl Batcher {
     pub(crate) async fn decide(&self, check: CheckJob) -> Result<Vec<u8>, RedisStoreError> {
         let timeout = self.shared.timeout;
         let (reply, answer) = oneshot::channel();
-        let job = Job { check, reply };
+        let job = Job {
+            check,
+            reply: Reply::Caller(reply),
+        };
         match &self.queue {
             None => self.alone(job, None),
             Some(queue) => {
@@ -110,12 +160,12 @@ impl Batcher {
                 // sending task. (Semaphore permits go to waiters first, so this never
                 // overtakes a batch that waits.) With a batch wait, checks wait for
                 // company instead.
-                let free = (!self.always_queue)
+                let free = (!self.always_queue && self.queued.load(Ordering::Acquire) == 0)
                     .then(|| self.slots.clone().try_acquire_owned().ok())
                     .flatten();
                 if free.is_some() {
                     self.alone(job, free);
-                } else if queue.send(job).is_err() {
+                } else if !self.enqueue(queue, job) {
                     return Err(RedisStoreError::UnexpectedReply(
                         "the store's sending task has stopped".into(),
                     ));
@@ -131,12 +181,35 @@ impl Batcher {
         }
     }
 
+    /// Queues the edit `check` with the checks, for no caller to wait on: its reply is
+    /// read by the batcher, which retries a failure as `detached` allows and reports one
+    /// that stays. `false` (nothing queued) for a store that sends each check alone, or
+    /// whose sending task has stopped.
+    pub(crate) fn detach(&self, check: CheckJob, detached: Detached) -> bool {
+        let Some(queue) = &self.queue else {
+            return false;
+        };
+        let reply = Reply::Detached(detached);
+        self.enqueue(queue, Job { check, reply })
+    }
+
+    fn enqueue(&self, queue: &mpsc::UnboundedSender<Job>, job: Job) -> bool {
+        enqueue(&self.queued, queue, job)
+    }
+
+    /// The queue, held weakly, for the jobs a reply makes.
+    fn requeue(&self) -> Undo {
+        let queue = self.queue.as_ref()?.downgrade();
+        let queued = self.queued.clone();
+        Some(Requeue { queue, queued })
+    }
+
     /// Sends `job` as a call of its own, holding `slot` until its reply: in a task of its
     /// own, so that its reply is read (and the check undone) when its caller stops
     /// waiting.
     fn alone(&self, job: Job, slot: Option<OwnedSemaphorePermit>) {
         let (transport, shared) = (self.transport.clone(), self.shared.clone());
-        let undo = self.queue.as_ref().map(mpsc::UnboundedSender::downgrade);
+        let undo = self.requeue();
         tokio::spawn(async move {
             let reply = single(&transport, &shared, &job.check).await;
             deliver(&transport, &shared, &undo, job, reply);
@@ -153,9 +226,38 @@ fn late_wait(shared: &Shared) -> Duration {
     shared.timeout.saturating_mul(2)
 }
 
-/// Where the edits that undo a check go: the queue of the batcher's checks (none for
-/// a store that sends each check alone, or once the batcher is gone).
-type Undo = Option<mpsc::WeakUnboundedSender<Job>>;
+/// Where the edits that undo a check, and the retries of a detached edit, go: the queue
+/// of the batcher's checks (none for a store that sends each check alone).
+type Undo = Option<Requeue>;
+
+/// The queue's sending end, held weakly: nothing is queued once the batcher is gone.
+#[derive(Clone)]
+struct Requeue {
+    queue: mpsc::WeakUnboundedSender<Job>,
+    /// As [`Batcher::queued`].
+    queued: Arc<AtomicUsize>,
+}
+
+impl Requeue {
+    /// Queues `job` behind the jobs queued meanwhile; `false` when the batcher or its
+    /// sending task is gone.
+    fn send(&self, job: Job) -> bool {
+        self.queue
+            .upgrade()
+            .is_some_and(|queue| enqueue(&self.queued, &queue, job))
+    }
+}
+
+/// Puts `job` in `queue`, counted in `queued` until the sending task takes it into a
+/// batch; `false` when the task has stopped.
+fn enqueue(queued: &AtomicUsize, queue: &mpsc::UnboundedSender<Job>, job: Job) -> bool {
+    queued.fetch_add(1, Ordering::AcqRel);
+    if queue.send(job).is_err() {
+        queued.fetch_sub(1, Ordering::AcqRel);
+        return false;
+    }
+    true
+}
 
 /// Hands `reply` to `job`'s caller. When the caller stopped waiting (its timeout; it
 /// decided without the store, by its failure policy) and the reply is a check that
@@ -170,7 +272,13 @@ fn deliver(
     job: Job,
     reply: Result<Vec<u8>, RedisStoreError>,
 ) {
-    let Err(Ok(bytes)) = job.reply.send(reply) else {
+    let sender = match job.reply {
+        Reply::Caller(sender) => sender,
+        Reply::Detached(detached) => {
+            return detached_done(shared, undo, job.check, detached, reply)
+        }
+    };
+    let Err(Ok(bytes)) = sender.send(reply) else {
         return;
     };
     let edits = job.check.undo(&bytes);
@@ -185,7 +293,7 @@ fn deliver(
         );
         return;
     }
-    let Some(queue) = undo.as_ref().and_then(mpsc::WeakUnboundedSender::upgrade) else {
+    let Some(queue) = undo.as_ref().filter(|q| q.queue.strong_count() > 0) else {
         tokio::spawn(undo_checks(transport.clone(), shared.clone(), edits));
         return;
     };
@@ -193,12 +301,65 @@ fn deliver(
     let mut answers = Vec::with_capacity(edits.len());
     for check in edits {
         let (reply, answer) = oneshot::channel();
-        if queue.send(Job { check, reply }).is_err() {
+        let reply = Reply::Caller(reply);
+        if !queue.send(Job { check, reply }) {
             break;
         }
         answers.push(answer);
     }
     tokio::spawn(undone(shared.clone(), answers));
+}
+
+/// Reads the reply of a detached edit: a failure goes into the queue again after its
+/// wait while tries are left (from a task of its own, so the batch's other replies are
+/// not held up), else it is reported, at a bounded rate.
+fn detached_done(
+    shared: &Arc<Shared>,
+    undo: &Undo,
+    check: CheckJob,
+    detached: Detached,
+    reply: Result<Vec<u8>, RedisStoreError>,
+) {
+    let error = match reply {
+        Ok(bytes) => match CheckReply::len(0, &bytes) {
+            Some(Err(message)) => check_error(&bytes[message], shared.timeout),
+            _ => return,
+        },
+        Err(e) => e,
+    };
+    if error.to_string().contains(OLDER_MODULE) {
+        // As `Exact::edit_job` does for an edit awaited: later edits go alone. This one
+        // has no call of its own to fall back on here.
+        shared.paths.edits_batched.store(false, Ordering::Relaxed);
+    }
+    if let (Some(&wait), Some(queue)) = (detached.retries.get(detached.tried), undo.clone()) {
+        let job = Job {
+            check,
+            reply: Reply::Detached(Detached {
+                tried: detached.tried + 1,
+                ..detached
+            }),
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            if !queue.send(job) {
+                tracing::debug!("a detached edit's retry found the store gone");
+            }
+        });
+        return;
+    }
+    if let Some(count) = shared.detached_log.hit(shared.now_us()) {
+        tracing::warn!(
+            prefix = %shared.prefix,
+            error = %error,
+            tries = detached.tried + 1,
+            failures = count,
+            "a {} failed: {} (reported at most every 10 s, with the failures since the \
+             last report)",
+            detached.what,
+            detached.leaves
+        );
+    }
 }
 
 /// Waits for the edits that undo a check, queued with the checks, and says how they
@@ -264,11 +425,23 @@ fn report_undo(shared: &Shared, outcome: Result<(), String>) {
     }
 }
 
+/// The sending task's end of the queue.
+struct Queue {
+    jobs: mpsc::UnboundedReceiver<Job>,
+    /// The queue's sending end, for the edits that undo or retry a job.
+    undo: Undo,
+    /// Jobs sent and not yet taken into a batch ([`Batcher::queued`]).
+    queued: Arc<AtomicUsize>,
+}
+
 async fn dispatch(
     transport: Arc<Transport>,
     shared: Arc<Shared>,
-    mut queue: mpsc::UnboundedReceiver<Job>,
-    undo: Undo,
+    Queue {
+        jobs: mut queue,
+        undo,
+        queued,
+    }: Queue,
     slots: Arc<Semaphore>,
     settings: Settings,
 ) {
@@ -298,6 +471,9 @@ async fn dispatch(
                 }
             }
         }
+        // Taken, with the permit of their call held: a check that finds the count at 0
+        // and a free permit overtakes none of them.
+        queued.fetch_sub(jobs.len(), Ordering::AcqRel);
         let batch = std::mem::replace(&mut jobs, Vec::with_capacity(max));
         let (transport, shared, undo) = (transport.clone(), shared.clone(), undo.clone());
         tokio::spawn(async move {
@@ -448,11 +624,11 @@ fn answer(
             let e = RedisStoreError::UnexpectedReply(format!(
                 "the batch script should return a string, got {other:?}"
             ));
-            fail_all(batch, &e);
+            fail_all(transport, shared, undo, batch, &e);
             return Vec::new();
         }
         Err(e) => {
-            fail_all(batch, &e);
+            fail_all(transport, shared, undo, batch, &e);
             return Vec::new();
         }
     };
@@ -462,7 +638,7 @@ fn answer(
             bytes.len(),
             batch.len()
         ));
-        fail_all(batch, &e);
+        fail_all(transport, shared, undo, batch, &e);
         return Vec::new();
     };
     let mut moved = Vec::new();
@@ -479,6 +655,10 @@ fn answer(
     }
     moved
 }
+
+/// What a module older than edits in batches (protocol 5) answers an edit in a batch:
+/// its check's parse refuses the header's first value, before anything is read.
+pub(crate) const OLDER_MODULE: &str = "injected is 0 or 1";
 
 /// How `check_local` answers a check whose slot the node does not serve.
 const MOVED: &[u8] = b"RLMOVED";
@@ -526,9 +706,15 @@ fn split(
     (at == bytes.len()).then_some(parts)
 }
 
-fn fail_all(batch: Vec<Job>, e: &RedisStoreError) {
+fn fail_all(
+    transport: &Arc<Transport>,
+    shared: &Arc<Shared>,
+    undo: &Undo,
+    batch: Vec<Job>,
+    e: &RedisStoreError,
+) {
     for job in batch {
-        let _ = job.reply.send(Err(e.clone()));
+        deliver(transport, shared, undo, job, Err(e.clone()));
     }
 }
 

@@ -13,7 +13,7 @@ use ratelimit_core::util::BoundedLog;
 use ratelimit_core::{Algorithm, Decision, RuleSet};
 use redis::Value;
 
-use crate::batch::{check_error, Batcher};
+use crate::batch::{check_error, Batcher, Detached, OLDER_MODULE};
 use crate::error::RedisStoreError;
 use crate::keys::KeyNames;
 use crate::script::{
@@ -33,6 +33,14 @@ fn max_debt(rules: &RuleSet) -> u64 {
         .unwrap_or(1)
 }
 
+/// The waits before each retry of a release no caller waits for, as the tower layer
+/// waits before retrying one: a store back within about a second still frees the slot.
+const RELEASE_RETRIES: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+    Duration::from_millis(1_000),
+];
+
 /// Units a lease reserved and did not spend, as the module's and the Lua `refund` take
 /// them back.
 pub(crate) struct Unspent<'a> {
@@ -44,10 +52,6 @@ pub(crate) struct Unspent<'a> {
     /// Per rule: the fixed window the reservation charged (0 for other algorithms).
     pub(crate) windows: &'a [u64],
 }
-
-/// What a module older than edits in batches (protocol 5) answers an edit in a batch:
-/// its check's parse refuses the header's first value, before anything is read.
-const OLDER_MODULE: &str = "injected is 0 or 1";
 
 /// The store's operations decided in Redis, one request each (checks batched).
 pub(crate) struct Exact {
@@ -292,6 +296,90 @@ impl Exact {
         }
         let reply = self.run(Request::Call(call())).await?;
         Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// Queues an edit of `key`'s state that no caller waits for, in the checks' batch
+    /// (see [`Batcher::detach`]); `false` when the servers do not take edits in batches
+    /// or the store does not batch, and the caller awaits it instead.
+    fn edit_detached(
+        &self,
+        key: &[u8],
+        rules: Option<&RuleSet>,
+        edit: Edit,
+        units: u64,
+        detached: Detached,
+    ) -> bool {
+        let shared = &self.shared;
+        if !shared.paths.edits_batched.load(Ordering::Relaxed) {
+            return false;
+        }
+        let job = CheckJob::edit(
+            &shared.prefix,
+            key,
+            rules,
+            edit,
+            self.injected_now(),
+            units,
+            shared.ttl_floor_ms,
+        );
+        self.batcher.detach(job, detached)
+    }
+
+    /// Frees slot `slot` of `key` without a caller waiting: retried as the tower layer
+    /// retries a release (a slot is freed once, so a second run frees nothing more).
+    pub(crate) fn release_detached(&self, key: &[u8], slot: u64) -> bool {
+        self.edit_detached(
+            key,
+            None,
+            Edit::Release { slot },
+            0,
+            Detached {
+                what: "concurrency slot's release",
+                leaves: "the slot stays taken until its deadline",
+                retries: &RELEASE_RETRIES,
+                tried: 0,
+            },
+        )
+    }
+
+    /// Settles a charge without a caller waiting: a smaller actual gives back (tried
+    /// once: twice would lend what other requests may take), a larger one charges debt
+    /// (tried twice: twice limits more, never less).
+    pub(crate) fn settle_detached(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> bool {
+        match actual.cmp(&charged) {
+            std::cmp::Ordering::Equal => true,
+            std::cmp::Ordering::Less => self.edit_detached(
+                key,
+                Some(rules),
+                Edit::GiveBack { charged_at },
+                charged - actual,
+                Detached {
+                    what: "settle's give-back",
+                    leaves: "the estimate stays charged",
+                    retries: &[],
+                    tried: 0,
+                },
+            ),
+            std::cmp::Ordering::Greater => self.edit_detached(
+                key,
+                Some(rules),
+                Edit::Debit,
+                (actual - charged).min(max_debt(rules)),
+                Detached {
+                    what: "settle's debt",
+                    leaves: "only the estimate is charged",
+                    retries: &RELEASE_RETRIES[..1],
+                    tried: 0,
+                },
+            ),
+        }
     }
 
     /// Frees slot `slot` of `key` (`release`), or moves its deadline to now plus

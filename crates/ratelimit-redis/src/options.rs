@@ -68,6 +68,7 @@ impl Options {
             force_lua: self.force_lua,
             redis_clock: RedisClock::new(),
             maxmemory_policy: std::sync::RwLock::new(None),
+            detached_log: ratelimit_core::util::BoundedLog::new(),
         })
     }
 }

@@ -25,6 +25,9 @@ pub(crate) struct Shared {
     pub(crate) redis_clock: RedisClock,
     /// `maxmemory-policy` as last read, when the server allowed it.
     pub(crate) maxmemory_policy: std::sync::RwLock<Option<String>>,
+    /// Detached edits (releases and settles no caller waits for) that failed for good,
+    /// reported at a bounded rate.
+    pub(crate) detached_log: ratelimit_core::util::BoundedLog,
 }
 
 impl Shared {

@@ -639,6 +639,30 @@ impl Store for RedisStore {
         self.inner.exact().edit_slot(key, slot, None).await
     }
 
+    /// Queues the release in the checks' batch where the servers take edits there
+    /// (every current module, and the Lua functions), sent again after a lost connection
+    /// and retried for about a second while Redis is unreachable; `false` otherwise
+    /// (a batch size of 1, or a module older than edits in batches).
+    fn release_detached(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
+        let _ = rules;
+        self.inner.exact().release_detached(key, slot)
+    }
+
+    /// Queues the settle's give-back or debt in the checks' batch, as
+    /// [`release_detached`](Store::release_detached) does a release.
+    fn settle_detached(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charged: u64,
+        actual: u64,
+        charged_at: u64,
+    ) -> bool {
+        self.inner
+            .exact()
+            .settle_detached(key, rules, charged, actual, charged_at)
+    }
+
     /// Renews a concurrency slot through `renew` (`RATELIMIT.RENEW`) to the timeout of
     /// `rules`' concurrency rule.
     async fn renew(&self, key: &[u8], rules: &RuleSet, slot: u64) -> Result<bool, RedisStoreError> {

@@ -225,19 +225,31 @@ async fn a_failing_check_does_not_fail_its_mates(module: bool) {
 
 #[tokio::test(flavor = "current_thread")]
 async fn settles_and_releases_ride_the_checks_batches() {
-    edits_ride_the_batches(false).await;
+    edits_ride_the_batches(false, false).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn settles_and_releases_ride_the_module_checks_batches() {
-    edits_ride_the_batches(true).await;
+    edits_ride_the_batches(true, false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn detached_settles_and_releases_ride_the_checks_batches() {
+    edits_ride_the_batches(false, true).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn detached_settles_and_releases_ride_the_module_checks_batches() {
+    edits_ride_the_batches(true, true).await;
 }
 
 /// A metered gateway's operations: each task checks an estimate of 2 units under a
 /// concurrency rule, then settles at its actual and releases its slot. The settles and
 /// releases queue with the checks and leave in their calls, decided in order: the
-/// state ends as if each had been a call of its own.
-async fn edits_ride_the_batches(module: bool) {
+/// state ends as if each had been a call of its own. `detached`: the settles and
+/// releases are handed to the store (`settle_detached`, `release_detached`) and not
+/// awaited; a check queued after them is decided after them.
+async fn edits_ride_the_batches(module: bool, detached: bool) {
     const TASKS: usize = 64;
     let server = server(module);
     let mut con = common::conn(&server.url());
@@ -257,9 +269,14 @@ async fn edits_ride_the_batches(module: bool) {
                 let d = store.check(key, &rules, 2).await.expect("check");
                 let actual = (i % 4) as u64;
                 if d.is_allowed() {
+                    let slot = d.slot().expect("a slot");
+                    if detached {
+                        assert!(store.settle_detached(key, &rules, 2, actual, at));
+                        assert!(store.release_detached(key, &rules, slot));
+                        return Some(actual);
+                    }
                     let changed = store.settle(key, &rules, 2, actual, at).await;
                     assert_eq!(changed.expect("settle"), actual != 2);
-                    let slot = d.slot().expect("a slot");
                     assert!(store.release(key, &rules, slot).await.expect("release"));
                     Some(actual)
                 } else {
@@ -276,6 +293,18 @@ async fn edits_ride_the_batches(module: bool) {
             admitted[i % 2] += 1;
         }
     }
+    // The peeks below queue behind the last detached edits, and are answered after them.
+    let peeks: Vec<_> = [b"a", b"b"]
+        .map(|key| {
+            let (store, rules) = (store.clone(), rules.clone());
+            tokio::spawn(async move { store.check(key, &rules, 0).await.unwrap() })
+        })
+        .into_iter()
+        .collect();
+    let mut peeked = Vec::new();
+    for peek in peeks {
+        peeked.push(peek.await.unwrap());
+    }
     let calls = calls(&mut con, module);
     let operations = TASKS + 2 * admitted.iter().sum::<usize>();
     assert!(
@@ -284,8 +313,7 @@ async fn edits_ride_the_batches(module: bool) {
     );
     // Every slot free again, every key charged exactly its actuals; a memory store given
     // the same operations one by one agrees.
-    for (k, key) in [b"a", b"b"].into_iter().enumerate() {
-        let peek = store.check(key, &rules, 0).await.unwrap();
+    for (k, (key, peek)) in [b"a", b"b"].into_iter().zip(peeked).enumerate() {
         let remaining: Vec<u64> = peek.rules().iter().map(|r| r.remaining).collect();
         assert_eq!(remaining[0], 1000 - settled[k], "key {k}: {remaining:?}");
         assert_eq!(remaining[2], 8, "key {k}: every slot released");
@@ -313,6 +341,41 @@ async fn edits_ride_the_batches(module: bool) {
             .map(|r| r.remaining)
             .collect();
         assert_eq!(remaining[..2], expected[..2], "key {k}");
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_check_after_a_detached_release_is_decided_after_it() {
+    check_after_detached_edits(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_check_after_a_detached_release_is_decided_after_it_on_the_module() {
+    check_after_detached_edits(true).await;
+}
+
+/// A check made right after a release handed to the store (as the layer hands one
+/// over when a response ends, and the client's next request follows at once) does not
+/// overtake it, though no call is in flight and it could go alone at once: it finds the
+/// slot free. The same for a settle's give-back.
+async fn check_after_detached_edits(module: bool) {
+    let server = server(module);
+    let store = store(&server, "after", None).await;
+    let rules: RuleSet = "2/min fixed-window; 1 concurrent timeout=30s"
+        .parse()
+        .unwrap();
+    for round in 0..20 {
+        let key = format!("k{round}");
+        let at = store.now_us();
+        let d = store.check(key.as_bytes(), &rules, 2).await.unwrap();
+        assert!(d.is_allowed(), "round {round}: {d:?}");
+        assert!(store.settle_detached(key.as_bytes(), &rules, 2, 1, at));
+        assert!(store.release_detached(key.as_bytes(), &rules, d.slot().unwrap()));
+        let next = store.check(key.as_bytes(), &rules, 1).await.unwrap();
+        assert!(
+            next.is_allowed(),
+            "round {round}: the check overtook the detached settle or release: {next:?}"
+        );
     }
 }
 

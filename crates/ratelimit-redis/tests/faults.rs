@@ -688,3 +688,42 @@ fn a_script_of_another_version_is_refused_by_name() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_detached_release_is_retried_until_redis_is_back() {
+    detached_release_retried(RedisServer::start()).await;
+}
+
+#[tokio::test]
+async fn a_detached_release_is_retried_until_the_module_is_back() {
+    detached_release_retried(RedisServer::start_with_module()).await;
+}
+
+/// A release handed to the store (`release_detached`, as the tower layer hands one over)
+/// while Redis is down is tried again once Redis is back within about a second, as the
+/// layer retries one it awaits: the slot is free again, not left to its deadline.
+async fn detached_release_retried(mut server: RedisServer) {
+    let rules: RuleSet = "1 concurrent timeout=1h".parse().unwrap();
+    let store = store(&server).await;
+    let taken = store.check(b"k", &rules, 1).await.unwrap();
+    let slot = taken.slot().expect("a slot");
+    let saved = server.command("SAVE").unwrap();
+    assert!(saved.starts_with("+OK"), "SAVE answered {saved:?}");
+    server.stop();
+    assert!(store.release_detached(b"k", &rules, slot));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // Started again with its data: the slot is still taken there.
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        match store.check(b"k", &rules, 0).await {
+            Ok(peek) if peek.rules()[0].remaining == 1 => break,
+            Ok(peek) => assert!(
+                Instant::now() < deadline,
+                "the release was not retried: {peek:?}"
+            ),
+            Err(e) => assert!(Instant::now() < deadline, "Redis not back: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -112,6 +112,17 @@ where
             }
             return None;
         }
+        // A store that batches sends it with its next call, and retries and reports it
+        // itself.
+        if self.store.settle_detached(
+            &charge.key,
+            &tier.rules,
+            charge.cost,
+            actual,
+            charge.charged_at,
+        ) {
+            return None;
+        }
         let store = std::sync::Arc::clone(&self.store);
         let timeout = self.store_timeout;
         let report = std::sync::Arc::clone(&self.refund_log);

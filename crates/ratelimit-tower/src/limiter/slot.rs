@@ -95,8 +95,15 @@ where
         }
     }
 
-    /// Releases a slot the store gave, now or in a task with retries.
+    /// Releases a slot the store gave: now, or handed to the store to send in its own
+    /// time (a batching store), or in a task with retries.
     fn release_in_store(self: Arc<Self>, held: Held) {
+        if self
+            .store
+            .release_detached(&held.key, &held.rules, held.slot)
+        {
+            return;
+        }
         if let Some(result) = self.store.release_sync(&held.key, &held.rules, held.slot) {
             if let Err(e) = result {
                 self.release_failed(&held, &e.to_string());
