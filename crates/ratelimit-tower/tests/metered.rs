@@ -705,3 +705,68 @@ async fn a_failed_debt_is_retried_once_and_a_failed_give_back_is_not() {
     // The fourth settled to 300, the fifth's 100 stood: 300 + 40 + 100 + 300 + 100 + 100.
     assert!(left(&sixth).contains(";r=60;"), "{}", left(&sixth));
 }
+
+#[tokio::test]
+async fn settles_and_releases_ride_the_batches_on_redis() {
+    settles_and_releases_on_redis(ratelimit_redis::testing::RedisServer::start()).await;
+}
+
+#[tokio::test]
+async fn settles_and_releases_ride_the_batches_on_the_module() {
+    let server = ratelimit_redis::testing::RedisServer::start_with_module();
+    settles_and_releases_on_redis(server).await;
+}
+
+/// The worked example above on a `RedisStore`, with `1 concurrent` beside it: the layer
+/// hands each settle and release to the store after the response (no task of its own),
+/// and the client's next request is decided after them, so every request finds the slot
+/// free and the fifth finds 1,200 charged. On the module, none went as a call of its own.
+async fn settles_and_releases_on_redis(server: ratelimit_redis::testing::RedisServer) {
+    let store = ratelimit_redis::RedisStore::builder()
+        .prefix("metered")
+        .build(&server.url())
+        .await
+        .unwrap();
+    ratelimit_redis::testing::wait_connected(&store).await;
+    let rules = "1000/h fixed-window name=tokens; 1 concurrent timeout=1m";
+    let layer = tokens(store, rules, 100)
+        .settle_from_header("x-usage-tokens")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { ([("x-usage-tokens", "300")], "answer") }),
+        )
+        .layer(layer);
+    for round in 0..3 {
+        let key = format!("k{round}");
+        for n in 1..=4 {
+            let res = app.clone().oneshot(with_key("/", &key)).await.unwrap();
+            assert_eq!(res.status(), StatusCode::OK, "round {round}, request {n}");
+            res.into_body().collect().await.unwrap();
+        }
+        let fifth = app.clone().oneshot(with_key("/", &key)).await.unwrap();
+        assert_eq!(
+            fifth.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "round {round}"
+        );
+        let body = fifth.into_body().collect().await.unwrap().to_bytes();
+        assert!(
+            !String::from_utf8_lossy(&body).contains("concurren"),
+            "round {round}: refused by the slot, not the tokens: {body:?}"
+        );
+    }
+    let stats = server.command("INFO commandstats").unwrap();
+    for alone in [
+        "ratelimit.release",
+        "ratelimit.debit",
+        "ratelimit.give_back",
+    ] {
+        assert!(
+            !stats.contains(&format!("cmdstat_{alone}:")),
+            "a {alone} went as a call of its own: {stats}"
+        );
+    }
+}

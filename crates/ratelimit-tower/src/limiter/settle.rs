@@ -51,6 +51,13 @@ where
             }
             return None;
         }
+        // A refund is a settle at 0: a store that batches sends it with its next call.
+        if self
+            .store
+            .settle_detached(&charge.key, &tier.rules, charge.cost, 0, charge.charged_at)
+        {
+            return None;
+        }
         let store = std::sync::Arc::clone(&self.store);
         let timeout = self.store_timeout;
         let report = std::sync::Arc::clone(&self.refund_log);
