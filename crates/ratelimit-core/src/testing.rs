@@ -2003,6 +2003,9 @@ pub enum Step {
         actual: u64,
         /// How long before now the charge was made, in µs.
         ago_us: u64,
+        /// Handed to the store ([`Store::settle_detached`]) rather than awaited, where
+        /// the store takes it: the peek after it must see it all the same.
+        detached: bool,
     },
     /// Release a slot the trace took before: the `nth` (modulo their number) of the
     /// slots checks of this trace took, on `key` (perhaps not the key that took it, and
@@ -2012,6 +2015,10 @@ pub enum Step {
         key: u8,
         /// Which slot, of those taken so far.
         nth: usize,
+        /// Handed to the store ([`Store::release_detached`]) rather than awaited, where
+        /// the store takes it; its result is then nothing (a detached release answers
+        /// nothing), and the steps after it must see it.
+        detached: bool,
     },
     /// Renew a slot the trace took before, as [`Step::Release`] picks it, under rule set
     /// number `rules`.
@@ -2075,7 +2082,22 @@ pub async fn run_trace<St: Store>(
                 }
                 Some(decided)
             }
-            Step::Release { key: k, nth } => match slots.get(nth % slots.len().max(1)) {
+            Step::Release {
+                key: k,
+                nth,
+                detached,
+            } => match slots.get(nth % slots.len().max(1)) {
+                Some(&slot) if *detached => {
+                    // Nothing to compare but a failure: a store that does not take it
+                    // releases as asked, and whether the slot was live is dropped.
+                    if store.release_detached(&key(*k), &rulesets[0], slot) {
+                        None
+                    } else {
+                        (store.release(&key(*k), &rulesets[0], slot).await)
+                            .err()
+                            .map(|e| Err(e.to_string()))
+                    }
+                }
                 Some(&slot) => answer(
                     store
                         .release(&key(*k), &rulesets[0], slot)
@@ -2113,10 +2135,17 @@ pub async fn run_trace<St: Store>(
                 charged,
                 actual,
                 ago_us,
+                detached,
             } => {
                 let at = clock.now_us().saturating_sub(*ago_us);
                 let rules = &rulesets[*rules];
-                match store.settle(&key(*k), rules, *charged, *actual, at).await {
+                let settled =
+                    if *detached && store.settle_detached(&key(*k), rules, *charged, *actual, at) {
+                        Ok(true)
+                    } else {
+                        store.settle(&key(*k), rules, *charged, *actual, at).await
+                    };
+                match settled {
                     Ok(_) => Some(
                         store
                             .check(&key(*k), rules, 0)
@@ -2316,7 +2345,8 @@ pub mod strategy {
             1 => (0u8..3, proptest::option::of(1u64..3_000)).prop_map(|(key, ms)| Step::Block { key, ms }),
             1 => (0u8..3).prop_map(|key| Step::Unblock { key }),
             1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Reset { key, rules }),
-            3 => (0u8..3, 0usize..16).prop_map(|(key, nth)| Step::Release { key, nth }),
+            3 => (0u8..3, 0usize..16, any::<bool>())
+                .prop_map(|(key, nth, detached)| Step::Release { key, nth, detached }),
             1 => (0u8..3, 0..rulesets, 0usize..16).prop_map(|(key, rules, nth)| Step::Renew { key, rules, nth }),
             2 => settle(rulesets),
         ];
@@ -2332,13 +2362,17 @@ pub mod strategy {
             0u64..4,
             prop_oneof![6 => 0u64..8, 1 => 8u64..200, 1 => Just(u64::MAX)],
             prop_oneof![Just(0u64), 0u64..2_000, 0u64..2_000_000],
+            any::<bool>(),
         )
-            .prop_map(|(key, rules, charged, actual, ago_us)| Step::Settle {
-                key,
-                rules,
-                charged,
-                actual,
-                ago_us,
-            })
+            .prop_map(
+                |(key, rules, charged, actual, ago_us, detached)| Step::Settle {
+                    key,
+                    rules,
+                    charged,
+                    actual,
+                    ago_us,
+                    detached,
+                },
+            )
     }
 }
