@@ -190,7 +190,18 @@ impl Batcher {
             return false;
         };
         let reply = Reply::Detached(detached);
-        self.enqueue(queue, Job { check, reply })
+        self.shared.detached.start();
+        if !self.enqueue(queue, Job { check, reply }) {
+            self.shared.detached.end();
+            return false;
+        }
+        true
+    }
+
+    /// Resolves once every detached edit queued so far is answered or given up (its
+    /// retries included).
+    pub(crate) async fn flushed(&self) {
+        self.shared.detached.none().await;
     }
 
     fn enqueue(&self, queue: &mpsc::UnboundedSender<Job>, job: Job) -> bool {
@@ -323,7 +334,7 @@ fn detached_done(
     let error = match reply {
         Ok(bytes) => match CheckReply::len(0, &bytes) {
             Some(Err(message)) => check_error(&bytes[message], shared.timeout),
-            _ => return,
+            _ => return shared.detached.end(),
         },
         Err(e) => e,
     };
@@ -340,14 +351,17 @@ fn detached_done(
                 ..detached
             }),
         };
+        let shared = shared.clone();
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             if !queue.send(job) {
                 tracing::debug!("a detached edit's retry found the store gone");
+                shared.detached.end();
             }
         });
         return;
     }
+    shared.detached.end();
     if let Some(count) = shared.detached_log.hit(shared.now_us()) {
         tracing::warn!(
             prefix = %shared.prefix,

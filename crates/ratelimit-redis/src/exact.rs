@@ -325,6 +325,11 @@ impl Exact {
         self.batcher.detach(job, detached)
     }
 
+    /// Resolves once every release and settle handed over so far is done with.
+    pub(crate) async fn flushed(&self) {
+        self.batcher.flushed().await;
+    }
+
     /// Frees slot `slot` of `key` without a caller waiting: retried as the tower layer
     /// retries a release (a slot is freed once, so a second run frees nothing more).
     pub(crate) fn release_detached(&self, key: &[u8], slot: u64) -> bool {

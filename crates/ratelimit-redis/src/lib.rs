@@ -102,13 +102,15 @@
 //! (BENCHMARKS.md). On the native module this needs its batch protocol 5; against an
 //! older module each goes as a call of its own.
 //!
-//! A release or a settle that no caller waits for (the tower layer's, once a response
-//! has gone) is handed over with `Store::release_detached` and `Store::settle_detached`:
-//! queued without a task, a timer or a reply channel of its own, its reply read by the
-//! store, sent again after a lost connection, a failed release tried again after 50 ms,
-//! 250 ms and 1 s (a debt once more after 50 ms; a give-back is not: twice would lend),
-//! and a failure that stays reported in a `WARN` at most every 10 s. A check queued
-//! after it is decided after it, also one that could have gone alone at once.
+//! A release or a settle that no caller waits for (the tower layer's releases, once a
+//! response has ended) is handed over with `Store::release_detached` and
+//! `Store::settle_detached`: queued without a task, a timer or a reply channel of its
+//! own, its reply read by the store, sent again after a lost connection, a failed
+//! release tried again after 50 ms, 250 ms and 1 s (a debt once more after 50 ms; a
+//! give-back is not: twice would lend), and a failure that stays reported in a `WARN` at
+//! most every 10 s. A check queued after it through the same store is decided after it,
+//! also one that could have gone alone at once. [`RedisStore::flush`] waits until every
+//! one handed over is done with: await it when shutting down.
 //!
 //! Work in Redis is O(1) per rule for fixed window, token bucket, leaky bucket and GCRA,
 //! O(precision) for the sliding window counter, and a few `LINDEX` for the sliding log

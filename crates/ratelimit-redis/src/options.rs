@@ -69,6 +69,7 @@ impl Options {
             redis_clock: RedisClock::new(),
             maxmemory_policy: std::sync::RwLock::new(None),
             detached_log: ratelimit_core::util::BoundedLog::new(),
+            detached: crate::shared::Outstanding::default(),
         })
     }
 }

@@ -28,6 +28,41 @@ pub(crate) struct Shared {
     /// Detached edits (releases and settles no caller waits for) that failed for good,
     /// reported at a bounded rate.
     pub(crate) detached_log: ratelimit_core::util::BoundedLog,
+    /// Detached edits not yet answered nor given up, and who waits for none to be left.
+    pub(crate) detached: Outstanding,
+}
+
+/// A count of operations under way, and a wake-up for those waiting until none are.
+#[derive(Debug, Default)]
+pub(crate) struct Outstanding {
+    count: std::sync::atomic::AtomicUsize,
+    none_left: tokio::sync::Notify,
+}
+
+impl Outstanding {
+    pub(crate) fn start(&self) {
+        self.count.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    pub(crate) fn end(&self) {
+        if self.count.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            self.none_left.notify_waiters();
+        }
+    }
+
+    /// Resolves once none is under way (at once when none is).
+    pub(crate) async fn none(&self) {
+        loop {
+            let notified = self.none_left.notified();
+            tokio::pin!(notified);
+            // Registered before the count is read: an end in between still wakes it.
+            notified.as_mut().enable();
+            if self.count.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 impl Shared {

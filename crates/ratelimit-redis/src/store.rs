@@ -474,6 +474,25 @@ impl RedisStore {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Resolves once every release and settle handed to the store so far
+    /// ([`Store::release_detached`], [`Store::settle_detached`]: what the tower layer
+    /// hands over after each response) has been answered by Redis, or given up after its
+    /// retries (reported in a `WARN`). Await it when shutting down, after the server
+    /// stops taking requests and before the runtime ends, so that the last responses'
+    /// settles (a metered gateway's token counts) and releases reach Redis; with a
+    /// timeout of your choosing, since a store that cannot reach Redis takes its retries
+    /// (about 1.3 s, plus twice the store timeout per try) before it gives up.
+    ///
+    /// ```no_run
+    /// # async fn run(store: ratelimit_redis::RedisStore) {
+    /// // ... axum::serve(listener, app).with_graceful_shutdown(signal).await ...
+    /// let _ = tokio::time::timeout(std::time::Duration::from_secs(5), store.flush()).await;
+    /// # }
+    /// ```
+    pub async fn flush(&self) {
+        self.inner.exact().flushed().await;
+    }
+
     /// Whether the store holds a connection to Redis now. A store starts and runs
     /// without one (its checks fail with [`RedisStoreError::Connection`]) and reconnects
     /// by itself. Always true for a store over an application's pool.

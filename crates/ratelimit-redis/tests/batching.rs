@@ -380,6 +380,55 @@ async fn check_after_detached_edits(module: bool) {
 }
 
 #[tokio::test(flavor = "current_thread")]
+async fn flush_waits_for_every_detached_edit() {
+    flushed_edits(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn flush_waits_for_every_detached_edit_on_the_module() {
+    flushed_edits(true).await;
+}
+
+/// What a server shutting down does: the releases and settles handed to the store are
+/// all in Redis once `flush` resolves, as another store (its own queue, which orders
+/// nothing after them) reads them.
+async fn flushed_edits(module: bool) {
+    const KEYS: usize = 16;
+    let server = server(module);
+    let other = store(&server, "flush", None).await;
+    let store = store(&server, "flush", None).await;
+    let rules: RuleSet = "100/min fixed-window; 2 concurrent timeout=1h"
+        .parse()
+        .unwrap();
+    let mut taken = Vec::new();
+    for k in 0..KEYS {
+        let key = format!("k{k}");
+        let at = store.now_us();
+        let d = store.check(key.as_bytes(), &rules, 5).await.unwrap();
+        assert!(d.is_allowed());
+        taken.push((key, at, d.slot().unwrap()));
+    }
+    for (key, at, slot) in &taken {
+        assert!(store.settle_detached(key.as_bytes(), &rules, 5, 1, *at));
+        assert!(store.release_detached(key.as_bytes(), &rules, *slot));
+    }
+    store.flush().await;
+    for (key, _, _) in &taken {
+        let peek = other.check(key.as_bytes(), &rules, 0).await.unwrap();
+        let remaining: Vec<u64> = peek.rules().iter().map(|r| r.remaining).collect();
+        assert_eq!(
+            remaining,
+            [99, 2],
+            "{key}: the settle and the release reached Redis"
+        );
+    }
+    // Nothing handed over: at once.
+    tokio::time::timeout(Duration::from_secs(1), store.flush())
+        .await
+        .expect("a flush with nothing under way resolves at once");
+}
+
+#[tokio::test(flavor = "current_thread")]
 async fn blocks_ride_the_checks_batches() {
     blocks_ride_the_batches(false).await;
 }

@@ -394,7 +394,11 @@
 //! response future was cancelled before a response. The slot goes back in one store
 //! call ([`Store::release`](ratelimit_core::Store::release)), and a store that fails it
 //! is asked again three times within about a second, after which the slot frees itself
-//! at its deadline (a `WARN` at most every 10 s says so). While the response runs the
+//! at its deadline (a `WARN` at most every 10 s says so). A store that batches takes the
+//! release over ([`Store::release_detached`](ratelimit_core::Store::release_detached);
+//! `RedisStore` does): it goes with the store's next call, with the same retries, and
+//! the next request of the key through the same store is decided after it. On shutdown,
+//! `RedisStore::flush` waits for the releases handed over. While the response runs the
 //! layer renews the slot every third of the rule's `timeout`, so a stream longer than
 //! the timeout keeps it. A slot taken from the fallback store is given back there (what
 //! an outage does to slots: [while the store is down](#while-the-store-is-down)). A

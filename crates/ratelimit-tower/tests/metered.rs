@@ -717,10 +717,11 @@ async fn settles_and_releases_ride_the_batches_on_the_module() {
     settles_and_releases_on_redis(server).await;
 }
 
-/// The worked example above on a `RedisStore`, with `1 concurrent` beside it: the layer
-/// hands each settle and release to the store after the response (no task of its own),
-/// and the client's next request is decided after them, so every request finds the slot
-/// free and the fifth finds 1,200 charged. On the module, none went as a call of its own.
+/// The worked example above on a `RedisStore`, with `1 concurrent` beside it: each
+/// settle rides the store's batches before the response ends, each release is handed to
+/// the store after it (no task of its own), and the client's next request is decided
+/// after both, so every request finds the slot free and the fifth finds 1,200 charged.
+/// On the module, none went as a call of its own.
 async fn settles_and_releases_on_redis(server: ratelimit_redis::testing::RedisServer) {
     let store = ratelimit_redis::RedisStore::builder()
         .prefix("metered")

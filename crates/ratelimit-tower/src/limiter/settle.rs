@@ -51,13 +51,6 @@ where
             }
             return None;
         }
-        // A refund is a settle at 0: a store that batches sends it with its next call.
-        if self
-            .store
-            .settle_detached(&charge.key, &tier.rules, charge.cost, 0, charge.charged_at)
-        {
-            return None;
-        }
         let store = std::sync::Arc::clone(&self.store);
         let timeout = self.store_timeout;
         let report = std::sync::Arc::clone(&self.refund_log);
@@ -117,17 +110,6 @@ where
             if let Err(e) = result {
                 self.report_settle_failure(&charge, actual, &e.to_string());
             }
-            return None;
-        }
-        // A store that batches sends it with its next call, and retries and reports it
-        // itself.
-        if self.store.settle_detached(
-            &charge.key,
-            &tier.rules,
-            charge.cost,
-            actual,
-            charge.charged_at,
-        ) {
             return None;
         }
         let store = std::sync::Arc::clone(&self.store);
