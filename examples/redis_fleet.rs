@@ -39,10 +39,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(n) => n.parse().map_err(|e| format!("FLEET_SIZE={n:?}: {e}"))?,
         Err(_) => NonZeroU32::new(2).expect("2 is not zero"),
     };
-    ratelimit_examples::serve::serve(app(store, fleet_size)?, |addr| {
+    ratelimit_examples::serve::serve(app(store.clone(), fleet_size)?, |addr| {
         println!("serving on http://{addr} with limits in {url}");
     })
-    .await
+    .await?;
+    // Stopped (Ctrl-C): the releases the layer handed to the store reach Redis first.
+    let _ = tokio::time::timeout(Duration::from_secs(3), store.flush()).await;
+    Ok(())
 }
 
 /// The store the environment names, and what it names. Fails only on a configuration

@@ -371,7 +371,9 @@ async fn client_kills_every_100ms_fail_no_check_on_valkey() {
 /// Afterwards every slot is free (no release lost: a lost one holds its slot for its
 /// minute), and each key's count is exactly what its admitted requests settled to (no
 /// settle lost or applied twice, no unit charged twice); no operation failed.
-async fn gateway_under_kills(server: &RedisServer, module: bool) {
+/// `detached`: each release is handed to the store (as the tower layer hands them over)
+/// and `flush` waits for them before the tally.
+async fn gateway_under_kills(server: &RedisServer, module: bool, detached: bool) {
     const TASKS: u64 = 64;
     const ESTIMATE: u64 = 2;
     let rules: RuleSet = format!("{LIMIT}/h fixed-window; 4 concurrent timeout=60s")
@@ -420,7 +422,9 @@ async fn gateway_under_kills(server: &RedisServer, module: bool) {
                         Err(e) => fail(k, "settle", e),
                     }
                     let slot = d.slot().expect("a slot");
-                    if let Err(e) = store.release(&key(k), &rules, slot).await {
+                    if detached {
+                        assert!(store.release_detached(&key(k), &rules, slot));
+                    } else if let Err(e) = store.release(&key(k), &rules, slot).await {
                         fail(k, "release", e);
                     }
                 }
@@ -440,6 +444,12 @@ async fn gateway_under_kills(server: &RedisServer, module: bool) {
         failures.extend(f);
         unsure.extend(u);
         refused += r;
+    }
+    if detached {
+        // Under the kills still: resends and retries included.
+        tokio::time::timeout(Duration::from_secs(20), store.flush())
+            .await
+            .expect("every release handed over answered or given up");
     }
     done.store(true, Ordering::Relaxed);
     let kills = killer.join().expect("killer");
@@ -472,15 +482,22 @@ async fn gateway_under_kills(server: &RedisServer, module: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_under_client_kills_loses_no_settle_or_release() {
     let _serial = one_at_a_time().await;
-    gateway_under_kills(&RedisServer::start(), false).await;
-    gateway_under_kills(&RedisServer::start_with_module(), true).await;
+    gateway_under_kills(&RedisServer::start(), false, false).await;
+    gateway_under_kills(&RedisServer::start_with_module(), true, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_under_client_kills_loses_no_release_handed_over() {
+    let _serial = one_at_a_time().await;
+    gateway_under_kills(&RedisServer::start(), false, true).await;
+    gateway_under_kills(&RedisServer::start_with_module(), true, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_under_client_kills_loses_no_settle_or_release_on_valkey() {
     let _serial = one_at_a_time().await;
-    gateway_under_kills(&RedisServer::start_valkey(), false).await;
-    gateway_under_kills(&RedisServer::start_valkey_with_module(), true).await;
+    gateway_under_kills(&RedisServer::start_valkey(), false, false).await;
+    gateway_under_kills(&RedisServer::start_valkey_with_module(), true, false).await;
 }
 
 /// A 3+3 Cluster fails a master over (`CLUSTER FAILOVER`) while 32 tasks check keys of
