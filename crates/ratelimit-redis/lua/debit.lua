@@ -51,15 +51,20 @@ local function window_used(st, off, p, cur)
   return used
 end
 
-local function debit(KEYS, ARGV, batch_now, pre)
-  local packed = ARGV[1]
+-- `debit_at` is `debit` on `packed` as it is: a batch's edit (edits.lua) passes its own
+-- packed value, whose first value is not `injected` (then given, 0 or 1; nil: the
+-- header's).
+local function debit_at(KEYS, packed, injected, batch_now, pre, arguments)
   local len = #packed
-  if #ARGV ~= 1 or len < 8 * HEADER or len % 8 ~= 0 then
+  if arguments ~= 1 or len < 8 * HEADER or len % 8 ~= 0 then
     return redis.error_reply(string.format('RLARGS debit takes the packed values as '
-      .. 'doubles, got %d arguments and %d bytes', #ARGV, len) .. VERSION_SKEW)
+      .. 'doubles, got %d arguments and %d bytes', arguments, len) .. VERSION_SKEW)
   end
-  local injected, injected_now, units, ttl_floor, n, width, log_limit, log_period, layout, _,
-    pos = struct.unpack(HEADER_FORMAT, packed)
+  local header_injected, injected_now, units, ttl_floor, n, width, log_limit, log_period,
+    layout, _, pos = struct.unpack(HEADER_FORMAT, packed)
+  if injected == nil then
+    injected = header_injected
+  end
   local top = TOP
   if not (n >= 1 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)
       and (injected == 0 or injected == 1) and injected_now >= 0 and injected_now < top
@@ -321,4 +326,8 @@ local function debit(KEYS, ARGV, batch_now, pre)
     expire_log(KEYS[2], injected, now, ttl_floor, log_now + log_period)
   end
   return 1
+end
+
+local function debit(KEYS, ARGV, batch_now, pre)
+  return debit_at(KEYS, ARGV[1], nil, batch_now, pre, #ARGV)
 end

@@ -105,13 +105,13 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
       reply = 1
     end
   elseif op <= 2 then
-    -- The check's own packed values, as give_back and debit take them: injected first
-    -- (the number, in the deadline's place, they do not read).
-    local check = struct.pack('<d', injected) .. string.sub(packed, 9)
+    -- The check's own packed values, as give_back and debit take them, but for the
+    -- first (injected, given apart; the number, in the deadline's place, they do not
+    -- read).
     if op == 1 then
-      reply = give_back({ state, log }, { check, fmt('%d', number) }, redis_now, pre)
+      reply = give_back_at({ state, log }, packed, injected, number, redis_now, pre)
     else
-      reply = debit({ state, log }, { check }, redis_now, pre)
+      reply = debit_at({ state, log }, packed, injected, redis_now, pre, 1)
     end
   else
     local want = 8 * HEADER
@@ -127,23 +127,32 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
         and ttl_floor >= 0 and ttl_floor < TOP and ttl_floor % 1 == 0) then
       return redis.error_reply('RLARGS a value of the header is out of range' .. VERSION_SKEW)
     end
-    local now = ''
-    if injected == 1 then
-      now = fmt('%d', injected_now)
+    -- Nil: Redis's TIME, read by the edit.
+    local now, as_injected = nil, injected == 1
+    if as_injected then
+      now = injected_now
     elseif op == 3 and redis_now then
       -- A release on the server's clock, read once for the batch (no TIME of its own);
       -- its expiry does not depend on the clock's kind, a renewal's does.
-      now = fmt('%d', redis_now)
+      now, as_injected = redis_now, true
     end
-    if op == 3 then
-      reply = release({ state }, { now, fmt('%d', number) }, pre)
-    else
-      local timeout = struct.unpack('<d', packed, 8 * HEADER + 1)
+    local timeout = nil
+    if op == 4 then
+      timeout = struct.unpack('<d', packed, 8 * HEADER + 1)
       if not (timeout >= 0 and timeout < TOP and timeout % 1 == 0) then
         return redis.error_reply('RLARGS a renewal\'s timeout is out of range' .. VERSION_SKEW)
       end
-      reply = renew({ state }, { now, fmt('%d', number), fmt('%d', timeout),
-        fmt('%d', ttl_floor) }, pre)
+      -- As renew's own check of its argument.
+      if timeout < 1 or timeout > 3600000000 then
+        return redis.error_reply('RLARGS renew takes a timeout of 1 to 3600000000 us; the '
+          .. 'store and the script are from different versions')
+      end
+    end
+    local raw = slot_state(state, pre)
+    if raw then
+      reply = edit_slot_at(state, raw, as_injected, now, number, timeout, ttl_floor)
+    else
+      reply = 0
     end
   end
   if type(reply) == 'number' then

@@ -282,20 +282,24 @@ local function less(count, cost)
   return 0
 end
 
-local function give_back(KEYS, ARGV, batch_now, pre)
-  local packed = ARGV[1]
+-- `give_back_at` is `give_back` on `packed` as it is and the charge's time `charged`
+-- (nil when it was not an integer): a batch's edit (edits.lua) passes its own packed
+-- value, whose first value is not `injected` (then given, 0 or 1; nil: the header's).
+local function give_back_at(KEYS, packed, injected, charged, batch_now, pre)
   local len = #packed
   if len < 8 * HEADER or len % 8 ~= 0 then
     return redis.error_reply(string.format('RLARGS give_back takes its values as doubles, '
       .. 'got %d bytes', len) .. VERSION_SKEW)
   end
-  local injected, injected_now, cost, _, n, width, log_limit, log_period, layout, _, pos =
-    struct.unpack(HEADER_FORMAT, packed)
+  local header_injected, injected_now, cost, _, n, width, log_limit, log_period, layout, _,
+    pos = struct.unpack(HEADER_FORMAT, packed)
+  if injected == nil then
+    injected = header_injected
+  end
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(string.format('RLARGS give_back expects %d packed values for '
       .. '%d rules, got %d', HEADER + PER_RULE * n, n, len / 8) .. VERSION_SKEW)
   end
-  local charged = tonumber(ARGV[2])
   if not charged then
     return redis.error_reply('RLARGS the charge\'s time is an integer; the store and the '
       .. 'script are from different versions')
@@ -445,4 +449,8 @@ local function give_back(KEYS, ARGV, batch_now, pre)
     return 1
   end
   return 0
+end
+
+local function give_back(KEYS, ARGV, batch_now, pre)
+  return give_back_at(KEYS, ARGV[1], nil, tonumber(ARGV[2]), batch_now, pre)
 end

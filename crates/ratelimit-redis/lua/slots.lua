@@ -17,25 +17,15 @@
 -- that slot changes; a release keeps the key's expiry, a
 -- renewal moves it on to the new deadline when that is later. In a batch (edits.lua),
 -- `pre` is the state as the batch read it (a string; otherwise it is read here).
-local function edit_slot(KEYS, ARGV, timeout, pre)
-  local raw = pre
-  if type(raw) ~= 'string' then
-    raw = redis.pcall('GET', KEYS[1])
-  end
-  if type(raw) ~= 'string' or #raw % 8 ~= 0 or #raw < 16 or #raw > 8 * MAX_STATE then
-    return 0
-  end
-  local injected = ARGV[1] ~= ''
-  local now
-  if injected then
-    now = tonumber(ARGV[1])
-  else
+--
+-- `edit_slot_at` is the same on values already read: `raw` the state (a string of a
+-- state's length), `injected` whether `now` is the caller's (else Redis's TIME, read here
+-- when `now` is nil), the slot's `number`, the renewal's `timeout` (nil: a release) and
+-- `ttl_floor`. A batch's edit (edits.lua) calls it with the batch's values as they are,
+-- without going through text.
+local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
+  if not now then
     now = redis_time()
-  end
-  local number = tonumber(ARGV[2])
-  if not now or not number then
-    return redis.error_reply('RLARGS release and renew take a time and a slot number; the '
-      .. 'store and the script are from different versions')
   end
   -- The trailer ends the state: walk the entries to it.
   local len = #raw / 8
@@ -89,26 +79,58 @@ local function edit_slot(KEYS, ARGV, timeout, pre)
   end
   local value = string.sub(raw, 1, 8 * (pos - 1)) .. slots_value(keep)
   if not timeout then
-    redis.call('SET', KEYS[1], value, 'KEEPTTL')
+    redis.call('SET', key, value, 'KEEPTTL')
     return 1
   end
   -- The new expiry, in ms from now: the latest deadline's, or the key's own when later.
-  local ttl_floor = tonumber(ARGV[4]) or 0
   local unit, ms = expiry_arg(injected, now, ttl_floor, latest)
   local rel = tonumber(ms)
   if unit == 'PXAT' then
     -- `now` is the server's time here (not injected).
     rel = rel - math.floor(now / 1000)
   end
-  local pttl = redis.call('PTTL', KEYS[1])
+  local pttl = redis.call('PTTL', key)
   if pttl > rel then
     rel = pttl
   end
   if rel < 1 then
     rel = 1
   end
-  redis.call('SET', KEYS[1], value, 'PX', string.format('%d', rel))
+  redis.call('SET', key, value, 'PX', string.format('%d', rel))
   return 1
+end
+
+-- The state of KEYS[1] (`pre`, or read here), or nil when it is no state's length: a
+-- slot's edit then frees or renews nothing.
+local function slot_state(key, pre)
+  local raw = pre
+  if type(raw) ~= 'string' then
+    raw = redis.pcall('GET', key)
+  end
+  if type(raw) ~= 'string' or #raw % 8 ~= 0 or #raw < 16 or #raw > 8 * MAX_STATE then
+    return nil
+  end
+  return raw
+end
+
+local function edit_slot(KEYS, ARGV, timeout, pre)
+  local raw = slot_state(KEYS[1], pre)
+  if not raw then
+    return 0
+  end
+  local injected = ARGV[1] ~= ''
+  local now
+  if injected then
+    now = tonumber(ARGV[1])
+  else
+    now = redis_time()
+  end
+  local number = tonumber(ARGV[2])
+  if not now or not number then
+    return redis.error_reply('RLARGS release and renew take a time and a slot number; the '
+      .. 'store and the script are from different versions')
+  end
+  return edit_slot_at(KEYS[1], raw, injected, now, number, timeout, tonumber(ARGV[4]) or 0)
 end
 
 local function release(KEYS, ARGV, pre)
