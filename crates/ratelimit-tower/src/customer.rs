@@ -23,6 +23,7 @@ use ratelimit_core::key::{digest, MAX_INLINE_KEY_LEN};
 use ratelimit_core::util::BoundedLog;
 use ratelimit_core::RuleSet;
 
+use crate::fallback::FallbackRules;
 use crate::key::{ClientKey, KeyDigest};
 use crate::limits::{Clip, Version};
 use crate::policy::FailurePolicy;
@@ -89,6 +90,9 @@ pub(crate) struct Customers {
     ttl_us: u64,
     in_flight: Mutex<HashMap<(u64, usize, CacheKey), InFlight>>,
     errors: Arc<BoundedLog>,
+    /// How a customer's own rules are shared while the store is down (the layer's
+    /// fallback policy); `None` without that policy.
+    fallback: Option<FallbackRules>,
 }
 
 impl fmt::Debug for Customers {
@@ -107,7 +111,12 @@ pub(crate) enum Lookup {
 }
 
 impl Customers {
-    pub(crate) fn new(resolve: Resolver, max_entries: u64, ttl: Duration) -> Self {
+    pub(crate) fn new(
+        resolve: Resolver,
+        max_entries: u64,
+        ttl: Duration,
+        fallback: Option<FallbackRules>,
+    ) -> Self {
         Self {
             resolve,
             cache: moka::sync::Cache::builder()
@@ -116,6 +125,29 @@ impl Customers {
             ttl_us: u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX),
             in_flight: Mutex::new(HashMap::new()),
             errors: Arc::new(BoundedLog::new()),
+            fallback,
+        }
+    }
+
+    /// The fallback rules of a customer's own `rules`: its share, as the tier's are the
+    /// tier's. `None` (the tier's then apply) without the fallback policy, or when the
+    /// share cannot be made (said in a WARN).
+    fn fallback_of(&self, rules: &RuleSet, client: &str, now_us: u64) -> Option<RuleSet> {
+        match self.fallback.as_ref()?.for_customer(rules) {
+            Ok(rules) => Some(rules),
+            Err(error) => {
+                if let Some(count) = self.errors.hit(now_us) {
+                    tracing::warn!(
+                        key = %client,
+                        error = %error,
+                        requests = count,
+                        "rate limit: a customer's own rules have no share for the fallback \
+                         store; the tier's fallback rules apply to it while the store is \
+                         down (reported at most every 10 s)"
+                    );
+                }
+                None
+            }
         }
     }
 
@@ -191,11 +223,15 @@ impl Customers {
                         Err(_) => Err("the resolver panicked".to_owned()),
                     };
                     let own = match answer {
-                        Ok(Some(rules)) => Some(Arc::new(version.tiers[tier].customer(
-                            &namespace,
-                            rules,
-                            failure_policy,
-                        ))),
+                        Ok(Some(rules)) => {
+                            let fallback = this.fallback_of(&rules, &client_shown, now_us);
+                            Some(Arc::new(version.tiers[tier].customer(
+                                &namespace,
+                                rules,
+                                failure_policy,
+                                fallback,
+                            )))
+                        }
                         Ok(None) => None,
                         Err(error) => {
                             if let Some(count) = this.errors.hit(now_us) {
@@ -250,6 +286,7 @@ mod tests {
             }),
             100,
             Duration::from_secs(60),
+            None,
         ));
         let settings = Settings::new(
             "ns".into(),

@@ -22,14 +22,26 @@ pub(crate) enum FallbackRules {
 
 impl FallbackRules {
     pub(crate) fn for_tier(&self, tier: &RuleSet) -> Result<RuleSet, BuildError> {
+        self.of(tier, false)
+    }
+
+    /// The fallback rules of a customer's own `rules` (a share of them, as a tier's), for
+    /// rules that arrive at run time and cannot be refused: a share that rounds to 0 is
+    /// 1 (each instance admits one per period, so the fleet up to N: more than the
+    /// customer's own limit when it is below N, and the least a share can hold).
+    pub(crate) fn for_customer(&self, rules: &RuleSet) -> Result<RuleSet, BuildError> {
+        self.of(rules, true)
+    }
+
+    fn of(&self, rules: &RuleSet, at_least_one: bool) -> Result<RuleSet, BuildError> {
         match self {
-            FallbackRules::Same => Ok(tier.clone()),
-            FallbackRules::Rules(rules) => Ok(rules.clone()),
+            FallbackRules::Same => Ok(rules.clone()),
+            FallbackRules::Rules(own) => Ok(own.clone()),
             FallbackRules::Share(n) => {
-                let shared = tier
+                let shared = rules
                     .rules()
                     .iter()
-                    .map(|r| share(r, u64::from(n.get())))
+                    .map(|r| share(r, u64::from(n.get()), at_least_one))
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok(RuleSet::new(shared)?)
             }
@@ -38,11 +50,14 @@ impl FallbackRules {
 }
 
 /// `rule` with its limit and burst divided by `n`, rounded down: N instances enforcing
-/// the result admit at most what one instance enforcing `rule` would.
-fn share(rule: &Rule, n: u64) -> Result<Rule, BuildError> {
+/// the result admit at most what one instance enforcing `rule` would. A part that
+/// rounds to 0 is refused, or is 1 when `at_least_one`.
+fn share(rule: &Rule, n: u64, at_least_one: bool) -> Result<Rule, BuildError> {
     let part = |value: u64, field: &'static str| {
         let part = value / n;
-        if part == 0 {
+        if part == 0 && at_least_one && value > 0 {
+            Ok(1)
+        } else if part == 0 {
             Err(BuildError::ShareTooSmall {
                 rule: rule.to_string(),
                 field,

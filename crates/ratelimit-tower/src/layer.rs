@@ -778,6 +778,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             default_tier: self.default_tier,
         };
         let fallback = self.failure_policy == FailurePolicy::Fallback;
+        // A customer's own rules are shared as the tiers' are.
+        let customer_fallback = fallback.then(|| self.fallback.clone());
         let settings = Settings::new(
             namespace.as_str().into(),
             self.failure_policy,
@@ -828,6 +830,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
                     r,
                     self.customer_cache.0,
                     self.customer_cache.1,
+                    customer_fallback,
                 ))
             }),
             namespace_arc,

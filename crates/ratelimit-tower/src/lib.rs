@@ -586,6 +586,11 @@
 //! decides on its client's state in the tier it stands in, so its usage carries when its
 //! contract changes; metrics keep the tier's labels, whatever the number of customers. A
 //! resolver that fails or panics gives the tier's rules and a `WARN` (at most every 10 s).
+//! While the store is down, a customer with rules of its own falls back on its share of
+//! them, made as a tier's is (`fallback_share(4)` holds A to 250/min on each instance,
+//! B to 12), or on the layer's `fallback_rules`; a share that rounds to 0 (a limit
+//! below the number of instances) is 1 a period, so the fleet may admit up to that
+//! number, the least a share can hold.
 //!
 //! # Waiting for a turn (outbound calls)
 //!

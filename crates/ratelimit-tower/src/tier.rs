@@ -115,13 +115,15 @@ impl Tier {
     /// and store keys (so a customer's usage carries when its limits change, and back to
     /// the tier's), its own rules and fields; metric labels name its rules by position,
     /// so that they stay bounded however many customers there are. A store outage falls
-    /// back on this tier's fallback rules.
+    /// back on `fallback_rules` (the customer's share), or on this tier's without them.
     pub(crate) fn customer(
         &self,
         namespace: &str,
         rules: RuleSet,
         failure_policy: FailurePolicy,
+        fallback_rules: Option<RuleSet>,
     ) -> Tier {
+        let fallback_rules = fallback_rules.or_else(|| self.fallback_rules.clone());
         #[cfg(not(feature = "metrics"))]
         let _ = failure_policy;
         #[cfg(feature = "metrics")]
@@ -136,9 +138,9 @@ impl Tier {
             prefix: self.prefix.clone(),
             min_capacity: min_capacity(&rules),
             rules,
-            fallback_rules: self.fallback_rules.clone(),
-            fallback_policy: (self.fallback_rules.as_ref())
+            fallback_policy: (fallback_rules.as_ref())
                 .map(|rules| Policy::fallback(rules, namespace)),
+            fallback_rules,
             generation: self.generation,
         }
     }

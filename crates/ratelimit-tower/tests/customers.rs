@@ -466,3 +466,56 @@ async fn a_resolver_future_may_keep_the_key() {
     }
     assert_eq!(statuses, [200, 200, 200, 429]);
 }
+
+/// While the store is down, a customer with rules of its own is held to its share of
+/// them (`fallback_share(4)`: a quarter), not to the tier's share: a customer above the
+/// plan keeps its larger share, one below it its smaller one (at least one a period,
+/// its own limit being below the fleet's size), and the fields name the share.
+#[tokio::test]
+async fn a_customers_own_rules_are_shared_while_the_store_is_down() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(Flaky {
+        inner: MemoryStore::builder().clock(clock.clone()).build(),
+        down: true.into(),
+        calls: AtomicUsize::new(0),
+    });
+    let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-key"))
+        .rules("100/min fixed-window name=plan")
+        .unwrap()
+        .namespace("shares")
+        .failure_policy(ratelimit_tower::FailurePolicy::Fallback)
+        .fallback_share(std::num::NonZeroU32::new(4).unwrap())
+        .without_deny_cache()
+        .limits_for(|client: ClientKey| async move {
+            let own = match client.as_bytes() {
+                b"big" => Some("1000/min fixed-window name=big".parse().unwrap()),
+                b"small" => Some("2/min fixed-window name=small".parse().unwrap()),
+                _ => None,
+            };
+            Ok::<_, Infallible>(own)
+        })
+        .build()
+        .unwrap();
+    let svc = layer.layer(ok_service());
+    for (key, share, name) in [
+        ("big", 250, "big"),
+        ("small", 1, "small"),
+        ("plain", 25, "plan"),
+    ] {
+        for i in 0..share {
+            let res = svc.clone().oneshot(req(key)).await.unwrap();
+            assert_eq!(res.status(), StatusCode::OK, "{key}: request {}", i + 1);
+        }
+        let res = svc.clone().oneshot(req(key)).await.unwrap();
+        assert_eq!(
+            res.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{key} past {share}"
+        );
+        assert_eq!(
+            res.headers()["ratelimit-policy"],
+            format!(r#""{name}/fallback";q={share};w=60"#).as_str(),
+            "{key}"
+        );
+    }
+}
