@@ -363,6 +363,12 @@ fn detached_done(
     }
     shared.detached.end();
     if let Some(count) = shared.detached_log.hit(shared.now_us()) {
+        // A call that timed out may have run all the same: what it leaves is unknown.
+        let leaves = if matches!(error, RedisStoreError::Timeout(_)) {
+            "no answer in time, so it may or may not have run"
+        } else {
+            detached.leaves
+        };
         tracing::warn!(
             prefix = %shared.prefix,
             error = %error,
@@ -371,7 +377,7 @@ fn detached_done(
             "a {} failed: {} (reported at most every 10 s, with the failures since the \
              last report)",
             detached.what,
-            detached.leaves
+            leaves
         );
     }
 }

@@ -88,6 +88,37 @@ async fn a_failed_give_back_warns_at_a_bounded_rate() {
     assert_eq!(logs.count("could not be given back"), 1);
 }
 
+/// Releases handed to the store while Redis stays down: each is tried four times (the
+/// first and three retries within about 1.3 s), then one WARN says the slot stays taken,
+/// and no more within 10 s; `flush` resolves once they are given up.
+#[tokio::test]
+async fn a_detached_release_given_up_warns_at_a_bounded_rate() {
+    let logs = Logs::capture();
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new(T0_US);
+    let store = store(&server, None, &clock).await;
+    let rules: RuleSet = "2 concurrent timeout=1h".parse().unwrap();
+    let slots: Vec<u64> = [
+        store.check(b"k", &rules, 1).await.unwrap(),
+        store.check(b"k", &rules, 1).await.unwrap(),
+    ]
+    .iter()
+    .map(|d| d.slot().expect("a slot"))
+    .collect();
+    server.stop();
+    for slot in slots {
+        assert!(store.release_detached(b"k", &rules, slot));
+    }
+    tokio::time::timeout(Duration::from_secs(10), store.flush())
+        .await
+        .expect("given up after the retries");
+    assert_eq!(
+        logs.count("a concurrency slot's release failed: the slot stays taken until its deadline"),
+        1
+    );
+    assert!(logs.count("tries=4") == 1, "four tries");
+}
+
 #[tokio::test]
 async fn a_failed_lease_refund_warns_at_a_bounded_rate() {
     let logs = Logs::capture();
