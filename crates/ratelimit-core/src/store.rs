@@ -187,9 +187,10 @@ pub trait Store: Send + Sync + 'static {
     /// [`Store::release_sync`] or [`Store::release`].
     ///
     /// A store that answers `true` owns the release from then on: it sends it again after
-    /// a lost connection (freeing the slot once), retries it for about a second while
-    /// the store is unreachable, and reports one that never ran (the slot stays taken
-    /// until its deadline). The default answers `false`.
+    /// a lost connection (freeing the slot once), retries it after the waits of
+    /// [`RELEASE_RETRY_WAITS`](crate::util::RELEASE_RETRY_WAITS) while the store is
+    /// unreachable, and reports one that never ran (the slot stays taken until its
+    /// deadline). The default answers `false`.
     fn release_detached(&self, key: &[u8], rules: &RuleSet, slot: u64) -> bool {
         let _ = (key, rules, slot);
         false

@@ -1,6 +1,6 @@
 //! Small pieces the store and middleware crates of this family share, so that each exists
-//! once: a log that reports at a bounded rate, a fixed 64-bit hash, and the text of a
-//! period.
+//! once: a log that reports at a bounded rate, a fixed 64-bit hash, the text of a
+//! period, and the waits before a failed release is tried again.
 //!
 //! ```
 //! use ratelimit_core::util::{fnv1a, period_parts, BoundedLog};
@@ -19,6 +19,16 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+/// The waits before each retry of a concurrency slot's release that failed, one after
+/// the other: a store back within about a second still frees the slot at once. What a
+/// middleware awaiting a release waits, and what a store that takes one over
+/// ([`Store::release_detached`](crate::Store::release_detached)) waits.
+pub const RELEASE_RETRY_WAITS: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+    Duration::from_millis(1_000),
+];
 
 /// Counts events and lets one report through per 10 s of the caller's clock, with the
 /// number of events since the last report: a steady cause (a store outage, a

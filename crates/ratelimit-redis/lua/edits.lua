@@ -142,10 +142,9 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
       if not (timeout >= 0 and timeout < TOP and timeout % 1 == 0) then
         return redis.error_reply('RLARGS a renewal\'s timeout is out of range' .. VERSION_SKEW)
       end
-      -- As renew's own check of its argument.
-      if timeout < 1 or timeout > 3600000000 then
-        return redis.error_reply('RLARGS renew takes a timeout of 1 to 3600000000 us; the '
-          .. 'store and the script are from different versions')
+      local bad = bad_renew_timeout(timeout)
+      if bad then
+        return bad
       end
     end
     local raw = slot_state(state, pre)

@@ -137,11 +137,21 @@ local function release(KEYS, ARGV, pre)
   return edit_slot(KEYS, ARGV, nil, pre)
 end
 
-local function renew(KEYS, ARGV, pre)
-  local timeout = tonumber(ARGV[3])
+-- The refusal of a renewal's timeout that is not 1 to 3600000000 µs (or no number);
+-- nil for one that is.
+local function bad_renew_timeout(timeout)
   if not timeout or timeout < 1 or timeout > 3600000000 then
     return redis.error_reply('RLARGS renew takes a timeout of 1 to 3600000000 us; the store '
       .. 'and the script are from different versions')
+  end
+  return nil
+end
+
+local function renew(KEYS, ARGV, pre)
+  local timeout = tonumber(ARGV[3])
+  local bad = bad_renew_timeout(timeout)
+  if bad then
+    return bad
   end
   return edit_slot(KEYS, ARGV, timeout, pre)
 end

@@ -115,11 +115,10 @@ impl Batcher {
                 shared.clone(),
                 Queue {
                     jobs,
-                    undo: Some(Requeue {
+                    requeue: Requeue {
                         queue: queue.downgrade(),
                         queued: queued.clone(),
-                    }),
-                    queued: queued.clone(),
+                    },
                 },
                 slots.clone(),
                 settings,
@@ -448,10 +447,9 @@ fn report_undo(shared: &Shared, outcome: Result<(), String>) {
 /// The sending task's end of the queue.
 struct Queue {
     jobs: mpsc::UnboundedReceiver<Job>,
-    /// The queue's sending end, for the edits that undo or retry a job.
-    undo: Undo,
-    /// Jobs sent and not yet taken into a batch ([`Batcher::queued`]).
-    queued: Arc<AtomicUsize>,
+    /// The queue's sending end, for the edits that undo or retry a job, and its count
+    /// of jobs not yet taken into a batch ([`Batcher::queued`]).
+    requeue: Requeue,
 }
 
 async fn dispatch(
@@ -459,12 +457,13 @@ async fn dispatch(
     shared: Arc<Shared>,
     Queue {
         jobs: mut queue,
-        undo,
-        queued,
+        requeue,
     }: Queue,
     slots: Arc<Semaphore>,
     settings: Settings,
 ) {
+    let queued = requeue.queued.clone();
+    let undo = Some(requeue);
     let max = settings.max.max(1);
     let mut jobs = Vec::with_capacity(max);
     loop {

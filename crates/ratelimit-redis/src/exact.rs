@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratelimit_core::packed::Edit;
-use ratelimit_core::util::BoundedLog;
+use ratelimit_core::util::{BoundedLog, RELEASE_RETRY_WAITS};
 use ratelimit_core::{Algorithm, Decision, RuleSet};
 use redis::Value;
 
@@ -32,14 +32,6 @@ fn max_debt(rules: &RuleSet) -> u64 {
         .max()
         .unwrap_or(1)
 }
-
-/// The waits before each retry of a release no caller waits for, as the tower layer
-/// waits before retrying one: a store back within about a second still frees the slot.
-const RELEASE_RETRIES: [Duration; 3] = [
-    Duration::from_millis(50),
-    Duration::from_millis(250),
-    Duration::from_millis(1_000),
-];
 
 /// Units a lease reserved and did not spend, as the module's and the Lua `refund` take
 /// them back.
@@ -341,7 +333,7 @@ impl Exact {
             Detached {
                 what: "concurrency slot's release",
                 leaves: "the slot stays taken until its deadline",
-                retries: &RELEASE_RETRIES,
+                retries: &RELEASE_RETRY_WAITS,
                 tried: 0,
             },
         )
@@ -380,7 +372,7 @@ impl Exact {
                 Detached {
                     what: "settle's debt",
                     leaves: "only the estimate is charged",
-                    retries: &RELEASE_RETRIES[..1],
+                    retries: &RELEASE_RETRY_WAITS[..1],
                     tried: 0,
                 },
             ),

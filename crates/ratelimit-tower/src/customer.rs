@@ -93,6 +93,8 @@ pub(crate) struct Customers {
     /// How a customer's own rules are shared while the store is down (the layer's
     /// fallback policy); `None` without that policy.
     fallback: Option<FallbackRules>,
+    /// Customers' rules without a share, reported apart from the resolver's failures.
+    share_errors: BoundedLog,
 }
 
 impl fmt::Debug for Customers {
@@ -126,6 +128,7 @@ impl Customers {
             in_flight: Mutex::new(HashMap::new()),
             errors: Arc::new(BoundedLog::new()),
             fallback,
+            share_errors: BoundedLog::new(),
         }
     }
 
@@ -136,7 +139,7 @@ impl Customers {
         match self.fallback.as_ref()?.for_customer(rules) {
             Ok(rules) => Some(rules),
             Err(error) => {
-                if let Some(count) = self.errors.hit(now_us) {
+                if let Some(count) = self.share_errors.hit(now_us) {
                     tracing::warn!(
                         key = %client,
                         error = %error,

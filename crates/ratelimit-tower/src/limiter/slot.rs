@@ -6,19 +6,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ratelimit_core::util::RELEASE_RETRY_WAITS;
 use ratelimit_core::Store;
 
 use super::state::Limiter;
 use crate::key::KeyDigest;
 use crate::slot::{Held, Slots};
-
-/// Tries of a release that fails, and the wait before each retry: a store that is back
-/// within about a second still frees the slot at once.
-const RELEASE_RETRIES: [Duration; 3] = [
-    Duration::from_millis(50),
-    Duration::from_millis(250),
-    Duration::from_millis(1_000),
-];
 
 impl<S, K, C, T> Slots for Limiter<S, K, C, T>
 where
@@ -116,7 +109,7 @@ where
         };
         runtime.spawn(async move {
             let mut error = String::new();
-            for wait in std::iter::once(Duration::ZERO).chain(RELEASE_RETRIES) {
+            for wait in std::iter::once(Duration::ZERO).chain(RELEASE_RETRY_WAITS) {
                 if !wait.is_zero() {
                     tokio::time::sleep(wait).await;
                 }
