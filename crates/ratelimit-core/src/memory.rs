@@ -924,6 +924,43 @@ impl<C: Clock> MemoryStore<C> {
         changed
     }
 
+    /// The synchronous form of [`Store::take_slot`]: takes a slot of `rules`' concurrency
+    /// rule for `key` whatever its limit, and charges one unit as debt ([`algo::take`]),
+    /// from fresh states when the key's entry has been dropped; `None` when the key's
+    /// state was since written under other rules, or `rules` have no concurrency rule.
+    pub fn take_slot_now(&self, key: &[u8], rules: &RuleSet) -> Option<u64> {
+        rules.concurrent()?;
+        let now = self.clock.now_us();
+        let held = StoredKey::new(key);
+        let (hash, shard) = self.locate(held.as_bytes());
+        let mut shard = shard.lock();
+        let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
+            let mut states: SmallVec<[RuleState; 1]> =
+                (0..rules.len()).map(|_| RuleState::Fresh).collect();
+            let slot = algo::take(rules, &mut states, now);
+            let expires = expires_at_for(rules, &states);
+            let key = (held.as_bytes(), held.is_digest(), hash);
+            self.add(&mut shard, key, rules, states, expires, Tag::AT_LIMIT, now);
+            return slot;
+        };
+        let Shard {
+            entries, spills, ..
+        } = &mut *shard;
+        let entry = &mut entries[at];
+        if !entry.rules.same_as(rules) {
+            return None;
+        }
+        let mut slot = None;
+        entry.edit_states(spills, true, |states| {
+            slot = algo::take(rules, states, now);
+            slot.is_some()
+        });
+        if slot.is_some() {
+            entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
+        }
+        slot
+    }
+
     /// The synchronous form of [`Store::release`]: frees slot `slot` of `key`, whatever
     /// rules its state was since written under; `false` when it was not held and live.
     pub fn release_now(&self, key: &[u8], slot: u64) -> bool {
@@ -1320,6 +1357,14 @@ impl<C: Clock> Store for MemoryStore<C> {
         slot: u64,
     ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
         ready(Ok(self.renew_now(key, rules, slot)))
+    }
+
+    fn take_slot(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<Option<u64>, Self::Error>> + Send {
+        ready(Ok(self.take_slot_now(key, rules)))
     }
 
     fn now_us(&self) -> u64 {

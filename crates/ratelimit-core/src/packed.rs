@@ -837,10 +837,12 @@ pub fn encode_failure(out: &mut Vec<u8>, message: &[u8]) {
 /// back (the rules follow, the header's cost the units; the number is the
 /// reservation's time, and the units it charged follow the rules), 6 blocks the key
 /// (no rules; the number is the block's length in µs, and 1 for a block without end,
-/// else 0, follows the header). The number travels where a
+/// else 0, follows the header), 7 takes a slot whatever the limit and charges a unit
+/// as debt (the rules follow; no number). The number travels where a
 /// check's deadline does, so that in a compact batch it rides in `refs` and edits of
 /// one rule set share their packed value as checks do. Its reply in the batch is `{4,
-/// 1}` when it changed the state, `{4, 0}` when not ([`encode_edit`]).
+/// 1}` when it changed the state, `{4, 0}` when not ([`encode_edit`]); a take's is `{4,
+/// slot}`, or `{4, 0}` when it took none ([`encode_edit_value`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Edit {
     /// A check's charge given back; the check charged at `charged_at` (µs).
@@ -878,6 +880,10 @@ pub enum Edit {
         /// The block's length in µs (below 2^52), `None` for a block without end.
         length_us: Option<u64>,
     },
+    /// A slot of the rules' concurrency rule taken whatever its limit, and one unit
+    /// charged to every rule as debt ([`algo::take`]): an admission made while the store
+    /// was unreachable, handed to it.
+    Take,
 }
 
 /// The status of an edit's reply in a batch.
@@ -892,6 +898,7 @@ impl Edit {
             Edit::Renew { .. } => 4,
             Edit::Refund { .. } => 5,
             Edit::Block { .. } => 6,
+            Edit::Take => 7,
         }
     }
 
@@ -900,7 +907,7 @@ impl Edit {
     pub fn has_rules(self) -> bool {
         matches!(
             self,
-            Edit::GiveBack { .. } | Edit::Debit | Edit::Refund { .. }
+            Edit::GiveBack { .. } | Edit::Debit | Edit::Refund { .. } | Edit::Take
         )
     }
 
@@ -910,7 +917,7 @@ impl Edit {
     pub fn value(self) -> u64 {
         match self {
             Edit::GiveBack { charged_at } => charged_at,
-            Edit::Debit => 0,
+            Edit::Debit | Edit::Take => 0,
             Edit::Release { slot } | Edit::Renew { slot, .. } => slot,
             Edit::Refund { start_us, .. } => start_us,
             Edit::Block { length_us } => length_us.unwrap_or(0),
@@ -923,6 +930,7 @@ impl Edit {
         match self {
             Edit::GiveBack { .. } => Edit::GiveBack { charged_at: value },
             Edit::Debit => Edit::Debit,
+            Edit::Take => Edit::Take,
             Edit::Release { .. } => Edit::Release { slot: value },
             Edit::Renew { timeout_us, .. } => Edit::Renew {
                 slot: value,
@@ -942,7 +950,7 @@ impl Edit {
     /// units granted, whether a block is without end.
     fn extras_of(op: u64) -> Option<usize> {
         match op {
-            1..=3 => Some(0),
+            1..=3 | 7 => Some(0),
             4..=6 => Some(1),
             _ => None,
         }
@@ -1041,6 +1049,7 @@ pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
             start_us: number,
             granted: extra()?,
         },
+        7 => Edit::Take,
         _ => Edit::Block {
             length_us: match extra()? {
                 0 => Some(number),
@@ -1073,8 +1082,14 @@ pub fn parse_edit(bytes: &[u8]) -> Result<Option<ParsedEdit<'_>>, PackedError> {
 /// Appends an edit's reply in a batch: `{4, 1}` when it changed the state, else
 /// `{4, 0}`.
 pub fn encode_edit(out: &mut Vec<u8>, changed: bool) {
+    encode_edit_value(out, u64::from(changed));
+}
+
+/// Appends an edit's reply in a batch that answers a number: `{4, value}` (a take's
+/// slot, 0 for none).
+pub fn encode_edit_value(out: &mut Vec<u8>, value: u64) {
     push(out, EDIT_STATUS);
-    push(out, u64::from(changed));
+    push(out, value.min(MAX_EXACT));
 }
 
 #[cfg(test)]
@@ -1109,13 +1124,17 @@ mod tests {
                 None,
             ),
             (Edit::Block { length_us: None }, Some(9)),
+            (Edit::Take, Some(11)),
         ] {
             let packed = pack_edit(edit, Some(&rules), now, 3, 250);
             let (read, header, rule_bytes) = parse_edit(&packed).unwrap().unwrap();
             assert_eq!(read, edit);
             // The edit's number where a check's deadline is, which compact refs carry.
             assert_eq!(value(&packed, HEADER - 1), Some(edit.value()));
-            let numbered = !matches!(edit, Edit::Debit | Edit::Block { length_us: None });
+            let numbered = !matches!(
+                edit,
+                Edit::Debit | Edit::Take | Edit::Block { length_us: None }
+            );
             assert_eq!(read.with_value(9).value(), if numbered { 9 } else { 0 });
             assert_eq!(header.deadline, None);
             assert_eq!(header.now, now);
@@ -1133,7 +1152,7 @@ mod tests {
         let check = pack_check(&rules, None, 1, 0, None);
         assert_eq!(parse_edit(&check).unwrap(), None);
         let mut bad = pack_edit(Edit::Release { slot: 1 }, None, None, 0, 0);
-        bad[..8].copy_from_slice(&14f64.to_le_bytes());
+        bad[..8].copy_from_slice(&16f64.to_le_bytes());
         assert!(parse_edit(&bad).is_err());
         assert!(parse_edit(&bad[..8 * HEADER]).is_err());
     }

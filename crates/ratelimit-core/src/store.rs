@@ -231,6 +231,27 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Ok(false))
     }
 
+    /// Takes a slot of the `N concurrent` rule of `rules` for `key` whatever its limit,
+    /// and charges every rate rule one unit unconditionally (as debt where it passes the
+    /// limit), as [`algo::take`](crate::algo::take) says: a request admitted elsewhere (by
+    /// a fallback while the store was down) handed to the store, which then counts it
+    /// among the key's requests in flight until it is released or its deadline passes. A
+    /// key the store holds nothing for is taken from fresh states. Answers the slot's
+    /// number; `None`, with nothing changed, when the key's state was since written
+    /// under other rules or `rules` have no concurrency rule.
+    ///
+    /// The store may then hold more than `N` slots: it refuses new requests until fewer
+    /// than `N` are held, so the requests in flight it counts are never fewer than those
+    /// running. The default takes nothing and answers `None`.
+    fn take_slot(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<Option<u64>, Self::Error>> + Send {
+        let _ = (key, rules);
+        std::future::ready(Ok(None))
+    }
+
     /// The time on this store's clock, in microseconds since the Unix epoch.
     ///
     /// Whatever keeps time beside a store (a middleware's cache of recent denials, say)
@@ -375,6 +396,14 @@ impl<S: Store> Store for Arc<S> {
         slot: u64,
     ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
         (**self).renew(key, rules, slot)
+    }
+
+    fn take_slot(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<Option<u64>, Self::Error>> + Send {
+        (**self).take_slot(key, rules)
     }
 
     fn now_us(&self) -> u64 {

@@ -2030,6 +2030,16 @@ pub enum Step {
         /// Which slot, of those taken so far.
         nth: usize,
     },
+    /// Take a slot of rule set number `rules`' concurrency rule whatever its limit
+    /// ([`Store::take_slot`]); its result is a decision allowing with a delay of the
+    /// slot's number in µs (0 when it took none), and the slot joins those later
+    /// releases and renewals pick from.
+    Take {
+        /// Key number.
+        key: u8,
+        /// Index into the trace's rule sets.
+        rules: usize,
+    },
 }
 
 /// What a step produced: the decision of a check (or its error text), the answer of a
@@ -2115,6 +2125,20 @@ pub async fn run_trace<St: Store>(
                 ),
                 None => None,
             },
+            Step::Take { key: k, rules } => {
+                let taken = store
+                    .take_slot(&key(*k), &rulesets[*rules])
+                    .await
+                    .map_err(|e| e.to_string());
+                if let Ok(Some(slot)) = taken {
+                    slots.push(slot);
+                }
+                Some(
+                    taken.map(|slot| {
+                        Decision::from_rules([], Duration::from_micros(slot.unwrap_or(0)))
+                    }),
+                )
+            }
             Step::Block { key: k, ms } => {
                 let res = store.block(&key(*k), ms.map(Duration::from_millis)).await;
                 res.err().map(|e| Err(e.to_string()))
@@ -2349,6 +2373,7 @@ pub mod strategy {
                 .prop_map(|(key, nth, detached)| Step::Release { key, nth, detached }),
             1 => (0u8..3, 0..rulesets, 0usize..16).prop_map(|(key, rules, nth)| Step::Renew { key, rules, nth }),
             2 => settle(rulesets),
+            1 => (0u8..3, 0..rulesets).prop_map(|(key, rules)| Step::Take { key, rules }),
         ];
         proptest::collection::vec(step, 1..len)
     }

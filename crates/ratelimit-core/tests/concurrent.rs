@@ -191,3 +191,54 @@ async fn a_wait_that_gives_up_releases_its_slot() {
     let peek = store.check(b"k", &rules, 0).await.unwrap();
     assert_eq!(peek.rules()[1].remaining, 1, "{peek:?}");
 }
+
+#[test]
+fn a_slot_taken_whatever_the_limit_counts_until_released() {
+    let clock = ManualClock::new(1_000_000_000);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let rules: RuleSet = "10/min fixed-window; 2 concurrent timeout=10s"
+        .parse()
+        .unwrap();
+    let first = store.check_now(b"k", &rules, 1).unwrap().slot().unwrap();
+    let second = store.check_now(b"k", &rules, 1).unwrap().slot().unwrap();
+    assert!(!store.check_now(b"k", &rules, 1).unwrap().is_allowed());
+    // Full, and taken all the same: numbered after the others, a unit charged.
+    let taken = store.take_slot_now(b"k", &rules).unwrap();
+    assert!(taken > second && second > first);
+    let peek = store.check_now(b"k", &rules, 0).unwrap();
+    assert_eq!(peek.rules()[0].remaining, 7);
+    // Three held against a limit of 2: refused until two are released.
+    store.release_now(b"k", first);
+    assert!(!store.check_now(b"k", &rules, 1).unwrap().is_allowed());
+    store.release_now(b"k", taken);
+    assert!(store.check_now(b"k", &rules, 1).unwrap().is_allowed());
+
+    // A key the store holds nothing for is taken from fresh.
+    assert!(store.take_slot_now(b"new", &rules).is_some());
+    let peek = store.check_now(b"new", &rules, 0).unwrap();
+    assert_eq!(peek.rules()[0].remaining, 9);
+    assert_eq!(peek.rules()[1].remaining, 1);
+    // Nothing to take without a concurrency rule, nor on a state of other rules.
+    let rates: RuleSet = "10/min".parse().unwrap();
+    assert_eq!(store.take_slot_now(b"rates", &rates), None);
+    store.check_now(b"rates", &rates, 1).unwrap();
+    assert_eq!(store.take_slot_now(b"rates", &rules), None);
+    assert_eq!(
+        store.check_now(b"rates", &rates, 0).unwrap().rules()[0].remaining,
+        9
+    );
+}
+
+#[test]
+fn slots_taken_whatever_the_limit_stop_at_the_most_a_state_holds() {
+    let clock = ManualClock::new(1_000_000_000);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let rules: RuleSet = "1 concurrent timeout=10s".parse().unwrap();
+    for _ in 0..ratelimit_core::MAX_CONCURRENT {
+        assert!(store.take_slot_now(b"k", &rules).is_some());
+    }
+    assert_eq!(store.take_slot_now(b"k", &rules), None);
+    // Past their deadlines, they make room again.
+    clock.advance(Duration::from_secs(10));
+    assert!(store.take_slot_now(b"k", &rules).is_some());
+}

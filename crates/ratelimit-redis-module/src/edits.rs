@@ -1,7 +1,9 @@
 //! Edits of a state after its check carried by a batch beside the checks (batch
 //! protocol 5, [`packed::Edit`]): a charge given back, debt, a slot released or renewed,
 //! a lease's unspent units given back, a block, each run by the same code as its own
-//! command and answered `{4, 0 or 1}` in its turn.
+//! command and answered `{4, 0 or 1}` in its turn; and a slot taken whatever the limit
+//! (a fallback's admission handed over), which has no command of its own and is answered
+//! `{4, slot}`.
 
 use ratelimit_core::packed::{self, Edit, Header};
 use redis_module::{Context, RedisString};
@@ -45,8 +47,12 @@ pub(crate) fn edit_one(
         Some(number) => edit.with_value(number),
         None => edit,
     };
-    let changed = run(ctx, block, state, log, edit, &header, rule_bytes)?;
-    packed::encode_edit(out, changed == 1);
+    let answer = run(ctx, block, state, log, edit, &header, rule_bytes)?;
+    if edit == Edit::Take {
+        packed::encode_edit_value(out, u64::try_from(answer).unwrap_or(0));
+    } else {
+        packed::encode_edit(out, answer == 1);
+    }
     Ok(())
 }
 
@@ -65,6 +71,7 @@ fn run(
             crate::refund::give_back_parsed(ctx, state, log, header, rule_bytes, charged_at)
         }
         Edit::Debit => crate::refund::debit_parsed(ctx, state, log, header, rule_bytes),
+        Edit::Take => crate::refund::take_parsed(ctx, state, log, header, rule_bytes),
         Edit::Release { slot } => crate::slots::release_at(ctx, state, slot, now()),
         Edit::Renew { slot, timeout_us } => crate::slots::renew_at(
             ctx,

@@ -385,7 +385,34 @@ pub(crate) fn debit_parsed(
     header: &Header,
     rule_bytes: &[u8],
 ) -> Result<i64, String> {
-    let header = *header;
+    charge(ctx, state_name, log_name, header, rule_bytes, false)
+}
+
+/// A batch's take (`packed::Edit::Take`): a slot of the rules' concurrency rule taken
+/// whatever its limit and one unit charged as debt, by [`algo::take`], to a state written
+/// under the rules or from fresh; answers the slot's number, 0 when it took none (no
+/// concurrency rule, a state of another layout or type).
+pub(crate) fn take_parsed(
+    ctx: &Context,
+    state_name: &RedisString,
+    log_name: Option<&RedisString>,
+    header: &Header,
+    rule_bytes: &[u8],
+) -> Result<i64, String> {
+    charge(ctx, state_name, log_name, header, rule_bytes, true)
+}
+
+/// A debit of the header's cost, or with `take` a take (one unit and a slot): answers 1
+/// or the slot's number when it changed the state, else 0.
+fn charge(
+    ctx: &Context,
+    state_name: &RedisString,
+    log_name: Option<&RedisString>,
+    header: &Header,
+    rule_bytes: &[u8],
+    take: bool,
+) -> Result<i64, String> {
+    let mut header = *header;
     let rules = rules_of(rule_bytes, &header)?;
     if (header.log_limit > 0) != log_name.is_some() {
         return Err(args_error(&format_args!(
@@ -398,7 +425,12 @@ pub(crate) fn debit_parsed(
             if header.log_limit > 0 { 2 } else { 1 }
         )));
     }
-    if header.cost < 1 {
+    if take {
+        if rules.rules().concurrent().is_none() {
+            return Ok(0);
+        }
+        header.cost = 1;
+    } else if header.cost < 1 {
         return Ok(0);
     }
     let now = header.now.unwrap_or_else(crate::check::server_now_us);
@@ -439,7 +471,12 @@ pub(crate) fn debit_parsed(
             Log::Foreign => drop_log = true,
         }
     }
-    if !algo::debit(rules.rules(), &mut states, header.cost, now) {
+    let answer = if take {
+        algo::take(rules.rules(), &mut states, now).map_or(0, |slot| slot.min(packed::MAX_EXACT))
+    } else {
+        u64::from(algo::debit(rules.rules(), &mut states, header.cost, now))
+    };
+    if answer == 0 {
         return Ok(0);
     }
     let log_now = states
@@ -471,5 +508,6 @@ pub(crate) fn debit_parsed(
             expires_at_ms(&header, now, log_until),
         )?;
     }
-    Ok(1)
+    // Below 2^53: a slot's number, or 1.
+    Ok(answer as i64)
 }

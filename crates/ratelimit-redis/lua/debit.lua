@@ -51,10 +51,41 @@ local function window_used(st, off, p, cur)
   return used
 end
 
+-- The slots trailer `tail` (as stored, or '') with the slots past their deadline at `now`
+-- dropped and slot `number` added until `deadline`, as the core's concurrent::commit;
+-- and the latest deadline it holds. Nil when MAX_CONCURRENT slots are live already (the
+-- most a state holds, whatever the limit).
+local function tail_with_slot(tail, now, deadline, number)
+  local keep, latest = {}, deadline
+  local tl = #tail / 8
+  if tl >= 2 then
+    local t = {struct.unpack(doubles(tl), tail)}
+    for j = 3, tl, 2 do
+      local d = t[j]
+      if d > now then
+        keep[#keep + 1], keep[#keep + 2] = d, t[j + 1]
+        if d > latest then
+          latest = d
+        end
+      end
+    end
+  end
+  if #keep >= 2 * MAX_CONCURRENT then
+    return nil
+  end
+  keep[#keep + 1], keep[#keep + 2] = deadline, number
+  return slots_value(keep), latest
+end
+
 -- `debit_at` is `debit` on `packed` as it is: a batch's edit (edits.lua) passes its own
 -- packed value, whose first value is not `injected` (then given, 0 or 1; nil: the
 -- header's).
-local function debit_at(KEYS, packed, injected, batch_now, pre, arguments)
+--
+-- With `taking`, a take (the core's algo::take; a batch's edit op 7): one unit charged
+-- whatever the header's cost, and a slot of the concurrency rule taken whatever its
+-- limit; returns the slot's number, 0 when it took none (no concurrency rule, a state of
+-- another layout).
+local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, taking)
   local len = #packed
   if arguments ~= 1 or len < 8 * HEADER or len % 8 ~= 0 then
     return redis.error_reply(string.format('RLARGS debit takes the packed values as '
@@ -88,7 +119,18 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments)
     end
     rules[i] = {code, limit, period, a, b, id}
   end
-  if units < 1 then
+  if taking then
+    local has = false
+    for i = 1, n do
+      if rules[i][1] == CONCURRENT then
+        has = true
+      end
+    end
+    if not has then
+      return 0
+    end
+    units = 1
+  elseif units < 1 then
     return 0
   end
   local now = injected_now
@@ -261,9 +303,23 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments)
       end
       off = off + p + 2
     elseif code == CONCURRENT then
-      -- Slots take no debt: the entry (the next slot's number) as it stands.
-      new[off + 1], new[off + 2], new[off + 3] = id, 1, (st and st[off + 3]) or 0
-      exp = new[off + 3]
+      -- Slots take no debt: the entry (the next slot's number) as it stands, but for a
+      -- take's slot.
+      local next_ = (st and st[off + 3]) or 0
+      if taking then
+        local number = next_
+        if now > number then
+          number = now
+        end
+        taking, next_ = number, number + 1
+        tail, latest = tail_with_slot(tail, now, now + period, number)
+        if not tail then
+          return 0
+        end
+        changed = true
+      end
+      new[off + 1], new[off + 2], new[off + 3] = id, 1, next_
+      exp = next_
       off = off + 3
     elseif code == SLIDING_LOG and not logged then
       logged = true
@@ -324,6 +380,9 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments)
       redis.call('LTRIM', KEYS[2], 0, string.format('%d', log_limit - 1))
     end
     expire_log(KEYS[2], injected, now, ttl_floor, log_now + log_period)
+  end
+  if taking then
+    return taking
   end
   return 1
 end

@@ -15,6 +15,9 @@
 --         follow the rules
 --   op 6  block: no rules; the number is the block's length in us, and 1 for a block
 --         without end (else 0) follows the header
+--   op 7  take: the rules follow; a slot of their concurrency rule taken whatever its
+--         limit and one unit charged as debt (a fallback's admission handed over),
+--         answered {4, the slot's number} or {4, 0} when it took none
 -- It runs on the check's keys (the state, and the log for a settle under rules with a
 -- sliding log; the block marker for a block) by the same function as its own call,
 -- reading its keys itself, and is answered with the doubles {4, 1} when it changed the
@@ -72,7 +75,7 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
   local op = (first - first % 2) / 2
   local injected = first % 2
   local len = #packed
-  if not (first % 1 == 0 and op >= 1 and op <= 6 and number >= 0 and number < TOP
+  if not (first % 1 == 0 and op >= 1 and op <= 7 and number >= 0 and number < TOP
       and number % 1 == 0) then
     return redis.error_reply(fmt('RLARGS an edit of op %s is none this library knows',
       tostring(op)) .. VERSION_SKEW)
@@ -104,6 +107,8 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
     if type(reply) == 'number' then
       reply = 1
     end
+  elseif op == 7 then
+    reply = debit_at({ state, log }, packed, injected, redis_now, pre, 1, true)
   elseif op <= 2 then
     -- The check's own packed values, as give_back and debit take them, but for the
     -- first (injected, given apart; the number, in the deadline's place, they do not

@@ -411,6 +411,42 @@ impl Exact {
         .await
     }
 
+    /// Takes a slot of `rules`' concurrency rule for `key` whatever its limit and charges
+    /// one unit as debt ([`Edit::Take`]), in the checks' batch; `None` when it took none
+    /// (no concurrency rule, a state of other rules), or when a server cannot take it (a
+    /// module older than takes, or one older than edits in batches).
+    pub(crate) async fn take_slot(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> Result<Option<u64>, RedisStoreError> {
+        let shared = &self.shared;
+        if rules.concurrent().is_none() || !shared.paths.edits_batched.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let job = CheckJob::edit(
+            &shared.prefix,
+            key,
+            Some(rules),
+            Edit::Take,
+            self.injected_now(),
+            1,
+            shared.ttl_floor_ms,
+        );
+        let bytes = self.batcher.decide(job).await?;
+        match CheckReply::len(0, &bytes) {
+            Some(Err(message)) => {
+                let error = check_error(&bytes[message], shared.timeout);
+                // A module that knows edits but not this one refused it, nothing written.
+                if error.to_string().contains("unknown edit") {
+                    return Ok(None);
+                }
+                Err(error)
+            }
+            _ => CheckReply::edit_value(&bytes),
+        }
+    }
+
     /// Gives a lease's unspent units back to the state named `state`: in the checks'
     /// batch where the servers take edits there, else a call of its own.
     pub(crate) async fn refund_unspent(

@@ -692,6 +692,13 @@ impl Store for RedisStore {
         self.inner.exact().edit_slot(key, slot, Some(timeout)).await
     }
 
+    /// Takes the slot in the checks' batch (one call with the checks queued beside it),
+    /// by the module or the Lua functions; `None` where a server's module is older than
+    /// takes (the caller keeps the request's slot to itself).
+    async fn take_slot(&self, key: &[u8], rules: &RuleSet) -> Result<Option<u64>, RedisStoreError> {
+        self.inner.exact().take_slot(key, rules).await
+    }
+
     /// The injected clock's time when one is set; otherwise this host's reading of the
     /// Redis server's `TIME` (learned from `TIME` replies, never ahead of the server's
     /// own; on a Cluster, of the fastest master's), or this host's clock until a reading

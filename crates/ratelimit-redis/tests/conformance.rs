@@ -180,6 +180,14 @@ impl Store for Alternating {
         self.next().renew(key, rules, slot)
     }
 
+    fn take_slot(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<Option<u64>, Self::Error>> + Send {
+        self.next().take_slot(key, rules)
+    }
+
     fn now_us(&self) -> u64 {
         self.stores[0].now_us()
     }

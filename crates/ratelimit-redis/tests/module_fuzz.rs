@@ -93,7 +93,20 @@ fn seed_command(rng: &mut Rng) -> Vec<Vec<u8>> {
     } else {
         "1700000000000000"
     });
-    match rng.below(13) {
+    match rng.below(14) {
+        13 => {
+            // A take (a fallback's slot handed over), which rides a batch only.
+            let set: RuleSet = RULES[r].parse().unwrap();
+            let at = (rng.below(2) == 0).then_some(1_700_000_000_000_000);
+            let take = packed::pack_edit(packed::Edit::Take, Some(&set), at, 1, 1_000);
+            vec![
+                s("RATELIMIT.CHECK_STATES"),
+                s("1"),
+                name(tag, 's'),
+                refs,
+                take,
+            ]
+        }
         11 => vec![s("RATELIMIT.RELEASE"), name(tag, 's'), now, slot],
         12 => vec![
             s("RATELIMIT.RENEW"),

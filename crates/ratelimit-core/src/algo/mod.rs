@@ -475,6 +475,25 @@ pub fn renew(states: &mut [RuleState], slot: u64, timeout_us: u64, now: u64) -> 
         .is_some_and(|state| concurrent::renew(state, slot, timeout_us, now))
 }
 
+/// Takes a slot of the concurrency rule of `rules` whatever its limit, and charges every
+/// rule one unit unconditionally ([`debit`]), at `now`: an admission made elsewhere (a
+/// fallback's, while the store was down) handed to the store, which then counts it until
+/// it is released. Returns the slot's number; `None`, with nothing changed, when `rules`
+/// have no concurrency rule, or when [`MAX_CONCURRENT`](crate::MAX_CONCURRENT) slots are
+/// live already (the most a state holds, whatever the limit). `states` are the rules'
+/// states (fresh ones included), written under `rules`.
+pub fn take(rules: &RuleSet, states: &mut [RuleState], now: u64) -> Option<u64> {
+    debug_assert_eq!(states.len(), rules.len());
+    let at = rules.concurrent()?;
+    if let RuleState::Slots(table) = &states[at] {
+        if table.live(now).0 >= crate::MAX_CONCURRENT {
+            return None;
+        }
+    }
+    debit(rules, states, 1, now);
+    Some(concurrent::commit(&rules.rules()[at], &mut states[at], now))
+}
+
 /// Gives back `cost` units that a check of `rules` charged at `charged_at` (a reading of
 /// the store's clock taken before the check), at `now`, to `states` (written under
 /// `rules`), as the [module docs](self#giving-units-back) say: never more than was

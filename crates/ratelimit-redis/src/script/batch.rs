@@ -122,13 +122,24 @@ impl CheckJob {
 
     /// The edits that undo this check, which `reply` says admitted and charged: its
     /// units given back and its slot released, as jobs of the same key (none when it
-    /// was refused, a peek, or is no check). For a check whose caller stopped waiting
+    /// was refused, a peek, or is no check; a take's slot released). For a check whose
+    /// caller stopped waiting
     /// (a timeout) after it was sent: the caller decided without it (a failure policy),
     /// so it must not also count in Redis.
     pub(crate) fn undo(&self, reply: &[u8]) -> Vec<CheckJob> {
         // The check's header and rules, to read its reply as any check's is read (an
         // edit's packed value is no check: it is undone by nothing).
         let Ok((header, rule_bytes)) = packed::Header::parse(&self.packed) else {
+            // A take that its caller stopped waiting for: its slot goes back (its unit
+            // stays, as a debt does).
+            if let (Ok(Some((packed::Edit::Take, header, _))), Ok(Some(slot))) = (
+                packed::parse_edit(&self.packed),
+                CheckReply::edit_value(reply),
+            ) {
+                let edit = packed::Edit::Release { slot };
+                let release = packed::pack_edit(edit, None, header.now, 0, header.ttl_floor_ms);
+                return vec![self.sibling(release, 2, 0)];
+            }
             return Vec::new();
         };
         let Ok(rules) = packed::PackedRules::parse(rule_bytes, &header) else {

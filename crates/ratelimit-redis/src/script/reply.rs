@@ -69,6 +69,27 @@ impl CheckReply {
         }
     }
 
+    /// The number a take carried by a batch answers, from its reply `{4, slot}`
+    /// ([`ratelimit_core::packed::encode_edit_value`]): the slot, `None` for `{4, 0}`.
+    pub(crate) fn edit_value(bytes: &[u8]) -> Result<Option<u64>, RedisStoreError> {
+        let value = |i: usize| {
+            let chunk = bytes.get(8 * i..8 * i + 8)?;
+            Some(f64::from_le_bytes(chunk.try_into().ok()?))
+        };
+        match (bytes.len(), value(0), value(1)) {
+            (16, Some(4.0), Some(slot))
+                if slot >= 0.0 && slot.fract() == 0.0 && slot <= MAX_EXACT as f64 =>
+            {
+                // Exact: an integer below 2^53.
+                Ok((slot > 0.0).then_some(slot as u64))
+            }
+            _ => Err(unexpected(
+                "a take should answer {4, its slot or 0}",
+                &Bytes(bytes),
+            )),
+        }
+    }
+
     /// Turns the bytes of a check's reply into a [`Decided`].
     pub(crate) fn decision_from(rules: &RuleSet, bytes: &[u8]) -> Result<Decided, RedisStoreError> {
         let reply = &Bytes(bytes);
