@@ -494,11 +494,15 @@
 //!   fallback's rule (the instance's share of the rate: the fleet's shares drain at most
 //!   the whole rate together, so the instances' handovers add up to at least what the
 //!   fleet's usage would have left in the store's bucket);
-//! * concurrency: each slot still held is taken in the store by a check of one unit
-//!   (decided with the key's rate rules, which it charges instead of the handover's
-//!   debit); the request then holds both, and its renewals and release go to the store
-//!   too. A slot the store refuses (it is full already) stays local until its request
-//!   ends (`WARN`).
+//! * concurrency: each slot still held is taken in the store whatever its limit
+//!   ([`Store::take_slot`](ratelimit_core::Store::take_slot), which charges the key's
+//!   rate rules one unit instead of the handover's debit); the request then holds both,
+//!   and its renewals and release go to the store too. The store may then hold more
+//!   than `N` slots of the key: it refuses the key's requests until fewer than `N` are
+//!   held, so it never counts fewer requests in flight than are running. A slot the
+//!   store cannot take that way (the key's state was written under other rules during
+//!   the outage, or a server's module is older than the store) is taken by a check of
+//!   one unit when the key has room, else stays local until its request ends (`WARN`).
 //!
 //! The units go in one charge per key, unconditionally
 //! ([`Store::settle`](ratelimit_core::Store::settle) from 0: debt
@@ -551,10 +555,13 @@
 //! For a concurrency rule, `before(t)` is the store's requests from before the outage
 //! still running at `t` and `lag(t)` the fallbacks' requests still running that were
 //! admitted after `t_up`, or by an instance that switched back after the store first
-//! admitted the key again, or
-//! whose slot the store refused to take at the handover (it was full: of slots it gave
-//! meanwhile, or of slots from before the outage whose release failed, until their
-//! deadlines).
+//! admitted the key again, or whose slot the store could not take at the handover (see
+//! above: not for want of room, which a take ignores). Once every instance has handed
+//! over, a store that kept its data counts every request in flight (the slots taken
+//! whatever the limit, and those from before the outage), so it admits a request only
+//! while fewer than `N` run: only requests admitted before the last handover can keep
+//! more than `N` in flight, and they only end. A store that came back empty has
+//! forgotten `before(t)`, which then counts until those requests end.
 //!
 //! Without the handover, a window that holds `t_up` gets the limit again from the store
 //! on top of what the fallbacks admitted in it: `L + fallback(W)`, up to `2L` (`100/10s`

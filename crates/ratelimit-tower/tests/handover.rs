@@ -8,7 +8,7 @@
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -22,11 +22,15 @@ use tower::ServiceExt;
 /// A minute's start, so that a test's minute window holds all of it.
 const T0: u64 = 1_699_999_200_000_000;
 
-/// A `MemoryStore` that fails every call while `down`.
+/// A `MemoryStore` that fails every call while `down`; without `takes`, it takes no
+/// slot whatever the limit (as a store without [`Store::take_slot`]). It keeps the last
+/// key and rules a check asked for.
 #[derive(Clone)]
 struct Switch {
     store: Arc<MemoryStore<ManualClock>>,
     down: Arc<AtomicBool>,
+    takes: bool,
+    seen: Arc<Mutex<Option<(Vec<u8>, RuleSet)>>>,
 }
 
 #[derive(Debug)]
@@ -45,6 +49,8 @@ impl Switch {
         Self {
             store: Arc::new(MemoryStore::builder().clock(ManualClock::new(T0)).build()),
             down: Arc::default(),
+            takes: true,
+            seen: Arc::default(),
         }
     }
 
@@ -66,6 +72,7 @@ impl Store for Switch {
         rules: &RuleSet,
         cost: u64,
     ) -> impl Future<Output = Result<Decision, Refused>> + Send {
+        *self.seen.lock().unwrap() = Some((key.to_vec(), rules.clone()));
         let result = self
             .up()
             .and_then(|()| self.store.check_now(key, rules, cost).map_err(|_| Refused));
@@ -120,6 +127,19 @@ impl Store for Switch {
         slot: u64,
     ) -> impl Future<Output = Result<bool, Refused>> + Send {
         let result = self.up().map(|()| self.store.renew_now(key, rules, slot));
+        std::future::ready(result)
+    }
+
+    fn take_slot(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+    ) -> impl Future<Output = Result<Option<u64>, Refused>> + Send {
+        let result = (self.up()).map(|()| {
+            self.takes
+                .then(|| self.store.take_slot_now(key, rules))
+                .flatten()
+        });
         std::future::ready(result)
     }
 
@@ -282,5 +302,71 @@ async fn slots(handover: bool) {
         .collect();
     for h in again {
         assert_eq!(h.await.unwrap().unwrap().status(), StatusCode::OK);
+    }
+}
+
+/// A store full of requests of other instances (or of releases that failed in the
+/// outage) when it answers again: the fallback's slot is taken all the same, over the
+/// limit, so the store admits again only once fewer than `N` run, the fallback's
+/// request among them. A store that takes no slot over the limit leaves it local (the
+/// `WARN`), and admits one more beside it.
+#[tokio::test]
+async fn a_fallback_slot_is_taken_in_a_store_that_is_full() {
+    for takes in [true, false] {
+        let store = Switch {
+            takes,
+            ..Switch::new()
+        };
+        let app = app(store.clone(), "4 concurrent", true);
+        assert_eq!(send(&app, 1).await, (1, 0));
+        // Its slot released (in a task).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (key, rules) = store.seen.lock().unwrap().clone().unwrap();
+        let others: Vec<u64> = (0..4)
+            .map(|_| {
+                store
+                    .store
+                    .check_now(&key, &rules, 1)
+                    .unwrap()
+                    .slot()
+                    .unwrap()
+            })
+            .collect();
+        store.down.store(true, Ordering::SeqCst);
+        let slow = tokio::spawn(
+            app.clone()
+                .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        store.down.store(false, Ordering::SeqCst);
+        // Handed over: the store holds five, or four and the fallback one of its own.
+        assert_eq!(send(&app, 1).await, (0, 0), "takes {takes}: full");
+        store.store.release_now(&key, others[0]);
+        store.store.release_now(&key, others[1]);
+        // Two of the others and the fallback's request run: room for one more, not two.
+        let both: Vec<_> = (0..2)
+            .map(|_| {
+                tokio::spawn(
+                    app.clone()
+                        .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
+                )
+            })
+            .collect();
+        let mut statuses = Vec::new();
+        for h in both {
+            statuses.push(h.await.unwrap().unwrap().status());
+        }
+        statuses.sort();
+        let second = if takes {
+            StatusCode::TOO_MANY_REQUESTS
+        } else {
+            StatusCode::OK
+        };
+        assert_eq!(
+            statuses,
+            [StatusCode::OK, second],
+            "takes {takes}: the fallback's request counts in the store"
+        );
+        assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
     }
 }

@@ -7,7 +7,8 @@
 //! store decides a check of it: the units that still count in an open window or state
 //! are charged to the store unconditionally (as debt where they exceed the limit:
 //! [`Store::settle`] from 0 to the units), and each slot still held is taken in the
-//! store by a check of its own, so that the store counts it until its request ends.
+//! store whatever its limit ([`Store::take_slot`]), so that the store counts it until
+//! its request ends.
 //!
 //! A key is handed over by whichever comes first: a request of that key (its check waits
 //! for the handover, which is one store call), or the background task that, while any
@@ -410,20 +411,33 @@ where
         let (mut moved, mut kept) = (0u64, 0u64);
         let mut slots = taken.slots.iter().copied();
         let mut result = Ok(());
-        // A slot still held is taken in the store by a check of one unit, decided with
-        // the key's rates: the store then counts it until its request ends. One the store
-        // refuses (full already) stays local until released.
+        // A slot still held is taken in the store whatever its limit, with one unit
+        // (`Store::take_slot`): the store then counts it until its request ends, and
+        // refuses others while it holds the limit or more. Where the store takes none (a
+        // state of other rules, a module older than takes), a check of one unit, decided
+        // with the key's rates, may still take it; one that refuses too stays local until
+        // released.
         for slot in slots.by_ref() {
             calls += 1;
-            match self.timed(self.store.check(key, &taken.rules, 1)).await {
-                Ok(decision) => match decision.slot() {
-                    Some(at) if decision.is_allowed() => {
-                        handover.moved.lock().insert((key.into(), slot), at);
-                        units = units.saturating_sub(1);
-                        moved += 1;
+            let at = match self.timed(self.store.take_slot(key, &taken.rules)).await {
+                Ok(Some(at)) => Ok(Some(at)),
+                Ok(None) => {
+                    calls += 1;
+                    match self.timed(self.store.check(key, &taken.rules, 1)).await {
+                        Ok(decision) if decision.is_allowed() => Ok(decision.slot()),
+                        Ok(_) => Ok(None),
+                        Err(e) => Err(e),
                     }
-                    _ => kept += 1,
-                },
+                }
+                Err(e) => Err(e),
+            };
+            match at {
+                Ok(Some(at)) => {
+                    handover.moved.lock().insert((key.into(), slot), at);
+                    units = units.saturating_sub(1);
+                    moved += 1;
+                }
+                Ok(None) => kept += 1,
                 Err(e) => {
                     result = Err(e);
                     break;
@@ -573,9 +587,11 @@ where
             tracing::warn!(
                 namespace = &*self.namespace,
                 slots = stats.slots_kept,
-                "rate limit: the store refused to take some slots the fallback gave (its \
-                 keys were full already); they stay local until their requests end, and \
-                 their keys may have more in flight than the limit until then"
+                "rate limit: the store took some slots the fallback gave by no means (their \
+                 keys' states were written under other rules, or the store cannot take a \
+                 slot over the limit: a ratelimit module older than the store's); they stay \
+                 local until their requests end, and their keys may have more in flight \
+                 than the limit until then"
             );
         }
     }
