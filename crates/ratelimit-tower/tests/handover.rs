@@ -30,8 +30,11 @@ struct Switch {
     store: Arc<MemoryStore<ManualClock>>,
     down: Arc<AtomicBool>,
     takes: bool,
-    seen: Arc<Mutex<Option<(Vec<u8>, RuleSet)>>>,
+    seen: Arc<Mutex<Option<Seen>>>,
 }
+
+/// A key and the rules a check asked for.
+type Seen = (Vec<u8>, RuleSet);
 
 #[derive(Debug)]
 struct Refused;
