@@ -263,6 +263,17 @@ pub trait Store: Send + Sync + 'static {
         SystemClock.now_us()
     }
 
+    /// When this store last regained its connection after losing it (or after failing to
+    /// make it), on its clock ([`now_us`](Store::now_us)); 0 when it never lost one.
+    ///
+    /// Middleware uses it to know that an outage just ended even when none of its own
+    /// requests failed (a call resent over the new connection), and so that other
+    /// instances may still be deciding without the store. The default answers 0: an
+    /// in-process store never loses its connection.
+    fn recovered_at_us(&self) -> u64 {
+        0
+    }
+
     /// Whether other processes see this store's state (Redis: yes; process memory: no).
     ///
     /// Middleware uses it to warn about what only matters across processes, such as a
@@ -412,5 +423,9 @@ impl<S: Store> Store for Arc<S> {
 
     fn is_shared(&self) -> bool {
         (**self).is_shared()
+    }
+
+    fn recovered_at_us(&self) -> u64 {
+        (**self).recovered_at_us()
     }
 }

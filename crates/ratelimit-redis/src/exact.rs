@@ -79,11 +79,7 @@ impl Exact {
     /// The injected clock's time when one is set; otherwise this host's reading of the
     /// Redis server's `TIME`, or this host's clock until a reading arrives.
     pub(crate) fn now_us(&self) -> u64 {
-        let shared = &self.shared;
-        match shared.clock {
-            Some(_) => shared.now_us(),
-            None => shared.redis_clock.now().unwrap_or_else(|| shared.now_us()),
-        }
+        self.shared.store_now_us()
     }
 
     /// Sends `request` within the store's timeout.

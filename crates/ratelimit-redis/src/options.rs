@@ -70,6 +70,7 @@ impl Options {
             maxmemory_policy: std::sync::RwLock::new(None),
             detached_log: ratelimit_core::util::BoundedLog::new(),
             detached: crate::shared::Outstanding::default(),
+            recovered_at: std::sync::atomic::AtomicU64::new(0),
         })
     }
 }

@@ -30,6 +30,9 @@ pub(crate) struct Shared {
     pub(crate) detached_log: ratelimit_core::util::BoundedLog,
     /// Detached edits not yet answered nor given up, and who waits for none to be left.
     pub(crate) detached: Outstanding,
+    /// When a connection lost (or never made) last came back, on the store's clock (µs;
+    /// 0: never): [`Store::recovered_at_us`](ratelimit_core::Store::recovered_at_us).
+    pub(crate) recovered_at: std::sync::atomic::AtomicU64,
 }
 
 /// A count of operations under way, and a wake-up for those waiting until none are.
@@ -82,6 +85,15 @@ impl Shared {
         match &self.clock {
             Some(clock) => clock.now_us(),
             None => ratelimit_core::SystemClock.now_us(),
+        }
+    }
+
+    /// The store's time as decisions read it: the injected clock, else this host's
+    /// reading of the Redis server's `TIME` (this host's clock until one arrives).
+    pub(crate) fn store_now_us(&self) -> u64 {
+        match self.clock {
+            Some(_) => self.now_us(),
+            None => self.redis_clock.now().unwrap_or_else(|| self.now_us()),
         }
     }
 }

@@ -699,6 +699,16 @@ impl Store for RedisStore {
         self.inner.exact().take_slot(key, rules).await
     }
 
+    /// When a connection of this store last came back after a loss or after failed
+    /// attempts (a single server's or a Sentinel's; a Cluster's connection mends itself
+    /// and reports none), on the store's clock.
+    fn recovered_at_us(&self) -> u64 {
+        self.inner
+            .shared()
+            .recovered_at
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The injected clock's time when one is set; otherwise this host's reading of the
     /// Redis server's `TIME` (learned from `TIME` replies, never ahead of the server's
     /// own; on a Cluster, of the fastest master's), or this host's clock until a reading

@@ -60,6 +60,7 @@ async fn killed_redis_gives_typed_errors_in_time_and_a_restart_recovers() {
     for _ in 0..10 {
         assert!(store.check(b"k", &rules(), 1).await.unwrap().is_allowed());
     }
+    assert_eq!(store.recovered_at_us(), 0, "no connection lost yet");
     server.stop();
     all_fail_fast(&store, 8, "Redis killed").await;
     let err = store.check(b"k", &rules(), 1).await.unwrap_err();
@@ -79,6 +80,13 @@ async fn killed_redis_gives_typed_errors_in_time_and_a_restart_recovers() {
     // refilled. A check may still time out on a loaded machine (the timeout is short),
     // never fail otherwise.
     wait_connected(&store).await;
+    // The return is on record, on the store's clock: what a layer's grace starts from.
+    let back = store.recovered_at_us();
+    assert!(
+        back > 0 && back <= store.now_us(),
+        "recovered at {back}, now {}",
+        store.now_us()
+    );
     let mut admitted = 0;
     for i in 0..20 {
         match store.check(b"k", &rules(), 1).await {

@@ -3,6 +3,7 @@ use std::fmt;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::panic::Location;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -97,6 +98,7 @@ impl<S: Store, K> RateLimitLayer<S, K> {
             failure_policy: FailurePolicy::default(),
             fallback: FallbackRules::Same,
             handover: true,
+            fallback_grace: DEFAULT_FALLBACK_GRACE,
             omitted_key_status: StatusCode::BAD_REQUEST,
             missing_key: MissingKey::default(),
             blocked_status: BlockedStatus::default(),
@@ -213,6 +215,12 @@ impl<Svc, S, K, C, T> Layer<Svc> for RateLimitLayer<S, K, C, T> {
 /// The longest a shaping rule may delay a request unless configured otherwise.
 pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(10);
 
+/// How long after an instance last decided by its fallback its store admissions must also
+/// fit its share ([`RateLimitLayerBuilder::fallback_grace`]): 1 s, well above the spread
+/// of a fleet's returns from an outage under traffic (`RedisStore` reconnects at most
+/// 250 ms apart while requests ask for it).
+pub const DEFAULT_FALLBACK_GRACE: Duration = Duration::from_secs(1);
+
 /// Configures a [`RateLimitLayer`]; made by [`RateLimitLayer::builder`].
 ///
 /// ```
@@ -249,6 +257,7 @@ pub struct RateLimitLayerBuilder<S, K, C = UnitCost, T = OneTier> {
     failure_policy: FailurePolicy,
     fallback: FallbackRules,
     handover: bool,
+    fallback_grace: Duration,
     omitted_key_status: StatusCode,
     missing_key: MissingKey,
     blocked_status: BlockedStatus,
@@ -299,6 +308,7 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
             failure_policy: self.failure_policy,
             fallback: self.fallback,
             handover: self.handover,
+            fallback_grace: self.fallback_grace,
             omitted_key_status: self.omitted_key_status,
             missing_key: self.missing_key,
             blocked_status: self.blocked_status,
@@ -436,6 +446,23 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
     #[doc(hidden)]
     pub fn fallback_handover(mut self, on: bool) -> Self {
         self.handover = on;
+        self
+    }
+
+    /// For how long after this instance last decided by its fallback (or its store last
+    /// regained a lost connection) a request the store admits must also fit the
+    /// instance's share (1 s by default; zero switches it off).
+    ///
+    /// The instances of a fleet return from an outage one by one, each when its own
+    /// connection does: an instance back decides with the store while another still
+    /// admits its share locally, which the store cannot count until that instance hands
+    /// it over. Held to its share for this long after its own return, each instance
+    /// leaves the others' shares free, so that a key admits no more than its limit (and
+    /// has no more than `N` in flight) across the switch as long as the instances return
+    /// within this time of each other. A request whose cost only the share cannot hold is
+    /// decided by the store alone. See [the crate docs](crate#while-the-store-is-down).
+    pub fn fallback_grace(mut self, grace: Duration) -> Self {
+        self.fallback_grace = grace;
         self
     }
 
@@ -798,6 +825,8 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         let limiter = Limiter {
             fallback: fallback.then(|| fallback_store(&store)),
             handover: fallback.then(|| Handover::new(self.handover)),
+            grace_us: u64::try_from(self.fallback_grace.as_micros()).unwrap_or(u64::MAX),
+            last_fallback_us: AtomicU64::new(0),
             store,
             key: self.key,
             cost: self.cost,

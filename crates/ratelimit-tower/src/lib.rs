@@ -518,6 +518,25 @@
 //! What the fallback gave back (charging by outcome) is handed over still (it counts
 //! more, never less); debt a settle ran up in the fallback is not.
 //!
+//! **The grace.** The instances return one by one, each when its own connection does,
+//! and an instance back decides with the store while another still admits its share
+//! locally, which the store cannot count until that instance hands it over. So for
+//! [`fallback_grace`](RateLimitLayerBuilder::fallback_grace) (1 s by default) after an
+//! instance last decided by its fallback, or after its store last regained a lost
+//! connection ([`Store::recovered_at_us`](ratelimit_core::Store::recovered_at_us): a
+//! `RedisStore` on one server or behind Sentinels; a Cluster's connection mends itself
+//! unseen, so there only the fallback's decisions start it), a request the store admits
+//! must fit the instance's share too: the share is asked first (in the fallback store, in process),
+//! a request it refuses is refused with the share's fields (and not kept in the deny
+//! cache), and what it took goes back when the store refuses. A request admitted by both
+//! holds a slot in each, released together. Each instance thus leaves the others' shares
+//! free until they are back, and the fleet admits no more than the limit across the
+//! switch as long as its instances return within the grace of each other (under traffic
+//! `RedisStore` reconnects at most 250 ms after Redis answers). A request whose cost
+//! only the share cannot hold is decided by the store alone. The price: for the grace
+//! after an outage, or after a single failed store call, an instance admits no more than
+//! its share; `fallback_grace(Duration::ZERO)` switches it off.
+//!
 //! ## What a key may admit across an outage
 //!
 //! For one key, N instances with `fallback_share(N)`, and a rule of limit `L` per
@@ -534,13 +553,16 @@
 //!   window that does not hold the outage's start). A store restarted empty forgets it
 //!   too, and that is all it forgets: the handover gives it the rest back.
 //! * **lag(W)**, what fallbacks admitted in `W` that the store had not been handed when
-//!   it admitted in `W`: their admissions after `t_up` (an instance whose connection is
-//!   not back yet decides by its fallback while the store decides for the others), and
-//!   every fallback admission in `W` of an instance that switched back after the
-//!   store's first admission in `W` after the outage (for a bucket, what drained before
-//!   that instance's handover is not handed over at all). 0 when the instances switch
-//!   back together; an instance adds at most its share per period while it lags
-//!   (`BENCHMARKS.md` has the spread measured).
+//!   it admitted in `W` for an instance past its grace: their admissions after `t_up`
+//!   (an instance whose connection is not back yet decides by its fallback while the
+//!   store decides for the others), and every fallback admission in `W` of an instance
+//!   that switched back after such an admission (for a bucket, what drained before that
+//!   instance's handover is not handed over at all). 0 when every instance that
+//!   decides with the store after the outage does so within the grace (it decided by
+//!   its fallback, or its connection was lost) and the instances switch back within the
+//!   grace of each other; an instance adds at most its share per period while it lags (`BENCHMARKS.md` has the spread measured). Within the grace, an
+//!   instance's store admissions are also its share's, so the fleet's shares still add
+//!   up to the limit.
 //!
 //! Then, the fleet's admissions, counting both stores:
 //!
@@ -555,8 +577,8 @@
 //! For a concurrency rule, `before(t)` is the store's requests from before the outage
 //! still running at `t` and `lag(t)` the fallbacks' requests still running that were
 //! admitted after `t_up`, or by an instance that switched back after the store first
-//! admitted the key again, or whose slot the store could not take at the handover (see
-//! above: not for want of room, which a take ignores). Once every instance has handed
+//! admitted the key again for an instance past its grace, or whose slot the store could
+//! not take at the handover (see above: not for want of room, which a take ignores). Once every instance has handed
 //! over, a store that kept its data counts every request in flight (the slots taken
 //! whatever the limit, and those from before the outage), so it admits a request only
 //! while fewer than `N` run: only requests admitted before the last handover can keep
@@ -870,7 +892,7 @@ pub use key::{
     ClientIp, ClientKey, Extraction, ForwardedHeader, GlobalKey, HeaderKey, Key, KeyConfigError,
     KeyExtractor, KeyExtractorExt, KeySource, PeerIp,
 };
-pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_MAX_DELAY};
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder, DEFAULT_FALLBACK_GRACE, DEFAULT_MAX_DELAY};
 pub use limits::{Change, Changes, Limits, LimitsFile, LimitsHandle, LoadError};
 pub use metrics::{DEFAULT_METRICS_TIER_LABELS, STORE_DURATION_BUCKETS};
 pub use policy::{FailurePolicy, MissingKey};

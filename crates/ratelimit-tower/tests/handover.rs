@@ -2,12 +2,14 @@
 //! and comes back (a `MemoryStore` behind a switch, on a manual clock), and one layer
 //! with `fallback_share(4)`. What the fallback admitted is in the store before the store
 //! decides the key again; its slots still held are taken in the store and released
-//! there. The live version, four instances on a real redis-server, is `recovery.rs`.
+//! there. For a while after an instance's return (`fallback_grace`), the store's
+//! admissions must fit its share too: two instances, one back while the other is still
+//! down. The live version, four instances on a real redis-server, is `recovery.rs`.
 #![cfg(feature = "axum")]
 
 use std::future::Future;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,6 +33,8 @@ struct Switch {
     down: Arc<AtomicBool>,
     takes: bool,
     seen: Arc<Mutex<Option<Seen>>>,
+    /// What [`Store::recovered_at_us`] answers.
+    recovered: Arc<AtomicU64>,
 }
 
 /// A key and the rules a check asked for.
@@ -54,6 +58,7 @@ impl Switch {
             down: Arc::default(),
             takes: true,
             seen: Arc::default(),
+            recovered: Arc::default(),
         }
     }
 
@@ -149,15 +154,25 @@ impl Store for Switch {
     fn now_us(&self) -> u64 {
         self.store.clock().now_us()
     }
+
+    fn recovered_at_us(&self) -> u64 {
+        self.recovered.load(Ordering::SeqCst)
+    }
 }
 
+/// One instance's app, without the grace after an outage (which `grace` tests).
 fn app(store: Switch, rules: &str, handover: bool) -> Router {
+    app_with_grace(store, rules, handover, Duration::ZERO)
+}
+
+fn app_with_grace(store: Switch, rules: &str, handover: bool, grace: Duration) -> Router {
     let layer = RateLimitLayer::builder(store, GlobalKey)
         .rules(rules)
         .unwrap()
         .namespace("handover")
         .fallback_share(NonZeroU32::new(4).unwrap())
         .fallback_handover(handover)
+        .fallback_grace(grace)
         .admission_extension(true)
         .without_deny_cache()
         .build()
@@ -371,5 +386,142 @@ async fn a_fallback_slot_is_taken_in_a_store_that_is_full() {
             "takes {takes}: the fallback's request counts in the store"
         );
         assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
+    }
+}
+
+/// Two instances of a fleet of four, sharing one store: `b` stays down after `a` is back.
+fn pair() -> (Switch, Switch) {
+    let a = Switch::new();
+    let b = Switch {
+        down: Arc::default(),
+        ..a.clone()
+    };
+    (a, b)
+}
+
+/// Sends `n` `/slow` requests at once; answers their statuses, sorted.
+async fn slow_at_once(app: &Router, n: usize) -> Vec<StatusCode> {
+    let held: Vec<_> = (0..n)
+        .map(|_| {
+            tokio::spawn(
+                app.clone()
+                    .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
+            )
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for h in held {
+        statuses.push(h.await.unwrap().unwrap().status());
+    }
+    statuses.sort();
+    statuses
+}
+
+/// `4 concurrent` shared by 4: each instance's fallback holds one slot. `a` is back and
+/// hands its slot over while `b` still runs its own: in the grace, `a` is held to its
+/// share (its own request runs), so the fleet has 2 in flight, not 5 (the store's 3
+/// free slots beside `b`'s, which the store cannot see). After the grace, the store
+/// alone decides.
+#[tokio::test]
+async fn in_the_grace_an_instance_back_leaves_the_others_shares_free() {
+    let grace = Duration::from_secs(1);
+    for with_grace in [true, false] {
+        let (a, b) = pair();
+        let g = if with_grace { grace } else { Duration::ZERO };
+        let (app_a, app_b) = (
+            app_with_grace(a.clone(), "4 concurrent", true, g),
+            app_with_grace(b.clone(), "4 concurrent", true, g),
+        );
+        a.down.store(true, Ordering::SeqCst);
+        b.down.store(true, Ordering::SeqCst);
+        let first = [app_a.clone(), app_b.clone()].map(|app| {
+            tokio::spawn(app.oneshot(Request::get("/slow").body(Body::empty()).unwrap()))
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        a.down.store(false, Ordering::SeqCst);
+        let statuses = slow_at_once(&app_a, 3).await;
+        let admitted = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+        assert_eq!(
+            admitted,
+            if with_grace { 0 } else { 3 },
+            "grace {with_grace}: {statuses:?}"
+        );
+        for h in first {
+            assert_eq!(h.await.unwrap().unwrap().status(), StatusCode::OK);
+        }
+        if !with_grace {
+            continue;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Still in the grace: one at once, the share's.
+        assert_eq!(
+            slow_at_once(&app_a, 2).await,
+            [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]
+        );
+        // Both slots of that request went back, the store's with the share's.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        a.store.clock().advance(grace);
+        assert_eq!(slow_at_once(&app_a, 4).await, [StatusCode::OK; 4]);
+    }
+}
+
+/// `100/min fixed-window` shared by 4: `a` and `b` each admit their 25 while the store
+/// is down; `a` comes back first. In the grace `a` admits nothing more (its share is
+/// spent), `b` comes back within it and hands its 25 over, and after the grace the store
+/// admits the 50 left: 100 in the minute. Without the grace, `a` admits 75 before `b`'s
+/// 25 arrive: 125.
+#[tokio::test]
+async fn in_the_grace_a_window_admits_no_more_than_its_limit() {
+    let grace = Duration::from_secs(1);
+    for (with_grace, total) in [(true, 100), (false, 125)] {
+        let (a, b) = pair();
+        let g = if with_grace { grace } else { Duration::ZERO };
+        let rules = "100/min fixed-window";
+        let (app_a, app_b) = (
+            app_with_grace(a.clone(), rules, true, g),
+            app_with_grace(b.clone(), rules, true, g),
+        );
+        a.down.store(true, Ordering::SeqCst);
+        b.down.store(true, Ordering::SeqCst);
+        assert_eq!(send(&app_a, 40).await, (0, 25));
+        assert_eq!(send(&app_b, 40).await, (0, 25));
+        a.down.store(false, Ordering::SeqCst);
+        let (mut admitted, _) = send(&app_a, 100).await;
+        b.down.store(false, Ordering::SeqCst);
+        admitted += send(&app_b, 100).await.0;
+        a.store.clock().advance(grace);
+        admitted += send(&app_a, 100).await.0;
+        admitted += send(&app_b, 100).await.0;
+        assert_eq!(50 + admitted, total, "grace {with_grace}");
+    }
+}
+
+/// An instance that decided nothing by its fallback (no request of its own failed) but
+/// whose store regained its connection is held to its share in the grace too: `b`
+/// admits its 25 while down, `c`'s store reconnects, and `c` admits 25 in the grace, then
+/// (`b` back meanwhile) the 50 left. Without the reconnection on record, `c` admits 75
+/// at once beside `b`'s unseen 25.
+#[tokio::test]
+async fn an_instance_whose_store_came_back_is_held_to_its_share_in_the_grace() {
+    let grace = Duration::from_secs(1);
+    for (on_record, total) in [(true, 100), (false, 125)] {
+        let (b, c) = pair();
+        let rules = "100/min fixed-window";
+        let (app_b, app_c) = (
+            app_with_grace(b.clone(), rules, true, grace),
+            app_with_grace(c.clone(), rules, true, grace),
+        );
+        b.down.store(true, Ordering::SeqCst);
+        assert_eq!(send(&app_b, 40).await, (0, 25));
+        if on_record {
+            c.recovered.store(c.now_us(), Ordering::SeqCst);
+        }
+        let (mut admitted, by_fallback) = send(&app_c, 100).await;
+        assert_eq!(by_fallback, 0);
+        b.down.store(false, Ordering::SeqCst);
+        admitted += send(&app_b, 100).await.0;
+        c.store.clock().advance(grace);
+        admitted += send(&app_c, 100).await.0;
+        assert_eq!(25 + admitted, total, "on record {on_record}");
     }
 }

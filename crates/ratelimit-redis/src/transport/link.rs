@@ -308,6 +308,12 @@ impl Link {
             };
             seen
         };
+        if failures > 0 || down_since.is_some() {
+            // A connection back after a loss (or made after failed attempts): what the
+            // store decides from now on may meet what others decided without it.
+            let now = self.shared.store_now_us().max(1);
+            self.shared.recovered_at.store(now, Ordering::Relaxed);
+        }
         if failures > 0 {
             tracing::info!(
                 topology = self.source.name(),

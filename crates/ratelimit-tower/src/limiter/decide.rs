@@ -4,6 +4,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use http::{Extensions, HeaderValue, Request};
@@ -23,6 +24,14 @@ use crate::rejection::RejectReason;
 use crate::slot::SlotGuard;
 use crate::tier::{SelectTier, StoreKey, Tier};
 use crate::usage::Usage;
+
+/// What an instance's share took for a request in the grace after an outage: when (on
+/// the store's clock) and the slot.
+#[derive(Clone, Copy)]
+struct Share {
+    at: u64,
+    slot: Option<u64>,
+}
 
 /// A request ready for the store: its tier, its store key and its cost.
 struct Check {
@@ -131,6 +140,16 @@ where
             .as_ref()
             .is_some_and(|h| h.is_pending(&check.key))
         {
+            return Begin::Later(Self::check_later(
+                this,
+                arc_swap::Guard::into_inner(version),
+                check,
+                charged_at,
+                None,
+            ));
+        }
+        // In the grace after an outage the share is asked too, around the store's call.
+        if this.in_grace(|| this.store.now_us()) {
             return Begin::Later(Self::check_later(
                 this,
                 arc_swap::Guard::into_inner(version),
@@ -325,6 +344,15 @@ where
                 Some(h) if h.is_pending(&check.key) => limiter.hand_over_key(&check.key).await,
                 _ => Ok(()),
             };
+            // In the grace after an outage, the instance's share first (see
+            // `fallback_grace`): a request it refuses goes no further.
+            let share = match handed {
+                Ok(()) => match limiter.grace_share(tier, &check) {
+                    Ok(share) => share,
+                    Err(verdict) => return limiter.finish(verdict),
+                },
+                Err(_) => None,
+            };
             let result = match handed {
                 Err(e) => Err(e),
                 Ok(()) => {
@@ -341,11 +369,24 @@ where
             #[cfg(feature = "metrics")]
             limiter.store_latency.record(started.elapsed(), &result);
             let charged = limiter.charged(&result);
+            // What the share took stays only beside an admission of the store's.
+            let share = share.and_then(|share| {
+                if charged == Charged::Store {
+                    Some(share)
+                } else {
+                    limiter.give_share_back(tier, &check, share);
+                    None
+                }
+            });
             let result = result.as_ref().map_err(|e| e as &dyn fmt::Display);
             let verdict = limiter.decided(tier, &check, result, None);
             let mut verdict = limiter.finish(verdict);
             if let Verdict::Pass(pass) = &mut verdict {
-                Self::bind_slot(&limiter, pass, charged, tier, &check);
+                let paired =
+                    share.is_some_and(|s| Self::pair_share_slot(&limiter, pass, tier, &check, s));
+                if !paired {
+                    Self::bind_slot(&limiter, pass, charged, tier, &check);
+                }
                 if let Some(charge) =
                     Self::charge(&limiter, charged, &check, charged_at, || version)
                 {
@@ -515,6 +556,88 @@ where
         })
     }
 
+    /// The instance's share of a request in the grace after an outage (see
+    /// [`fallback_grace`](crate::RateLimitLayerBuilder::fallback_grace)): what it took
+    /// when it admits (`None` out of the grace, or for a cost only the share cannot
+    /// hold, which the store decides alone), or the refusal, with the share's fields.
+    /// Not remembered by the deny cache: the share binds only until the grace ends.
+    fn grace_share(&self, tier: &Tier, check: &Check) -> Result<Option<Share>, Verdict> {
+        if !self.in_grace(|| self.store.now_us()) {
+            return Ok(None);
+        }
+        let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) else {
+            return Ok(None);
+        };
+        let at = self.store.now_us();
+        match fallback.check_now(&check.key, rules, check.cost) {
+            Ok(decision) if decision.is_allowed() => Ok(Some(Share {
+                at,
+                slot: decision.slot(),
+            })),
+            Ok(decision) => {
+                tracing::debug!(
+                    key = %KeyDigest(tier.client_key(&check.key)),
+                    "rate limit: refused by the instance's share, in the grace after an outage \
+                     (other instances may still be deciding by theirs)"
+                );
+                #[cfg(feature = "metrics")]
+                tier.metrics.decision(&decision);
+                let policy = tier.policy(true);
+                let ratelimit = policy.ratelimit(&decision);
+                let retry_after = decision.retry_after();
+                Err(self.denial(tier, policy, &check.key, decision, retry_after, ratelimit))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Gives back what the share took for a request the store did not admit.
+    fn give_share_back(&self, tier: &Tier, check: &Check, share: Share) {
+        let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) else {
+            return;
+        };
+        fallback.refund_now(&check.key, rules, check.cost, share.at);
+        if let Some(slot) = share.slot {
+            fallback.release_now(&check.key, slot);
+        }
+    }
+
+    /// Makes the request's slot the share's, paired with the store's (which is not bound
+    /// yet): the request then releases both, and renews the store's (as a slot handed
+    /// over after an outage). Answers whether it did; a share's slot without the store's
+    /// goes back at once.
+    fn pair_share_slot(
+        this: &Arc<Self>,
+        pass: &mut Pass,
+        tier: &Tier,
+        check: &Check,
+        share: Share,
+    ) -> bool {
+        let (Some(local), Some(handover), Some(rules), Some(fallback)) = (
+            share.slot,
+            &this.handover,
+            &tier.fallback_rules,
+            &this.fallback,
+        ) else {
+            return false;
+        };
+        let Some(store) = pass.slot.as_ref().map(SlotGuard::slot) else {
+            fallback.release_now(&check.key, local);
+            return false;
+        };
+        handover.pair(&check.key, local, store);
+        // The store's guard, not bound, releases nothing as it drops.
+        let mut guard = SlotGuard::taken(local);
+        guard.bind(
+            Arc::clone(this) as Arc<dyn crate::slot::Slots>,
+            &check.key,
+            rules,
+            true,
+        );
+        pass.slot = Some(guard);
+        true
+    }
+
     fn store_failed(
         &self,
         tier: &Tier,
@@ -538,6 +661,8 @@ where
                     .fallback_rules
                     .as_ref()
                     .expect("built with the fallback policy");
+                let now = self.store.now_us();
+                self.last_fallback_us.store(now.max(1), Ordering::Relaxed);
                 match fallback.check_now(key, rules, cost) {
                     Ok(decision) => self.plan(
                         tier,

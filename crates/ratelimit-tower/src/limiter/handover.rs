@@ -238,6 +238,13 @@ impl Handover {
         self.moved.lock().remove(&(Box::from(key), slot))
     }
 
+    /// Pairs local slot `local` with the store slot `store` of the same request (one
+    /// admitted by both in the grace after an outage): released and renewed as a moved
+    /// slot is.
+    pub(crate) fn pair(&self, key: &[u8], local: u64, store: u64) {
+        self.moved.lock().insert((key.into(), local), store);
+    }
+
     /// The store slot a local slot was moved to, if it was.
     pub(crate) fn moved_to(&self, key: &[u8], slot: u64) -> Option<u64> {
         self.moved.lock().get(&(Box::from(key), slot)).copied()

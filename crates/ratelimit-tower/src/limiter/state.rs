@@ -1,3 +1,4 @@
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +30,11 @@ pub(crate) struct Limiter<S, K, C, T> {
     /// What the fallback admitted, to hand to the store when it answers again (with the
     /// fallback policy).
     pub(crate) handover: Option<super::Handover>,
+    /// For how long after `last_fallback_us` store admissions must fit the share too, in
+    /// µs (0: not at all).
+    pub(crate) grace_us: u64,
+    /// When this instance last decided by its fallback, on the store's clock (0: never).
+    pub(crate) last_fallback_us: AtomicU64,
     /// The status for requests whose client left out the key.
     pub(crate) omitted_key_status: StatusCode,
     pub(crate) missing_key: MissingKey,
@@ -74,5 +80,23 @@ impl<S, K, C, T> Limiter<S, K, C, T> {
     /// Whether an admitted request's charge is kept until its response.
     pub(crate) fn settles(&self) -> bool {
         self.charge_when.is_some() || self.refund_refused || self.metering.is_on()
+    }
+
+    /// Whether a request the store admits must also fit this instance's share: within
+    /// the grace after the instance last decided by its fallback, or after its store last
+    /// regained its connection (two atomic loads when neither happened), with the
+    /// handover on (whose slot pairs release both slots).
+    #[inline]
+    pub(crate) fn in_grace(&self, now_us: impl FnOnce() -> u64) -> bool
+    where
+        S: ratelimit_core::Store,
+    {
+        let last =
+            (self.last_fallback_us.load(Ordering::Relaxed)).max(self.store.recovered_at_us());
+        last != 0
+            && self.failure_policy == crate::policy::FailurePolicy::Fallback
+            && self.grace_us > 0
+            && self.handover.as_ref().is_some_and(|h| h.enabled)
+            && now_us() < last.saturating_add(self.grace_us)
     }
 }
