@@ -3,8 +3,9 @@
 //! killed for 3 s and started again, once with its data (saved before the kill) and once
 //! empty, on the module and on the Lua functions. Every admission goes into a ledger on
 //! one monotonic clock; a checker sweeps every window of every rule and asserts the bound
-//! the crate docs state ("While the store is down"). With the handover switched off the
-//! same checker must fail: the negative control.
+//! the crate docs state ("While the store is down"), whose `lag` counts only beside a
+//! store admission that may have been decided past its instance's grace. With the
+//! handover switched off the same checker must fail: the negative control.
 //!
 //! Rules, each on two keys: `10/s` (GCRA, burst 10), `100/min fixed-window`,
 //! `50/min sliding-window` and `4 concurrent` (with a slot timeout of 2 s, so that the
@@ -29,7 +30,7 @@ use axum::Router;
 use http::Request;
 use ratelimit_redis::testing::{wait_connected, RedisServer};
 use ratelimit_redis::RedisStore;
-use ratelimit_tower::{Admission, AdmittedBy, HeaderKey, RateLimitLayer};
+use ratelimit_tower::{Admission, AdmittedBy, HeaderKey, RateLimitLayer, DEFAULT_FALLBACK_GRACE};
 use tower::ServiceExt;
 
 const INSTANCES: usize = 4;
@@ -41,6 +42,9 @@ const BEFORE: Duration = Duration::from_millis(1_500);
 /// windows follow.
 const AFTER: Duration = Duration::from_secs(5);
 /// How long a request of the concurrency rule runs.
+/// What the store's clock (a reading of Redis's `TIME`) may be off this test's clock by,
+/// when telling whether an admission fell within its instance's grace.
+const CLOCK_MARGIN_US: u64 = 100_000;
 const HOLD: Duration = Duration::from_millis(150);
 
 /// Runs one at a time: the timing of one must not starve another on a small machine.
@@ -342,6 +346,40 @@ struct Parts {
     /// The first time a store admission after the outage may have been decided inside,
     /// and the instance it was for (whose key was handed over before).
     first_store_after: Option<(u64, usize)>,
+    /// A store admission after the outage, possibly inside, that its instance may have
+    /// decided past its grace (without its share: see `Grace`).
+    unguarded: bool,
+}
+
+/// Each instance's fallback admissions (every key's), to tell the store's admissions
+/// that certainly fell within their instance's grace (`fallback_grace`, the default:
+/// after the instance's last fallback decision, a store admission must fit its share
+/// too). Those do not make `lag`: the shares of the fleet, fallbacks and grace alike,
+/// add up to the limit.
+struct Grace {
+    fallbacks: [Vec<(u64, u64)>; INSTANCES],
+}
+
+impl Grace {
+    fn new(run: &Run) -> Self {
+        let mut fallbacks: [Vec<(u64, u64)>; INSTANCES] = Default::default();
+        for e in &run.entries {
+            if e.by == AdmittedBy::Fallback {
+                fallbacks[e.instance].push((e.sent, e.at));
+            }
+        }
+        Self { fallbacks }
+    }
+
+    /// Whether a store admission was certainly decided within its instance's grace: a
+    /// fallback admission of the instance, decided before it was sent, whose grace
+    /// outlasts its answer (by the clocks' margin).
+    fn guarded(&self, e: &Entry) -> bool {
+        let grace = DEFAULT_FALLBACK_GRACE.as_micros() as u64;
+        self.fallbacks[e.instance]
+            .iter()
+            .any(|&(sent, at)| at <= e.sent && e.at + CLOCK_MARGIN_US < sent + grace)
+    }
 }
 
 /// Each instance's switch back for a key: when the first request the store decided
@@ -371,6 +409,16 @@ fn pending(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
             .sum::<u64>()
 }
 
+/// The `lag` of a window: what `pending` says, when a store admission in it may have been
+/// decided past its instance's grace; else none.
+fn lagging(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
+    if parts.unguarded {
+        pending(parts, switched)
+    } else {
+        0
+    }
+}
+
 /// When the store first admitted the key after the outage, for any instance, and for
 /// which instance.
 fn first_store(entries: &[&Entry], up: u64) -> (u64, usize) {
@@ -382,7 +430,7 @@ fn first_store(entries: &[&Entry], up: u64) -> (u64, usize) {
         .unwrap_or((u64::MAX, INSTANCES))
 }
 
-fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64) -> Parts {
+fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64, grace: &Grace) -> Parts {
     let mut parts = Parts::default();
     for e in entries {
         let certain = e.sent >= from && e.at < to;
@@ -396,6 +444,7 @@ fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64) -> Parts
         match e.by {
             AdmittedBy::Store if e.sent <= down => parts.store_before += 1,
             AdmittedBy::Store if e.sent >= up => {
+                parts.unguarded |= !grace.guarded(e);
                 let t = (e.sent.max(from), e.instance);
                 parts.first_store_after = Some(parts.first_store_after.map_or(t, |f| f.min(t)));
             }
@@ -410,6 +459,7 @@ fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64) -> Parts
 /// Sweeps every window of every key and answers the violations of the bound, one line
 /// each, and a summary line per key.
 fn check(run: &Run) -> (Vec<String>, String) {
+    let grace = Grace::new(run);
     let mut violations = Vec::new();
     let mut summary = String::new();
     let mut by_key: BTreeMap<(Kind, String), Vec<&Entry>> = BTreeMap::new();
@@ -449,9 +499,9 @@ fn check(run: &Run) -> (Vec<String>, String) {
                 let last = entries.iter().map(|e| e.at).max().unwrap() / period;
                 for w in first..=last {
                     let (from, to) = (w * period, (w + 1) * period);
-                    let parts = parts_in(entries, from, to, down, up);
+                    let parts = parts_in(entries, from, to, down, up, &grace);
                     let before = if to > down { parts.store_before } else { 0 };
-                    let pend = pending(&parts, &switched);
+                    let pend = lagging(&parts, &switched);
                     let bound = limit + before + pend;
                     note(
                         parts.certain as i64 - bound as i64,
@@ -471,10 +521,10 @@ fn check(run: &Run) -> (Vec<String>, String) {
                 for (i, a) in sorted.iter().enumerate() {
                     for b in &sorted[i..] {
                         let (from, to) = (a.sent, b.at + 1);
-                        let parts = parts_in(entries, from, to, down, up);
+                        let parts = parts_in(entries, from, to, down, up, &grace);
                         let rate = ((to - from) * limit).div_ceil(kind.period_us());
                         let before = if to > down { parts.store_before } else { 0 };
-                        let pend = pending(&parts, &switched);
+                        let pend = lagging(&parts, &switched);
                         let bound = limit + rate + before + pend;
                         note(
                             parts.certain as i64 - bound as i64,
@@ -501,8 +551,13 @@ fn check(run: &Run) -> (Vec<String>, String) {
                         .iter()
                         .filter(|o| o.by == AdmittedBy::Store && o.sent <= down)
                         .count() as u64;
+                    // Only beside a store admission past its instance's grace.
+                    let unguarded = running
+                        .iter()
+                        .any(|o| o.by == AdmittedBy::Store && o.sent >= up && !grace.guarded(o));
                     let pend = running
                         .iter()
+                        .filter(|_| unguarded)
                         .filter(|o| o.by == AdmittedBy::Fallback)
                         .filter(|o| {
                             o.at >= up
