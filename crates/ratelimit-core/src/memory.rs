@@ -893,19 +893,48 @@ impl<C: Clock> MemoryStore<C> {
     /// Charges `units` to `key` under `rules` unconditionally ([`debit`]).
     fn debit_now(&self, key: &[u8], rules: &RuleSet, units: u64) -> bool {
         let now = self.clock.now_us();
+        self.charge_unconditionally(key, rules, |states| debit(rules, states, units, now))
+    }
+
+    /// The synchronous form of [`Store::take_slot`]: takes a slot of `rules`' concurrency
+    /// rule for `key` whatever its limit, and charges one unit as debt ([`algo::take`]),
+    /// from fresh states when the key's entry has been dropped; `None` when the key's
+    /// state was since written under other rules, or `rules` have no concurrency rule.
+    pub fn take_slot_now(&self, key: &[u8], rules: &RuleSet) -> Option<u64> {
+        rules.concurrent()?;
+        let now = self.clock.now_us();
+        let mut slot = None;
+        self.charge_unconditionally(key, rules, |states| {
+            slot = algo::take(rules, states, now);
+            slot.is_some()
+        });
+        slot
+    }
+
+    /// Runs `charge` (a charge no limit refuses: debt, a slot taken whatever the limit)
+    /// on the states of `key` under `rules`: fresh ones when the store holds nothing for
+    /// it (nothing held: never charged, expired, or evicted), an entry added when it
+    /// changed them; nothing when the key's state was since written under other rules.
+    /// Answers what `charge` did. A charged key is at its limit, or near it: the last to
+    /// forget; its expiry moves on (a debt lasts longer than the charge it adds to).
+    fn charge_unconditionally(
+        &self,
+        key: &[u8],
+        rules: &RuleSet,
+        charge: impl FnOnce(&mut [RuleState]) -> bool,
+    ) -> bool {
+        let now = self.clock.now_us();
         let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held.as_bytes());
         let mut shard = shard.lock();
         let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
-            // Nothing held (never charged, expired, or evicted): a debt from fresh.
             let mut states: SmallVec<[RuleState; 1]> =
                 (0..rules.len()).map(|_| RuleState::Fresh).collect();
-            if !debit(rules, &mut states, units, now) {
+            if !charge(&mut states) {
                 return false;
             }
             let expires = expires_at_for(rules, &states);
             let key = (held.as_bytes(), held.is_digest(), hash);
-            // A key in debt is at its limit, or near it: the last to forget.
             self.add(&mut shard, key, rules, states, expires, Tag::AT_LIMIT, now);
             return true;
         };
@@ -916,49 +945,11 @@ impl<C: Clock> MemoryStore<C> {
         if !entry.rules.same_as(rules) {
             return false;
         }
-        // A debt lasts longer than the charge it adds to: the expiry moves on.
-        let changed = entry.edit_states(spills, true, |states| debit(rules, states, units, now));
+        let changed = entry.edit_states(spills, true, charge);
         if changed {
             entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
         }
         changed
-    }
-
-    /// The synchronous form of [`Store::take_slot`]: takes a slot of `rules`' concurrency
-    /// rule for `key` whatever its limit, and charges one unit as debt ([`algo::take`]),
-    /// from fresh states when the key's entry has been dropped; `None` when the key's
-    /// state was since written under other rules, or `rules` have no concurrency rule.
-    pub fn take_slot_now(&self, key: &[u8], rules: &RuleSet) -> Option<u64> {
-        rules.concurrent()?;
-        let now = self.clock.now_us();
-        let held = StoredKey::new(key);
-        let (hash, shard) = self.locate(held.as_bytes());
-        let mut shard = shard.lock();
-        let Some(at) = shard.find(hash, held.as_bytes(), held.is_digest()) else {
-            let mut states: SmallVec<[RuleState; 1]> =
-                (0..rules.len()).map(|_| RuleState::Fresh).collect();
-            let slot = algo::take(rules, &mut states, now);
-            let expires = expires_at_for(rules, &states);
-            let key = (held.as_bytes(), held.is_digest(), hash);
-            self.add(&mut shard, key, rules, states, expires, Tag::AT_LIMIT, now);
-            return slot;
-        };
-        let Shard {
-            entries, spills, ..
-        } = &mut *shard;
-        let entry = &mut entries[at];
-        if !entry.rules.same_as(rules) {
-            return None;
-        }
-        let mut slot = None;
-        entry.edit_states(spills, true, |states| {
-            slot = algo::take(rules, states, now);
-            slot.is_some()
-        });
-        if slot.is_some() {
-            entry.tag = entry.tag.with_tier(Tag::AT_LIMIT);
-        }
-        slot
     }
 
     /// The synchronous form of [`Store::release`]: frees slot `slot` of `key`, whatever

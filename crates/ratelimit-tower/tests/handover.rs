@@ -281,19 +281,7 @@ async fn slots(handover: bool) {
     tokio::time::sleep(Duration::from_millis(50)).await;
     store.down.store(false, Ordering::SeqCst);
     // Four requests hold their slots at once: the store has room for three.
-    let held: Vec<_> = (0..4)
-        .map(|_| {
-            tokio::spawn(
-                app.clone()
-                    .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
-            )
-        })
-        .collect();
-    let mut statuses = Vec::new();
-    for h in held {
-        statuses.push(h.await.unwrap().unwrap().status());
-    }
-    statuses.sort();
+    let statuses = slow_at_once(&app, 4).await;
     let last = if handover {
         StatusCode::TOO_MANY_REQUESTS
     } else {
@@ -310,17 +298,7 @@ async fn slots(handover: bool) {
     // Every slot released (in tasks), the store's copy of the fallback's too: four at
     // once again.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let again: Vec<_> = (0..4)
-        .map(|_| {
-            tokio::spawn(
-                app.clone()
-                    .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
-            )
-        })
-        .collect();
-    for h in again {
-        assert_eq!(h.await.unwrap().unwrap().status(), StatusCode::OK);
-    }
+    assert_eq!(slow_at_once(&app, 4).await, [StatusCode::OK; 4]);
 }
 
 /// A store full of requests of other instances (or of releases that failed in the
@@ -362,19 +340,7 @@ async fn a_fallback_slot_is_taken_in_a_store_that_is_full() {
         store.store.release_now(&key, others[0]);
         store.store.release_now(&key, others[1]);
         // Two of the others and the fallback's request run: room for one more, not two.
-        let both: Vec<_> = (0..2)
-            .map(|_| {
-                tokio::spawn(
-                    app.clone()
-                        .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
-                )
-            })
-            .collect();
-        let mut statuses = Vec::new();
-        for h in both {
-            statuses.push(h.await.unwrap().unwrap().status());
-        }
-        statuses.sort();
+        let statuses = slow_at_once(&app, 2).await;
         let second = if takes {
             StatusCode::TOO_MANY_REQUESTS
         } else {
