@@ -526,13 +526,14 @@
 //! connection ([`Store::recovered_at_us`](ratelimit_core::Store::recovered_at_us): a
 //! `RedisStore` on one server or behind Sentinels; a Cluster's connection mends itself
 //! unseen, so there only the fallback's decisions start it), a request the store admits
-//! must fit the instance's share too: the share is asked first (in the fallback store, in process),
-//! a request it refuses is refused with the share's fields (and not kept in the deny
-//! cache), and what it took goes back when the store refuses. A request admitted by both
-//! holds a slot in each, released together. Each instance thus leaves the others' shares
-//! free until they are back, and the fleet admits no more than the limit across the
-//! switch as long as its instances return within the grace of each other (under traffic
-//! `RedisStore` reconnects at most 250 ms after Redis answers). A request whose cost
+//! must fit the instance's share too: the share is asked first (in the fallback store,
+//! in process), a request it refuses is refused with the share's fields (and not kept
+//! in the deny cache), and what it took goes back when the store refuses. A request
+//! admitted by both holds a slot in each, released together. Each instance thus leaves
+//! the others' shares free until they are back, and the fleet admits no more than the
+//! limit across the switch as long as its instances return within the grace of each
+//! other (under traffic `RedisStore` cuts its reconnection pauses to at most 250 ms; in
+//! `tests/recovery.rs` four instances were back 150 to 800 ms after Redis). A request whose cost
 //! only the share cannot hold is decided by the store alone. The price: for the grace
 //! after an outage, or after a single failed store call, an instance admits no more than
 //! its share; `fallback_grace(Duration::ZERO)` switches it off.
