@@ -893,7 +893,7 @@ impl<C: Clock> MemoryStore<C> {
     /// Charges `units` to `key` under `rules` unconditionally ([`debit`]).
     fn debit_now(&self, key: &[u8], rules: &RuleSet, units: u64) -> bool {
         let now = self.clock.now_us();
-        self.charge_unconditionally(key, rules, |states| debit(rules, states, units, now))
+        self.charge_unconditionally(key, rules, now, |states| debit(rules, states, units, now))
     }
 
     /// The synchronous form of [`Store::take_slot`]: takes a slot of `rules`' concurrency
@@ -904,16 +904,16 @@ impl<C: Clock> MemoryStore<C> {
         rules.concurrent()?;
         let now = self.clock.now_us();
         let mut slot = None;
-        self.charge_unconditionally(key, rules, |states| {
+        self.charge_unconditionally(key, rules, now, |states| {
             slot = algo::take(rules, states, now);
             slot.is_some()
         });
         slot
     }
 
-    /// Runs `charge` (a charge no limit refuses: debt, a slot taken whatever the limit)
-    /// on the states of `key` under `rules`: fresh ones when the store holds nothing for
-    /// it (nothing held: never charged, expired, or evicted), an entry added when it
+    /// Runs `charge` (a charge no limit refuses at `now`: debt, a slot taken whatever the
+    /// limit) on the states of `key` under `rules`: fresh ones when the store holds
+    /// nothing for it (never charged, expired, or evicted), an entry added when it
     /// changed them; nothing when the key's state was since written under other rules.
     /// Answers what `charge` did. A charged key is at its limit, or near it: the last to
     /// forget; its expiry moves on (a debt lasts longer than the charge it adds to).
@@ -921,9 +921,9 @@ impl<C: Clock> MemoryStore<C> {
         &self,
         key: &[u8],
         rules: &RuleSet,
+        now: u64,
         charge: impl FnOnce(&mut [RuleState]) -> bool,
     ) -> bool {
-        let now = self.clock.now_us();
         let held = StoredKey::new(key);
         let (hash, shard) = self.locate(held.as_bytes());
         let mut shard = shard.lock();

@@ -180,6 +180,8 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
 
   local new = {layout}
   local off, expires, changed, logged = 1, 0, false, false
+  -- A take's slot, numbered as the core's concurrent::commit numbers it.
+  local taken = 0
   for i = 1, n do
     local code, limit, period, a, b, id = unpack(rules[i])
     local cap = limit
@@ -311,7 +313,7 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
         if now > number then
           number = now
         end
-        taking, next_ = number, number + 1
+        taken, next_ = number, number + 1
         tail, latest = tail_with_slot(tail, now, now + period, number)
         if not tail then
           return 0
@@ -382,7 +384,7 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
     expire_log(KEYS[2], injected, now, ttl_floor, log_now + log_period)
   end
   if taking then
-    return taking
+    return taken
   end
   return 1
 end

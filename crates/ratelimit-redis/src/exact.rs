@@ -256,16 +256,10 @@ impl Exact {
     ) -> Result<bool, RedisStoreError> {
         let shared = &self.shared;
         if shared.paths.edits_batched.load(Ordering::Relaxed) {
-            let job = job();
-            // A check alone answers its failure as a batch entry too.
-            let reply =
-                self.batcher
-                    .decide(job)
-                    .await
-                    .and_then(|bytes| match CheckReply::len(0, &bytes) {
-                        Some(Err(message)) => Err(check_error(&bytes[message], shared.timeout)),
-                        _ => CheckReply::edited(&bytes),
-                    });
+            let reply = self
+                .batched_edit(job())
+                .await
+                .and_then(|bytes| CheckReply::edited(&bytes));
             match reply {
                 Ok(changed) => return Ok(changed),
                 // A module older than edits in batches (a node restarted with one) refused
@@ -284,6 +278,16 @@ impl Exact {
         }
         let reply = self.run(Request::Call(call())).await?;
         Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// Runs the edit `job` in the checks' batch: its reply's bytes, or its failure entry
+    /// as the error (a check alone answers its failure as a batch entry too).
+    async fn batched_edit(&self, job: CheckJob) -> Result<Vec<u8>, RedisStoreError> {
+        let bytes = self.batcher.decide(job).await?;
+        match CheckReply::len(0, &bytes) {
+            Some(Err(message)) => Err(check_error(&bytes[message], self.shared.timeout)),
+            _ => Ok(bytes),
+        }
     }
 
     /// Queues an edit of `key`'s state that no caller waits for, in the checks' batch
@@ -429,17 +433,11 @@ impl Exact {
             1,
             shared.ttl_floor_ms,
         );
-        let bytes = self.batcher.decide(job).await?;
-        match CheckReply::len(0, &bytes) {
-            Some(Err(message)) => {
-                let error = check_error(&bytes[message], shared.timeout);
-                // A module that knows edits but not this one refused it, nothing written.
-                if error.to_string().contains("unknown edit") {
-                    return Ok(None);
-                }
-                Err(error)
-            }
-            _ => CheckReply::edit_value(&bytes),
+        match self.batched_edit(job).await {
+            Ok(bytes) => CheckReply::edit_value(&bytes),
+            // A module that knows edits but not this one refused it, nothing written.
+            Err(e) if e.to_string().contains("unknown edit") => Ok(None),
+            Err(e) => Err(e),
         }
     }
 

@@ -825,7 +825,11 @@ impl<S: Store, K, C, T> RateLimitLayerBuilder<S, K, C, T> {
         let limiter = Limiter {
             fallback: fallback.then(|| fallback_store(&store)),
             handover: fallback.then(|| Handover::new(self.handover)),
-            grace_us: u64::try_from(self.fallback_grace.as_micros()).unwrap_or(u64::MAX),
+            grace_us: if fallback && self.handover {
+                u64::try_from(self.fallback_grace.as_micros()).unwrap_or(u64::MAX)
+            } else {
+                0
+            },
             last_fallback_us: AtomicU64::new(0),
             store,
             key: self.key,

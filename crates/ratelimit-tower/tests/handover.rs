@@ -7,6 +7,7 @@
 //! down. The live version, four instances on a real redis-server, is `recovery.rs`.
 #![cfg(feature = "axum")]
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,9 +17,10 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::routing::get;
 use axum::Router;
-use http::{Request, StatusCode};
+use http::{Request, Response, StatusCode};
 use ratelimit_core::{Clock, Decision, ManualClock, MemoryStore, RuleSet, Store};
 use ratelimit_tower::{Admission, AdmittedBy, GlobalKey, RateLimitLayer};
+use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
 /// A minute's start, so that a test's minute window holds all of it.
@@ -273,13 +275,7 @@ async fn a_fallback_slot_still_held_is_taken_in_the_store() {
 async fn slots(handover: bool) {
     let store = Switch::new();
     let app = app(store.clone(), "4 concurrent", handover);
-    store.down.store(true, Ordering::SeqCst);
-    let slow = tokio::spawn(
-        app.clone()
-            .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
-    );
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    store.down.store(false, Ordering::SeqCst);
+    let slow = slow_by_the_fallback(&store, &app).await;
     // Four requests hold their slots at once: the store has room for three.
     let statuses = slow_at_once(&app, 4).await;
     let last = if handover {
@@ -328,13 +324,7 @@ async fn a_fallback_slot_is_taken_in_a_store_that_is_full() {
                     .unwrap()
             })
             .collect();
-        store.down.store(true, Ordering::SeqCst);
-        let slow = tokio::spawn(
-            app.clone()
-                .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        store.down.store(false, Ordering::SeqCst);
+        let slow = slow_by_the_fallback(&store, &app).await;
         // Handed over: the store holds five, or four and the fallback one of its own.
         assert_eq!(send(&app, 1).await, (0, 0), "takes {takes}: full");
         store.store.release_now(&key, others[0]);
@@ -365,16 +355,30 @@ fn pair() -> (Switch, Switch) {
     (a, b)
 }
 
+/// Sends a `/slow` request (300 ms) in a task of its own.
+fn spawn_slow(app: &Router) -> JoinHandle<Result<Response<Body>, Infallible>> {
+    tokio::spawn(
+        app.clone()
+            .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
+    )
+}
+
+/// A `/slow` request the fallback admits while `store` is down; the store answers again
+/// once it runs.
+async fn slow_by_the_fallback(
+    store: &Switch,
+    app: &Router,
+) -> JoinHandle<Result<Response<Body>, Infallible>> {
+    store.down.store(true, Ordering::SeqCst);
+    let slow = spawn_slow(app);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store.down.store(false, Ordering::SeqCst);
+    slow
+}
+
 /// Sends `n` `/slow` requests at once; answers their statuses, sorted.
 async fn slow_at_once(app: &Router, n: usize) -> Vec<StatusCode> {
-    let held: Vec<_> = (0..n)
-        .map(|_| {
-            tokio::spawn(
-                app.clone()
-                    .oneshot(Request::get("/slow").body(Body::empty()).unwrap()),
-            )
-        })
-        .collect();
+    let held: Vec<_> = (0..n).map(|_| spawn_slow(app)).collect();
     let mut statuses = Vec::new();
     for h in held {
         statuses.push(h.await.unwrap().unwrap().status());
@@ -400,9 +404,7 @@ async fn in_the_grace_an_instance_back_leaves_the_others_shares_free() {
         );
         a.down.store(true, Ordering::SeqCst);
         b.down.store(true, Ordering::SeqCst);
-        let first = [app_a.clone(), app_b.clone()].map(|app| {
-            tokio::spawn(app.oneshot(Request::get("/slow").body(Body::empty()).unwrap()))
-        });
+        let first = [&app_a, &app_b].map(spawn_slow);
         tokio::time::sleep(Duration::from_millis(50)).await;
         a.down.store(false, Ordering::SeqCst);
         let statuses = slow_at_once(&app_a, 3).await;

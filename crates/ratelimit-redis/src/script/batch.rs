@@ -122,10 +122,9 @@ impl CheckJob {
 
     /// The edits that undo this check, which `reply` says admitted and charged: its
     /// units given back and its slot released, as jobs of the same key (none when it
-    /// was refused, a peek, or is no check; a take's slot released). For a check whose
-    /// caller stopped waiting
-    /// (a timeout) after it was sent: the caller decided without it (a failure policy),
-    /// so it must not also count in Redis.
+    /// was refused, a peek, or is no check; for a take, its slot released). For a check
+    /// whose caller stopped waiting (a timeout) after it was sent: the caller decided
+    /// without it (a failure policy), so it must not also count in Redis.
     pub(crate) fn undo(&self, reply: &[u8]) -> Vec<CheckJob> {
         // The check's header and rules, to read its reply as any check's is read (an
         // edit's packed value is no check: it is undone by nothing).

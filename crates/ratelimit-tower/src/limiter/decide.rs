@@ -134,22 +134,10 @@ where
         }
         let tier = check.tier.get(&version);
         // A key whose fallback usage waits to be handed to the store is handed over first,
-        // in the check's future.
-        if this
-            .handover
-            .as_ref()
-            .is_some_and(|h| h.is_pending(&check.key))
-        {
-            return Begin::Later(Self::check_later(
-                this,
-                arc_swap::Guard::into_inner(version),
-                check,
-                charged_at,
-                None,
-            ));
-        }
-        // In the grace after an outage the share is asked too, around the store's call.
-        if this.in_grace(|| this.store.now_us()) {
+        // in the check's future; in the grace after an outage the share is asked there
+        // too, around the store's call.
+        let pending = (this.handover.as_ref()).is_some_and(|h| h.is_pending(&check.key));
+        if pending || this.grace_now().is_some() {
             return Begin::Later(Self::check_later(
                 this,
                 arc_swap::Guard::into_inner(version),
@@ -562,13 +550,12 @@ where
     /// hold, which the store decides alone), or the refusal, with the share's fields.
     /// Not remembered by the deny cache: the share binds only until the grace ends.
     fn grace_share(&self, tier: &Tier, check: &Check) -> Result<Option<Share>, Verdict> {
-        if !self.in_grace(|| self.store.now_us()) {
+        let Some(at) = self.grace_now() else {
             return Ok(None);
-        }
+        };
         let (Some(fallback), Some(rules)) = (&self.fallback, &tier.fallback_rules) else {
             return Ok(None);
         };
-        let at = self.store.now_us();
         match fallback.check_now(&check.key, rules, check.cost) {
             Ok(decision) if decision.is_allowed() => Ok(Some(Share {
                 at,

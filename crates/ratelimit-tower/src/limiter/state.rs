@@ -31,7 +31,8 @@ pub(crate) struct Limiter<S, K, C, T> {
     /// fallback policy).
     pub(crate) handover: Option<super::Handover>,
     /// For how long after `last_fallback_us` store admissions must fit the share too, in
-    /// µs (0: not at all).
+    /// µs: 0 without the fallback policy or the handover (whose slot pairs release both
+    /// slots of a request admitted by both), or with the grace switched off.
     pub(crate) grace_us: u64,
     /// When this instance last decided by its fallback, on the store's clock (0: never).
     pub(crate) last_fallback_us: AtomicU64,
@@ -82,21 +83,24 @@ impl<S, K, C, T> Limiter<S, K, C, T> {
         self.charge_when.is_some() || self.refund_refused || self.metering.is_on()
     }
 
-    /// Whether a request the store admits must also fit this instance's share: within
-    /// the grace after the instance last decided by its fallback, or after its store last
-    /// regained its connection (two atomic loads when neither happened), with the
-    /// handover on (whose slot pairs release both slots).
+    /// The store's time when a request the store admits must also fit this instance's
+    /// share: within the grace after the instance last decided by its fallback, or after
+    /// its store last regained its connection; `None` otherwise (one comparison without
+    /// a grace, two atomic loads when neither happened).
     #[inline]
-    pub(crate) fn in_grace(&self, now_us: impl FnOnce() -> u64) -> bool
+    pub(crate) fn grace_now(&self) -> Option<u64>
     where
         S: ratelimit_core::Store,
     {
+        if self.grace_us == 0 {
+            return None;
+        }
         let last =
             (self.last_fallback_us.load(Ordering::Relaxed)).max(self.store.recovered_at_us());
-        last != 0
-            && self.failure_policy == crate::policy::FailurePolicy::Fallback
-            && self.grace_us > 0
-            && self.handover.as_ref().is_some_and(|h| h.enabled)
-            && now_us() < last.saturating_add(self.grace_us)
+        if last == 0 {
+            return None;
+        }
+        let now = self.store.now_us();
+        (now < last.saturating_add(self.grace_us)).then_some(now)
     }
 }
