@@ -41,10 +41,10 @@ const BEFORE: Duration = Duration::from_millis(1_500);
 /// Traffic after the restart: the stores reconnect within about 2 s, and a few 1 s
 /// windows follow.
 const AFTER: Duration = Duration::from_secs(5);
-/// How long a request of the concurrency rule runs.
 /// What the store's clock (a reading of Redis's `TIME`) may be off this test's clock by,
 /// when telling whether an admission fell within its instance's grace.
 const CLOCK_MARGIN_US: u64 = 100_000;
+/// How long a request of the concurrency rule runs.
 const HOLD: Duration = Duration::from_millis(150);
 
 /// Runs one at a time: the timing of one must not starve another on a small machine.
@@ -223,6 +223,9 @@ struct Run {
     entries: Vec<Entry>,
     /// When the kill began.
     down: u64,
+    /// When the killed server had exited: a request sent until then may have been decided
+    /// by it, before the outage.
+    dead: u64,
     /// When the restarted server answered `PING`.
     up: u64,
 }
@@ -308,6 +311,7 @@ async fn run(path: Path, restart: Restart, handover: bool) -> Run {
     }
     let down = clock.now();
     server.stop();
+    let dead = clock.now();
     late_go.store(true, Ordering::Relaxed);
     tokio::time::sleep(OUTAGE).await;
     tokio::task::block_in_place(|| server.restart());
@@ -326,7 +330,12 @@ async fn run(path: Path, restart: Restart, handover: bool) -> Run {
         task.await.unwrap();
     }
     let entries = ledger.lock().unwrap().clone();
-    Run { entries, down, up }
+    Run {
+        entries,
+        down,
+        dead,
+        up,
+    }
 }
 
 /// What one key's admissions in one window (or interval) are made of.
@@ -334,7 +343,8 @@ async fn run(path: Path, restart: Restart, handover: bool) -> Run {
 struct Parts {
     /// Admissions that certainly fell in it (sent and handled inside).
     certain: u64,
-    /// Decided by the store before the outage, possibly inside.
+    /// Decided by the store before the outage (sent before the killed server had exited),
+    /// possibly inside.
     store_before: u64,
     /// Decided by a fallback, possibly inside, per instance, before the store first
     /// admitted the key again.
@@ -395,10 +405,14 @@ fn switches(entries: &[&Entry], up: u64) -> [Option<u64>; INSTANCES] {
     switched
 }
 
-/// The fallback admissions of `parts` the store had not been handed when it admitted
-/// inside: those made once Redis answered again, and those of instances that switched
-/// back after the store's first admission inside.
-fn pending(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
+/// The `lag` of a window: the fallback admissions of `parts` the store had not been
+/// handed when it admitted inside (those made once Redis answered again, and those of
+/// instances that switched back after the store's first admission inside), when a store
+/// admission inside may have been decided past its instance's grace; else none.
+fn lagging(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
+    if !parts.unguarded {
+        return 0;
+    }
     parts.lag
         + (0..INSTANCES)
             .filter(|&i| match (switched[i], parts.first_store_after) {
@@ -407,16 +421,6 @@ fn pending(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
             })
             .map(|i| parts.fallback[i])
             .sum::<u64>()
-}
-
-/// The `lag` of a window: what `pending` says, when a store admission in it may have been
-/// decided past its instance's grace; else none.
-fn lagging(parts: &Parts, switched: &[Option<u64>; INSTANCES]) -> u64 {
-    if parts.unguarded {
-        pending(parts, switched)
-    } else {
-        0
-    }
 }
 
 /// When the store first admitted the key after the outage, for any instance, and for
@@ -430,7 +434,8 @@ fn first_store(entries: &[&Entry], up: u64) -> (u64, usize) {
         .unwrap_or((u64::MAX, INSTANCES))
 }
 
-fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64, grace: &Grace) -> Parts {
+fn parts_in(entries: &[&Entry], from: u64, to: u64, run: &Run, grace: &Grace) -> Parts {
+    let (dead, up) = (run.dead, run.up);
     let mut parts = Parts::default();
     for e in entries {
         let certain = e.sent >= from && e.at < to;
@@ -442,7 +447,7 @@ fn parts_in(entries: &[&Entry], from: u64, to: u64, down: u64, up: u64, grace: &
             continue;
         }
         match e.by {
-            AdmittedBy::Store if e.sent <= down => parts.store_before += 1,
+            AdmittedBy::Store if e.sent <= dead => parts.store_before += 1,
             AdmittedBy::Store if e.sent >= up => {
                 parts.unguarded |= !grace.guarded(e);
                 let t = (e.sent.max(from), e.instance);
@@ -499,7 +504,7 @@ fn check(run: &Run) -> (Vec<String>, String) {
                 let last = entries.iter().map(|e| e.at).max().unwrap() / period;
                 for w in first..=last {
                     let (from, to) = (w * period, (w + 1) * period);
-                    let parts = parts_in(entries, from, to, down, up, &grace);
+                    let parts = parts_in(entries, from, to, run, &grace);
                     let before = if to > down { parts.store_before } else { 0 };
                     let pend = lagging(&parts, &switched);
                     let bound = limit + before + pend;
@@ -521,7 +526,7 @@ fn check(run: &Run) -> (Vec<String>, String) {
                 for (i, a) in sorted.iter().enumerate() {
                     for b in &sorted[i..] {
                         let (from, to) = (a.sent, b.at + 1);
-                        let parts = parts_in(entries, from, to, down, up, &grace);
+                        let parts = parts_in(entries, from, to, run, &grace);
                         let rate = ((to - from) * limit).div_ceil(kind.period_us());
                         let before = if to > down { parts.store_before } else { 0 };
                         let pend = lagging(&parts, &switched);
@@ -549,7 +554,7 @@ fn check(run: &Run) -> (Vec<String>, String) {
                         entries.iter().filter(|o| o.at <= t && t < o.end).collect();
                     let before = running
                         .iter()
-                        .filter(|o| o.by == AdmittedBy::Store && o.sent <= down)
+                        .filter(|o| o.by == AdmittedBy::Store && o.sent <= run.dead)
                         .count() as u64;
                     // Only beside a store admission past its instance's grace.
                     let unguarded = running
