@@ -342,12 +342,16 @@ fn write_carried(
 /// the writes that happened).
 fn delete(ctx: &Context, key: &redis_module::key::RedisKeyWritable, name: &RedisString) {
     if key.delete().is_ok() {
+        crate::keyspace::replicate_writes(ctx);
         ctx.replicate("DEL", &[name][..]);
     }
 }
 
 /// Runs a write command whose effect is replicated (the `!` flag of `RM_Call`).
+/// The state writes made before it are replicated first, so that a replica applies
+/// them in the primary's order.
 pub(crate) fn replicated(ctx: &Context, command: &str, args: &[&[u8]]) -> Result<(), String> {
+    crate::keyspace::replicate_writes(ctx);
     let options = CallOptionsBuilder::new()
         .replicate()
         .errors_as_replies()

@@ -8,7 +8,7 @@ use redis_module::{Context, RedisError, RedisResult, RedisString, RedisValue};
 use smallvec::SmallVec;
 
 use crate::check::{args_error, check_one, decide_one, read_check, server_now_us, Keys};
-use crate::keyspace::{exists_here, hash_tag, served, StableSlots};
+use crate::keyspace::{exists_here, hash_tag, replicate_writes, served, StableSlots};
 use crate::{edits, once};
 
 /// Runs `f`, a panic in it turned into an error message: a bug in one check must not
@@ -666,12 +666,15 @@ fn stats_unguarded(_: &Context, _: Vec<RedisString>) -> RedisResult {
 }
 
 /// The commands as Redis calls them: each the function of the same name with
-/// `_unguarded`, run inside [`boundary`].
+/// `_unguarded`, run inside [`boundary`], its state writes replicated when it ends
+/// (whatever its reply: what it wrote stays written).
 macro_rules! at_the_boundary {
     ($($name:ident => $inner:ident),* $(,)?) => {$(
         #[allow(clippy::needless_pass_by_value)] // the signature `redis_module!` calls
         pub(crate) fn $name(ctx: &Context, args: Vec<RedisString>) -> RedisResult {
-            boundary(|| $inner(ctx, args))
+            let reply = boundary(|| $inner(ctx, args));
+            replicate_writes(ctx);
+            reply
         }
     )*};
 }

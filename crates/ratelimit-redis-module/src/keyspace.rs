@@ -1,19 +1,24 @@
 //! A limiter key (a check's state, a block marker), read and written through the parts
 //! of Redis's key API that the `redis-module` crate does not wrap: the hot path of every
 //! committed check, and the one way the module writes a limiter key (checks, refunds and
-//! blocks alike, each replicated as a `SET` with its expiry: `PXAT`, `KEEPTTL` or none);
-//! and a Cluster node's answer to whether it serves a check's slot.
+//! blocks alike); their replication; and a Cluster node's answer to whether it serves a
+//! check's slot.
 //!
 //! The crate's `RedisKeyWritable` writes a string through `StringTruncate` and a second
 //! `StringDMA` (a new key: an object and its buffer allocated, then copied into), sets a
 //! relative expiry only, and its `Context::replicate` copies every argument into a new
 //! Redis string and builds the argument vector by reallocation. Here a new value is one
-//! Redis string handed to the key and to the replicated command alike (`StringSet`), an
-//! existing value is rewritten in place (resized first when its length changes), the
+//! Redis string set on the key (`StringSet`), an
+//! existing value is rewritten in place (resized first when its length changes), and the
 //! expiry is the absolute one the replicas receive (`SetAbsExpire`: primary and
-//! replicas expire the key at the same millisecond), and `RedisModule_Replicate` gets its arguments as they are (`sbsl`).
-//! Together they cut what a write costs the server by a quarter, and a committed check's
-//! whole cost by a fifth (new keys) to 29 % (keys checked again; BENCHMARKS.md).
+//! replicas expire the key at the same millisecond).
+//!
+//! A command's state writes are replicated together when it ends, as one `EVAL` of a
+//! fixed script that runs `SET key value PXAT at` (or `KEEPTTL`, or no expiry) for each,
+//! in order ([`replicate_writes`]): the replicas and the AOF get the writes' effects, as
+//! with a `SET` each, and need no module. A `SET` replicated per write cost the server a
+//! lookup of the command by name and a new vector of arguments each time, about a
+//! quarter of a committed check (BENCHMARKS.md).
 //!
 //! This is the module's one place of `unsafe` besides its registration: each block calls
 //! one function of Redis's module API on a key this type keeps open or a string its
@@ -25,6 +30,7 @@ use std::os::raw::{c_char, c_longlong};
 use std::ptr;
 
 use redis_module::{raw, Context, KeyType, RedisString};
+use smallvec::SmallVec;
 
 thread_local! {
     /// The `PXAT` of every replicated `SET`, referenced rather than created per write.
@@ -37,8 +43,8 @@ thread_local! {
 
 /// A key opened for reading and writing, closed when dropped.
 pub(crate) struct StateKey<'a> {
-    ctx: &'a Context,
     key: *mut raw::RedisModuleKey,
+    _ctx: std::marker::PhantomData<&'a Context>,
 }
 
 impl<'a> StateKey<'a> {
@@ -48,7 +54,10 @@ impl<'a> StateKey<'a> {
             name.inner,
             raw::KeyMode::READ | raw::KeyMode::WRITE,
         );
-        StateKey { ctx, key }
+        StateKey {
+            key,
+            _ctx: std::marker::PhantomData,
+        }
     }
 
     pub(crate) fn key_type(&self) -> KeyType {
@@ -93,16 +102,15 @@ impl<'a> StateKey<'a> {
             other => other,
         };
         let mut kept = None;
-        let rewritten = match self.buffer_of_len(value.len()) {
+        let replaced = match self.buffer_of_len(value.len()) {
             // The common case, a key checked again: its buffer rewritten (resized first
             // when a slot was taken or freed), nothing allocated for the key, its expiry
             // untouched.
             Some(buffer) => {
                 buffer.copy_from_slice(value);
-                None
+                false
             }
-            // A new key, or one of another type: one string for the key and the
-            // replicated command.
+            // A new key, or one of another type: a new string.
             None => {
                 // `StringSet` replaces the key, expiry included: one to keep is read first.
                 if expiry == Expiry::Kept {
@@ -112,22 +120,16 @@ impl<'a> StateKey<'a> {
                 if raw::string_set(self.key, string.inner) != raw::Status::Ok {
                     return Err("RLSTATE the state could not be written".to_owned());
                 }
-                Some(string)
+                true
             }
         };
-        let value = match &rewritten {
-            Some(string) => Value::String(string),
-            None => Value::Bytes(value),
-        };
-        if replicate_set(self.ctx, name, value, expiry) != raw::Status::Ok as i32 {
-            return Err("RLSTATE the state's write could not be replicated".to_owned());
-        }
+        defer_set(name, value, expiry);
         let at = match expiry {
             Expiry::At(at_ms) | Expiry::AtLeast(at_ms) => {
                 c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX)
             }
-            Expiry::Kept => match (kept, &rewritten) {
-                (Some(at), Some(_)) => at,
+            Expiry::Kept => match (kept, replaced) {
+                (Some(at), true) => at,
                 _ => return Ok(()),
             },
             Expiry::Never => {
@@ -209,86 +211,188 @@ pub(crate) enum Expiry {
     AtLeast(u64),
 }
 
-/// The value of a replicated `SET`: the string the key now holds, or the bytes of a
-/// value rewritten in place.
-enum Value<'a> {
-    String(&'a RedisString),
-    Bytes(&'a [u8]),
+/// The script a replica runs for a command's state writes: for each key, in order,
+/// `SET key value` with `PXAT` the time after the value, `KEEPTTL` for `k`, or no
+/// expiry for an empty one. The values and times come in one argument, each a value's
+/// and a time's lengths (two 4-byte little-endian numbers) and their bytes. Replicas,
+/// the AOF and every server without the module run it alike.
+const WRITES_SCRIPT: &[u8] = b"local writes, at = ARGV[1], 1 \
+for _, key in ipairs(KEYS) do \
+local n, m, from = struct.unpack('<I4I4', writes, at) \
+local value, expiry = writes:sub(from, from + n - 1), writes:sub(from + n, from + n + m - 1) \
+at = from + n + m \
+if expiry == 'k' then redis.call('SET', key, value, 'KEEPTTL') \
+elseif expiry == '' then redis.call('SET', key, value) \
+else redis.call('SET', key, value, 'PXAT', expiry) end end";
+
+/// A string this module holds a reference to, freed when dropped.
+struct Held(*mut raw::RedisModuleString);
+
+impl Held {
+    /// A new reference to `string`.
+    fn of(string: *mut raw::RedisModuleString) -> Self {
+        // SAFETY: the module API's function pointers are written once, when Redis loads
+        // the module, before any command runs; `string` is a live Redis string, whose
+        // count of references RM_RetainString (context NULL) raises by one.
+        unsafe {
+            raw::RedisModule_RetainString.expect("RedisModule_RetainString")(
+                ptr::null_mut(),
+                string,
+            );
+        }
+        Held(string)
+    }
 }
 
-/// Replicates `SET name value` with `expiry`'s option, the arguments as they are.
-fn replicate_set(ctx: &Context, name: &RedisString, value: Value<'_>, expiry: Expiry) -> i32 {
-    // SAFETY: the module API's function pointers are written once, when Redis loads the
-    // module, before any command runs.
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` holds one reference of this module's, given up here once.
+        unsafe {
+            raw::RedisModule_FreeString.expect("RedisModule_FreeString")(ptr::null_mut(), self.0);
+        }
+    }
+}
+
+/// The state writes of the running command, not yet replicated: their keys, and their
+/// values and expiries as [`WRITES_SCRIPT`] reads them. Kept across commands, so that
+/// its buffers are allocated once.
+#[derive(Default)]
+struct Writes {
+    keys: Vec<Held>,
+    values: Vec<u8>,
+}
+
+thread_local! {
+    /// Commands run on Redis's main thread, one at a time: what the running one wrote.
+    static WRITES: std::cell::RefCell<Writes> = std::cell::RefCell::default();
+    /// [`WRITES_SCRIPT`], referenced rather than created per command; never freed, as
+    /// `PXAT`.
+    static SCRIPT: std::mem::ManuallyDrop<RedisString> = std::mem::ManuallyDrop::new(
+        RedisString::create_from_slice(ptr::null_mut(), WRITES_SCRIPT),
+    );
+}
+
+/// Keeps the write of `name` for [`replicate_writes`] at the command's end.
+fn defer_set(name: &RedisString, value: &[u8], expiry: Expiry) {
+    let mut digits = [0; 20];
+    let expiry: &[u8] = match expiry {
+        Expiry::At(at_ms) | Expiry::AtLeast(at_ms) => decimal(at_ms, &mut digits),
+        Expiry::Kept => b"k",
+        Expiry::Never => b"",
+    };
+    let key = Held::of(name.inner);
+    WRITES.with_borrow_mut(|writes| {
+        writes.keys.push(key);
+        for part in [value, expiry] {
+            let len = u32::try_from(part.len()).expect("a state is far below 4 GiB");
+            writes.values.extend_from_slice(&len.to_le_bytes());
+        }
+        writes.values.extend_from_slice(value);
+        writes.values.extend_from_slice(expiry);
+    });
+}
+
+/// `n` in decimal, written at the end of `digits`.
+fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + u8::try_from(n % 10).expect("a digit");
+        n /= 10;
+        if n == 0 {
+            return &digits[at..];
+        }
+    }
+}
+
+/// Replicates the state writes the running command made so far, in the order it made
+/// them, as one `EVAL` of [`WRITES_SCRIPT`]: where a `SET` each costs the server a
+/// lookup of the command by name and a vector of new strings per write (about a fifth
+/// of a committed check, BENCHMARKS.md), these cost it one lookup and two strings per
+/// command. Called when a command ends, and before any other write is replicated, so
+/// that replicas apply every write in the primary's order. Where the server has no
+/// `EVAL` to replicate (renamed away), each write goes as its own `SET`.
+pub(crate) fn replicate_writes(ctx: &Context) {
+    WRITES.with_borrow_mut(|writes| {
+        if writes.keys.is_empty() {
+            return;
+        }
+        replicate_all(ctx, writes);
+        writes.keys.clear();
+        writes.values.clear();
+    });
+}
+
+fn replicate_all(ctx: &Context, writes: &Writes) {
+    // SAFETY: as in `Held::of`.
     let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
-    let ctx = ctx.get_raw();
+    let raw_ctx = ctx.get_raw();
+    let keys: SmallVec<[_; 64]> = writes.keys.iter().map(|key| key.0).collect();
+    // SAFETY: the format `slvb` takes a RedisModuleString* (the script), a long long
+    // (the number of keys), a vector (a pointer to RedisModuleString*s and their count),
+    // then a buffer (a pointer and its length, copied into a new string); every string
+    // and the buffer are alive for the call, and Redis takes references of its own.
+    let status = SCRIPT.with(|script| unsafe {
+        replicate(
+            raw_ctx,
+            c"EVAL".as_ptr(),
+            c"slvb".as_ptr(),
+            script.inner,
+            c_longlong::try_from(keys.len()).unwrap_or(c_longlong::MAX),
+            keys.as_ptr(),
+            keys.len(),
+            writes.values.as_ptr().cast::<c_char>(),
+            writes.values.len(),
+        )
+    });
+    if status == raw::Status::Ok as i32 {
+        return;
+    }
+    let mut rest = writes.values.as_slice();
+    for key in &keys {
+        let len =
+            |bytes: &[u8]| u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")) as usize;
+        let (n, m) = (len(rest), len(&rest[4..]));
+        let (value, expiry) = rest[8..8 + n + m].split_at(n);
+        rest = &rest[8 + n + m..];
+        if replicate_set(raw_ctx, *key, value, expiry) != raw::Status::Ok as i32 {
+            ctx.log_warning("ratelimit: a state's write could not be replicated");
+        }
+    }
+}
+
+/// Replicates `SET name value` with `expiry`'s option: `PXAT expiry`, `KEEPTTL` for
+/// `k`, nothing for an empty one.
+fn replicate_set(
+    ctx: *mut raw::RedisModuleCtx,
+    name: *mut raw::RedisModuleString,
+    value: &[u8],
+    expiry: &[u8],
+) -> i32 {
+    // SAFETY: as in `Held::of`.
+    let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
     let set = c"SET".as_ptr();
+    let (v, n) = (value.as_ptr().cast::<c_char>(), value.len());
     // SAFETY, for each call below: its format names what follows it, in order: `s` a
     // RedisModuleString* (Redis takes a reference), `b` a buffer as a pointer and its
-    // length (copied into a new string), `l` a long long; every string and buffer is
+    // length (copied into a new string), `c` a C string; every string and buffer is
     // alive for the call.
-    match (value, expiry) {
-        (Value::Bytes(bytes), Expiry::At(at_ms) | Expiry::AtLeast(at_ms)) => {
-            PXAT.with(|pxat| unsafe {
-                replicate(
-                    ctx,
-                    set,
-                    c"sbsl".as_ptr(),
-                    name.inner,
-                    bytes.as_ptr().cast::<c_char>(),
-                    bytes.len(),
-                    pxat.inner,
-                    c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
-                )
-            })
-        }
-        (Value::String(string), Expiry::At(at_ms) | Expiry::AtLeast(at_ms)) => {
-            PXAT.with(|pxat| unsafe {
-                replicate(
-                    ctx,
-                    set,
-                    c"sssl".as_ptr(),
-                    name.inner,
-                    string.inner,
-                    pxat.inner,
-                    c_longlong::try_from(at_ms).unwrap_or(c_longlong::MAX),
-                )
-            })
-        }
-        (Value::Bytes(bytes), Expiry::Kept) => unsafe {
+    match expiry {
+        b"k" => unsafe { replicate(ctx, set, c"sbc".as_ptr(), name, v, n, c"KEEPTTL".as_ptr()) },
+        b"" => unsafe { replicate(ctx, set, c"sb".as_ptr(), name, v, n) },
+        at => PXAT.with(|pxat| unsafe {
             replicate(
                 ctx,
                 set,
-                c"sbc".as_ptr(),
-                name.inner,
-                bytes.as_ptr().cast::<c_char>(),
-                bytes.len(),
-                c"KEEPTTL".as_ptr(),
+                c"sbsb".as_ptr(),
+                name,
+                v,
+                n,
+                pxat.inner,
+                at.as_ptr().cast::<c_char>(),
+                at.len(),
             )
-        },
-        (Value::String(string), Expiry::Kept) => unsafe {
-            replicate(
-                ctx,
-                set,
-                c"ssc".as_ptr(),
-                name.inner,
-                string.inner,
-                c"KEEPTTL".as_ptr(),
-            )
-        },
-        (Value::Bytes(bytes), Expiry::Never) => unsafe {
-            replicate(
-                ctx,
-                set,
-                c"sb".as_ptr(),
-                name.inner,
-                bytes.as_ptr().cast::<c_char>(),
-                bytes.len(),
-            )
-        },
-        (Value::String(string), Expiry::Never) => unsafe {
-            replicate(ctx, set, c"ss".as_ptr(), name.inner, string.inner)
-        },
+        }),
     }
 }
 

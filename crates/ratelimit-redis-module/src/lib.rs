@@ -88,9 +88,13 @@
 //!
 //! # What it does like the Lua functions, and how
 //!
-//! The writes go through the key API and are replicated as their effects (`SET .. PXAT`,
-//! `DEL`, the sliding log's `LPUSH`/`LTRIM`/`PEXPIREAT`), never as the command, whose
-//! result depends on the clock: a replica and the AOF hold what the primary holds. The
+//! The writes go through the key API and are replicated as their effects, never as the
+//! command, whose result depends on the clock: a command's state writes as one `EVAL` of
+//! a fixed script that sets each key as the primary did (`SET .. PXAT`, `KEEPTTL`), and
+//! the rest as they happen (`DEL`, the sliding log's `LPUSH`/`LTRIM`/`PEXPIREAT`), in the
+//! primary's order. A replica and the AOF hold what the primary holds, and a replica
+//! needs no module to hold it (only `EVAL`, which every Redis and Valkey runs; a
+//! primary whose `EVAL` is renamed away replicates a `SET` per write). The
 //! commands are flagged `write deny-oom`, so a server at `maxmemory` refuses them as it
 //! refuses the Lua functions. The clock is the server's: the realtime clock Redis's
 //! `TIME` reads. A panic in a check is caught at the boundary and answered as that

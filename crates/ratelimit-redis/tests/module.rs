@@ -600,57 +600,77 @@ async fn sixty_four_kib_keys_are_decided() {
 /// goes on from where the primary was.
 #[tokio::test]
 async fn a_replica_holds_what_the_primary_decided() {
-    replica_holds_what_the_primary_decided(ServerKind::Redis).await;
+    replica_holds_what_the_primary_decided(ServerKind::Redis, true, &[]).await;
 }
 
 /// The same on Valkey, whose replication of a module's effects is its own code.
 #[tokio::test]
 async fn a_valkey_replica_holds_what_the_primary_decided() {
-    replica_holds_what_the_primary_decided(ServerKind::Valkey).await;
+    replica_holds_what_the_primary_decided(ServerKind::Valkey, true, &[]).await;
 }
 
-async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
-    let module = module_file();
-    let module = module.to_string_lossy();
-    let primary = RedisServer::start_kind_with(kind, &["--loadmodule", &module]);
-    let replica = RedisServer::start_kind_with(
-        kind,
-        &[
-            "--loadmodule",
-            &module,
-            "--replicaof",
-            "127.0.0.1",
-            &primary.port().to_string(),
-        ],
-    );
-    // The replica has synced before the primary decides anything.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !replica
-        .command("INFO replication")
-        .unwrap_or_default()
-        .contains("master_link_status:up")
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the replica did not sync"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let store = RedisStore::builder()
-        .prefix("rep")
-        .timeout(Duration::from_secs(5))
-        .build(&primary.url())
-        .await
+/// A replica without the module holds the same: the writes reach it as commands every
+/// server runs, and a store on it after a failover goes on with the Lua functions.
+#[tokio::test]
+async fn a_replica_without_the_module_holds_what_the_primary_decided() {
+    replica_holds_what_the_primary_decided(ServerKind::Redis, false, &[]).await;
+    replica_holds_what_the_primary_decided(ServerKind::Valkey, false, &[]).await;
+}
+
+/// A primary whose `EVAL` is renamed away replicates each write as a `SET` of its own,
+/// and its replica holds the same.
+#[tokio::test]
+async fn a_primary_without_eval_replicates_each_write() {
+    let renamed = ["--rename-command", "EVAL", ""];
+    replica_holds_what_the_primary_decided(ServerKind::Redis, false, &renamed).await;
+}
+
+/// Every key under `prefix` on `con`: its value (a list's items, or a string) and its
+/// expiry in ms since the epoch.
+fn dump_keys(con: &mut redis::Connection, prefix: &str) -> Vec<(String, Value, i64)> {
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query(con)
         .unwrap();
-    wait_connected(&store).await;
-    assert!(store.uses_module());
+    keys.sort();
+    keys.into_iter()
+        .map(|key| {
+            let kind: String = redis::cmd("TYPE").arg(&key).query(con).unwrap();
+            let value = if kind == "list" {
+                redis::cmd("LRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(-1)
+                    .query(con)
+                    .unwrap()
+            } else {
+                redis::cmd("GET").arg(&key).query(con).unwrap()
+            };
+            let at: i64 = redis::cmd("PEXPIRETIME").arg(&key).query(con).unwrap();
+            (key, value, at)
+        })
+        .collect()
+}
+
+/// What a store on a primary writes, through every kind of write the module makes: 64
+/// keys checked at once (batches of many keys, a sliding log among their rules, a
+/// denial), a block, a charge given back, slots taken and one freed.
+async fn decide_some(store: &RedisStore) -> (RuleSet, RuleSet) {
     let rules: RuleSet = "5/min gcra burst=5; 3/min sliding-log".parse().unwrap();
     for _ in 0..3 {
         assert!(store.check(b"k", &rules, 1).await.unwrap().is_allowed());
     }
     assert!(!store.check(b"k", &rules, 1).await.unwrap().is_allowed());
-    // A block and a charge given back (the module's RATELIMIT.BLOCK and GIVE_BACK)
-    // replicate too.
+    let many = (0..64).map(|i| {
+        let (key, rules) = (format!("many-{}", i % 16), &rules);
+        async move { store.check(key.as_bytes(), rules, 1).await.unwrap() }
+    });
+    let admitted = futures::future::join_all(many)
+        .await
+        .iter()
+        .filter(|d| d.is_allowed())
+        .count();
+    assert_eq!(admitted, 16 * 3);
     store
         .block(b"b", Some(Duration::from_secs(600)))
         .await
@@ -672,36 +692,59 @@ async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
         held.push(decision.slot().expect("a slot"));
     }
     assert!(store.release(b"c", &slots, held[1]).await.unwrap());
+    (rules, refunded)
+}
+
+async fn replica_holds_what_the_primary_decided(
+    kind: ServerKind,
+    replica_module: bool,
+    primary_args: &[&str],
+) {
+    let module = module_file();
+    let module = module.to_string_lossy();
+    let mut args = vec!["--loadmodule", &module];
+    args.extend(primary_args);
+    let primary = RedisServer::start_kind_with(kind, &args);
+    let port = primary.port().to_string();
+    let mut replica_args = vec!["--replicaof", "127.0.0.1", &port];
+    if replica_module {
+        replica_args.extend(["--loadmodule", &module]);
+    }
+    let replica = RedisServer::start_kind_with(kind, &replica_args);
+    // The replica has synced before the primary decides anything.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !replica
+        .command("INFO replication")
+        .unwrap_or_default()
+        .contains("master_link_status:up")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica did not sync"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let store = RedisStore::builder()
+        .prefix("rep")
+        .timeout(Duration::from_secs(5))
+        .build(&primary.url())
+        .await
+        .unwrap();
+    wait_connected(&store).await;
+    assert!(store.uses_module());
+    let (rules, refunded) = decide_some(&store).await;
     let mut p = common::conn(&primary.url());
     let mut r = common::conn(&replica.url());
     let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
     assert_eq!(acked, 1, "the replica acknowledged the writes");
-    let mut keys: Vec<String> = redis::cmd("KEYS").arg("rep:*").query(&mut p).unwrap();
-    keys.sort();
-    assert_eq!(keys.len(), 5, "{keys:?}");
-    for key in &keys {
-        let dump = |con: &mut redis::Connection| -> (Value, i64) {
-            let kind: String = redis::cmd("TYPE").arg(key).query(con).unwrap();
-            let value = if kind == "list" {
-                redis::cmd("LRANGE")
-                    .arg(key)
-                    .arg(0)
-                    .arg(-1)
-                    .query(con)
-                    .unwrap()
-            } else {
-                redis::cmd("GET").arg(key).query(con).unwrap()
-            };
-            (
-                value,
-                redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap(),
-            )
-        };
-        let (on_primary, on_replica) = (dump(&mut p), dump(&mut r));
-        assert_ne!(on_primary.0, Value::Nil, "{key}");
-        assert_eq!(on_primary, on_replica, "{key}");
-        assert!(on_replica.1 > 0, "{key} expires");
+    let on_primary = dump_keys(&mut p, "rep");
+    // 5 keys of their own, 16 keys of the 64 checks, each a state and a log.
+    assert_eq!(on_primary.len(), 5 + 16 * 2, "{on_primary:?}");
+    for (key, value, at) in &on_primary {
+        assert_ne!(*value, Value::Nil, "{key}");
+        assert!(*at > 0, "{key} expires");
     }
+    assert_eq!(on_primary, dump_keys(&mut r, "rep"));
     // Fail over: the replica becomes the primary, and the limit holds there.
     let _: Value = redis::cmd("REPLICAOF")
         .arg("NO")
@@ -715,13 +758,55 @@ async fn replica_holds_what_the_primary_decided(kind: ServerKind) {
         .await
         .unwrap();
     wait_connected(&promoted).await;
-    assert!(promoted.uses_module());
+    assert_eq!(promoted.uses_module(), replica_module);
     assert!(!promoted.check(b"k", &rules, 1).await.unwrap().is_allowed());
+    assert!(!promoted
+        .check(b"many-3", &rules, 1)
+        .await
+        .unwrap()
+        .is_allowed());
     let blocked = promoted.check(b"b", &rules, 1).await.unwrap();
     assert_eq!(blocked.outcome(), ratelimit_core::Outcome::Blocked);
     // 3 charged, 2 given back: 4 of 5 left.
     let left = promoted.check(b"r", &refunded, 0).await.unwrap();
     assert_eq!(left.rules()[0].remaining, 4);
+}
+
+/// The AOF holds what the module wrote: a server that reloads its AOF holds the same
+/// keys, values and expiries.
+#[tokio::test]
+async fn the_aof_holds_what_the_module_decided() {
+    let module = module_file();
+    let module = module.to_string_lossy();
+    for kind in [ServerKind::Redis, ServerKind::Valkey] {
+        let server = RedisServer::start_kind_with(
+            kind,
+            &[
+                "--loadmodule",
+                &module,
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--enable-debug-command",
+                "yes",
+            ],
+        );
+        let store = RedisStore::builder()
+            .prefix("aof")
+            .timeout(Duration::from_secs(5))
+            .build(&server.url())
+            .await
+            .unwrap();
+        wait_connected(&store).await;
+        assert!(store.uses_module());
+        decide_some(&store).await;
+        let mut con = common::conn(&server.url());
+        let before = dump_keys(&mut con, "aof");
+        assert_eq!(before.len(), 5 + 16 * 2, "{before:?}");
+        let _: Value = redis::cmd("DEBUG").arg("LOADAOF").query(&mut con).unwrap();
+        assert_eq!(before, dump_keys(&mut con, "aof"), "{}", kind.name());
+    }
 }
 
 /// A state cut short or grown by a few bytes (a partial write by hand, another tool):
