@@ -11,7 +11,7 @@ use ratelimit_core::algo::{self, RuleState};
 use ratelimit_core::packed::{self, Header, PackedRules};
 use redis_module::key::KeyFlags;
 
-use crate::keyspace::{Expiry, StateKey};
+use crate::keyspace::{may_exist, Expiry, StateKey};
 use redis_module::{CallOptionsBuilder, CallReply, CallResult, Context, KeyType, RedisString};
 
 /// The rule sets seen lately, by their packed bytes: building one (validation, the
@@ -161,12 +161,15 @@ pub(crate) fn decide_one(
     let now = header.now.unwrap_or(server_now);
     let mut discarded = false;
 
-    // Blocks come first: a blocked key consults no rule. Most keys have none: opened
-    // for reading, a missing key costs a lookup and nothing else (a key opened for
-    // writing is allocated, and signalled as modified when closed). A value of another
-    // type reads as no marker and stays, as for `MGET` in Lua.
-    let block = ctx.open_key_with_flags(keys.block, KeyFlags::NOTOUCH);
-    if block.key_type() == KeyType::String {
+    // Blocks come first: a blocked key consults no rule. Most keys have none: asked
+    // whether it exists, a missing key costs a lookup and nothing else (opened, even
+    // for reading, it is allocated and freed too; for writing, signalled as modified
+    // when closed). A value of another type reads as no marker and stays, as for `MGET`
+    // in Lua.
+    let block = may_exist(ctx, keys.block)
+        .then(|| ctx.open_key_with_flags(keys.block, KeyFlags::NOTOUCH))
+        .filter(|block| block.key_type() == KeyType::String);
+    if let Some(block) = block {
         let until = {
             let marker = block.read().map_err(|e| e.to_string())?.unwrap_or_default();
             if marker == b"inf" {

@@ -119,7 +119,7 @@ fn entry_one(
             Some(keys.block),
             keys.state,
             keys.log,
-            packed_value,
+            &edits::read_edit(packed_value)?,
             None,
             out,
         );
@@ -307,12 +307,15 @@ fn compact_checks(
     let mut out = Vec::with_capacity(states.len() * 48);
     let mut reads: SmallVec<[Option<Result<_, String>>; 4]> =
         std::iter::repeat_with(|| None).take(packs.len()).collect();
+    let mut edit_reads: SmallVec<[Option<Result<_, String>>; 4]> =
+        std::iter::repeat_with(|| None).take(packs.len()).collect();
     let mut scratch = Vec::new();
     let edits = crate::protocol() >= 5;
     for (state, r) in states.iter().zip(refs) {
         let start = out.len();
         let pack = packs[r.pack].as_slice();
         if edits && edits::is_edit(pack) {
+            let read = edit_reads[r.pack].get_or_insert_with(|| edits::read_edit(pack));
             let edited = guarded(|| {
                 let name = state.as_slice();
                 if !is_state_name(name) {
@@ -337,12 +340,13 @@ fn compact_checks(
                     }
                 }
                 let number = r.deadline.unwrap_or(0);
+                let read = read.as_ref().map_err(Clone::clone)?;
                 edits::edit_one(
                     ctx,
                     block.as_ref(),
                     state,
                     log.as_ref(),
-                    pack,
+                    read,
                     Some(number),
                     &mut out,
                 )

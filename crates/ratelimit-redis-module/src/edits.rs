@@ -5,10 +5,12 @@
 //! (a fallback's admission handed over), which has no command of its own and is answered
 //! `{4, slot}`.
 
-use ratelimit_core::packed::{self, Edit, Header};
+use std::rc::Rc;
+
+use ratelimit_core::packed::{self, Edit, Header, PackedRules};
 use redis_module::{Context, RedisString};
 
-use crate::check::args_error;
+use crate::check::{args_error, rules_of};
 use crate::refund::Leased;
 
 /// Whether a batch's packed value is an edit rather than a check: read before the
@@ -23,10 +25,40 @@ pub(crate) fn is_block(packed_value: &[u8]) -> bool {
     packed::value(packed_value, 0).is_some_and(|first| first / 2 == 6)
 }
 
-/// Runs the edit `packed_value` on the state `state` (and the sliding log `log`, for a
-/// settle under rules with one; the block marker `block`, for a block) and appends its
-/// reply; an `Err` is the message of its failure entry, with nothing appended. `number`
-/// is the edit's own number as a compact batch's `refs` carry it (in place of a check's
+/// An edit's packed value as read: the edit, its header, its rules' bytes, and the rules
+/// themselves for an edit that charges or gives back under them (a give-back, debt, a
+/// take). Read once per distinct packed value of a compact batch, where the edits of
+/// one rule set share it as checks do.
+pub(crate) struct ReadEdit<'a> {
+    edit: Edit,
+    header: Header,
+    rule_bytes: &'a [u8],
+    rules: Option<Rc<PackedRules>>,
+}
+
+/// Reads the edit `packed_value`; an `Err` is the message of its failure entry.
+pub(crate) fn read_edit(packed_value: &[u8]) -> Result<ReadEdit<'_>, String> {
+    let Some((edit, header, rule_bytes)) =
+        packed::parse_edit(packed_value).map_err(|e| args_error(&e))?
+    else {
+        return Err(args_error(&"a batch's edit is not an edit"));
+    };
+    let rules = match edit {
+        Edit::GiveBack { .. } | Edit::Debit | Edit::Take => Some(rules_of(rule_bytes, &header)?),
+        _ => None,
+    };
+    Ok(ReadEdit {
+        edit,
+        header,
+        rule_bytes,
+        rules,
+    })
+}
+
+/// Runs the edit `read` on the state `state` (and the sliding log `log`, for a settle
+/// under rules with one; the block marker `block`, for a block) and appends its reply;
+/// an `Err` is the message of its failure entry, with nothing appended. `number` is the
+/// edit's own number as a compact batch's `refs` carry it (in place of a check's
 /// deadline), which replaces the packed value's: edits of one rule set share a packed
 /// value as checks do.
 pub(crate) fn edit_one(
@@ -34,20 +66,15 @@ pub(crate) fn edit_one(
     block: Option<&RedisString>,
     state: &RedisString,
     log: Option<&RedisString>,
-    packed_value: &[u8],
+    read: &ReadEdit<'_>,
     number: Option<u64>,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
-    let Some((edit, header, rule_bytes)) =
-        packed::parse_edit(packed_value).map_err(|e| args_error(&e))?
-    else {
-        return Err(args_error(&"a batch's edit is not an edit"));
-    };
     let edit = match number {
-        Some(number) => edit.with_value(number),
-        None => edit,
+        Some(number) => read.edit.with_value(number),
+        None => read.edit,
     };
-    let answer = run(ctx, block, state, log, edit, &header, rule_bytes)?;
+    let answer = run(ctx, block, state, log, edit, read)?;
     if edit == Edit::Take {
         packed::encode_edit_value(out, u64::try_from(answer).unwrap_or(0));
     } else {
@@ -62,16 +89,21 @@ fn run(
     state: &RedisString,
     log: Option<&RedisString>,
     edit: Edit,
-    header: &Header,
-    rule_bytes: &[u8],
+    read: &ReadEdit<'_>,
 ) -> Result<i64, String> {
+    let (header, rule_bytes) = (&read.header, read.rule_bytes);
     let now = || header.now.unwrap_or_else(crate::check::server_now_us);
+    let rules = || {
+        read.rules
+            .as_deref()
+            .ok_or_else(|| args_error(&"an edit under rules without its rules"))
+    };
     match edit {
         Edit::GiveBack { charged_at } => {
-            crate::refund::give_back_parsed(ctx, state, log, header, rule_bytes, charged_at)
+            crate::refund::give_back_parsed(ctx, state, log, header, rules()?, charged_at)
         }
-        Edit::Debit => crate::refund::debit_parsed(ctx, state, log, header, rule_bytes),
-        Edit::Take => crate::refund::take_parsed(ctx, state, log, header, rule_bytes),
+        Edit::Debit => crate::refund::debit_parsed(ctx, state, log, header, rules()?),
+        Edit::Take => crate::refund::take_parsed(ctx, state, log, header, rules()?),
         Edit::Release { slot } => crate::slots::release_at(ctx, state, slot, now()),
         Edit::Renew { slot, timeout_us } => crate::slots::renew_at(
             ctx,

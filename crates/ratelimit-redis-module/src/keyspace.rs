@@ -501,6 +501,18 @@ pub(crate) fn exists_here(ctx: &Context, name: &RedisString) -> bool {
     unsafe { key_exists(ctx.get_raw(), name.inner) != 0 }
 }
 
+/// Whether the key `name` may exist here: `false` only when the server says it does not
+/// (a live key), which costs a lookup and no open key; `true` where the server has no
+/// `KeyExists` (before Redis 7), so that the caller opens it.
+pub(crate) fn may_exist(ctx: &Context, name: &RedisString) -> bool {
+    // SAFETY: as for `exists_here`.
+    let Some(key_exists) = (unsafe { raw::RedisModule_KeyExists }) else {
+        return true;
+    };
+    // SAFETY: as for `exists_here`.
+    unsafe { key_exists(ctx.get_raw(), name.inner) != 0 }
+}
+
 /// A key's Cluster slot, as Redis computes it: CRC16 (XMODEM) of its hash tag, or of the
 /// whole key, modulo 16384.
 fn key_slot(key: &[u8]) -> u16 {

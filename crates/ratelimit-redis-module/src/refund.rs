@@ -259,21 +259,21 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
     let (header, rule_bytes) =
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
     let charged = number(charged, "the charge's time")?;
-    give_back_parsed(ctx, state_name, log_name, &header, rule_bytes, charged)
+    let rules = rules_of(rule_bytes, &header)?;
+    give_back_parsed(ctx, state_name, log_name, &header, &rules, charged)
 }
 
-/// [`give_back`] of a check whose header is read (`header`, its rules' bytes
-/// `rule_bytes`): as its command and as an edit of a batch.
+/// [`give_back`] of a check whose header and rules are read (`header`, `rules`): as its
+/// command and as an edit of a batch.
 pub(crate) fn give_back_parsed(
     ctx: &Context,
     state_name: &RedisString,
     log_name: Option<&RedisString>,
     header: &Header,
-    rule_bytes: &[u8],
+    rules: &packed::PackedRules,
     charged: u64,
 ) -> Result<i64, String> {
     let header = *header;
-    let rules = rules_of(rule_bytes, &header)?;
     if header.cost < 1 {
         return Ok(0);
     }
@@ -284,7 +284,7 @@ pub(crate) fn give_back_parsed(
     };
     // Only a state written under the check's rules: another's usage cannot be told
     // apart from the charge's.
-    let Some(stored) = own_states(&raw, &header, &rules, now) else {
+    let Some(stored) = own_states(&raw, &header, rules, now) else {
         return Ok(0);
     };
     let mut states = stored.states;
@@ -333,15 +333,18 @@ pub(crate) fn give_back_parsed(
         states[slot] = RuleState::Fresh;
     }
     if states[..] != before[..] || marker.is_some() {
-        // The log marker's time, where the state has one.
+        // The log marker's time, where the state has one (rules with a sliding log).
         let log_until = marker.unwrap_or_else(|| {
+            if rules.rules().log_limit() == 0 {
+                return 0;
+            }
             entries(&raw)
                 .and_then(|at| at.iter().find(|(id, _)| *id == packed::LOG_MARKER).copied())
                 .and_then(|(_, o)| packed::value(&raw, o))
                 .unwrap_or(0)
         });
         let mut out = Vec::with_capacity(raw.len());
-        packed::encode_state(&mut out, &header, &rules, &states, log_until);
+        packed::encode_state(&mut out, &header, rules, &states, log_until);
         key.write(state_name, &out, Expiry::Kept)?;
         changed = true;
         // The state is written in the rules' own layout, which vouches for the log: a
@@ -373,19 +376,20 @@ pub(crate) fn debit(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     };
     let (header, rule_bytes) =
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
-    debit_parsed(ctx, state_name, log_name, &header, rule_bytes)
+    let rules = rules_of(rule_bytes, &header)?;
+    debit_parsed(ctx, state_name, log_name, &header, &rules)
 }
 
-/// [`debit`] of a check whose header is read (`header`, its rules' bytes `rule_bytes`):
-/// as its command and as an edit of a batch.
+/// [`debit`] of a check whose header and rules are read (`header`, `rules`): as its
+/// command and as an edit of a batch.
 pub(crate) fn debit_parsed(
     ctx: &Context,
     state_name: &RedisString,
     log_name: Option<&RedisString>,
     header: &Header,
-    rule_bytes: &[u8],
+    rules: &packed::PackedRules,
 ) -> Result<i64, String> {
-    charge(ctx, state_name, log_name, header, rule_bytes, false)
+    charge(ctx, state_name, log_name, header, rules, false)
 }
 
 /// A batch's take (`packed::Edit::Take`): a slot of the rules' concurrency rule taken
@@ -397,9 +401,9 @@ pub(crate) fn take_parsed(
     state_name: &RedisString,
     log_name: Option<&RedisString>,
     header: &Header,
-    rule_bytes: &[u8],
+    rules: &packed::PackedRules,
 ) -> Result<i64, String> {
-    charge(ctx, state_name, log_name, header, rule_bytes, true)
+    charge(ctx, state_name, log_name, header, rules, true)
 }
 
 /// A debit of the header's cost, or with `take` a take (one unit and a slot): answers 1
@@ -409,11 +413,10 @@ fn charge(
     state_name: &RedisString,
     log_name: Option<&RedisString>,
     header: &Header,
-    rule_bytes: &[u8],
+    rules: &packed::PackedRules,
     take: bool,
 ) -> Result<i64, String> {
     let mut header = *header;
-    let rules = rules_of(rule_bytes, &header)?;
     if (header.log_limit > 0) != log_name.is_some() {
         return Err(args_error(&format_args!(
             "a debit {} a sliding log takes {} keys",
@@ -444,7 +447,7 @@ fn charge(
             let raw = key.string().unwrap_or_default();
             // Only a state written under the check's rules: no rule it did not have is
             // charged.
-            match own_states(raw, &header, &rules, now) {
+            match own_states(raw, &header, rules, now) {
                 Some(stored) => (stored.states, !stored.log_counts),
                 None => return Ok(0),
             }
@@ -488,7 +491,7 @@ fn charge(
         .unwrap_or(now);
     let log_until = log_now + header.log_period_us;
     let mut out = Vec::with_capacity(8 * header.width);
-    packed::encode_state(&mut out, &header, &rules, &states, log_until);
+    packed::encode_state(&mut out, &header, rules, &states, log_until);
     let expires = algo::expires_at_for(rules.rules(), &states);
     key.write(
         state_name,
