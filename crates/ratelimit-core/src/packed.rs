@@ -208,8 +208,14 @@ pub fn pack_check(
 pub fn value(bytes: &[u8], i: usize) -> Option<u64> {
     let chunk: [u8; 8] = bytes.get(8 * i..8 * i + 8)?.try_into().ok()?;
     let x = f64::from_le_bytes(chunk);
-    // NaN and the infinities fail the range test.
-    (x >= 0.0 && x <= MAX_EXACT as f64 && x.fract() == 0.0).then_some(x as u64)
+    // NaN and the infinities fail the range test. In range, the cast truncates exactly,
+    // and a fraction does not survive the round trip: no call to `trunc` (which
+    // `fract` makes on targets without SSE4.1), on every value of every state read.
+    if !(x >= 0.0 && x <= MAX_EXACT as f64) {
+        return None;
+    }
+    let n = x as u64;
+    (n as f64 == x).then_some(n)
 }
 
 fn push(out: &mut Vec<u8>, x: u64) {
@@ -1095,6 +1101,34 @@ pub fn encode_edit_value(out: &mut Vec<u8>, value: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A value is an integer in `[0, 2^53)`, as the Lua functions read one: fractions,
+    /// negatives, NaN, the infinities and anything past 2^53 are none.
+    #[test]
+    fn values_are_the_integers_below_2_pow_53() {
+        let of = |x: f64| value(&x.to_le_bytes(), 0);
+        let top = MAX_EXACT as f64;
+        for (x, want) in [
+            (0.0, Some(0)),
+            (-0.0, Some(0)),
+            (1.0, Some(1)),
+            (top, Some(MAX_EXACT)),
+            (top - 1.0, Some(MAX_EXACT - 1)),
+            (0.5, None),
+            (1.5, None),
+            (2f64.powi(51) + 0.5, None),
+            (1e-300, None),
+            (-1.0, None),
+            (top + 1.0, None),
+            (top * 2.0, None),
+            (f64::NAN, None),
+            (f64::INFINITY, None),
+            (f64::NEG_INFINITY, None),
+        ] {
+            assert_eq!(of(x), want, "{x}");
+        }
+        assert_eq!(value(&[0; 7], 0), None, "cut short");
+    }
 
     #[test]
     fn edits_read_what_they_packed() {
