@@ -145,11 +145,8 @@ local function slots_value(held)
   if m == 0 then
     return ''
   end
-  local parts = {struct.pack('<dd', SLOTS_MARKER, m)}
-  for j = 1, m, 2 do
-    parts[#parts + 1] = struct.pack('<dd', held[j], held[j + 1])
-  end
-  return table.concat(parts)
+  -- One pack (m is at most 2 x MAX_CONCURRENT, within Lua's stack).
+  return struct.pack(doubles(2 + m), SLOTS_MARKER, m, unpack(held, 1, m))
 end
 
 -- Writes the state carried to this check's rules, on a denial after a carry that

@@ -27,12 +27,13 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
   if not now then
     now = redis_time()
   end
-  -- The trailer ends the state: walk the entries to it.
+  -- The trailer ends the state: walk the entries to it, on the state's values read in
+  -- one unpack (`raw` is a state's length: slot_state).
   local len = #raw / 8
-  local pos, t = 2, nil
-  local unpack_ = struct.unpack
+  local v = {struct.unpack(doubles(len), raw)}
+  local pos, at = 2, nil
   while pos <= len do
-    local id, m = unpack_('<dd', raw, 8 * (pos - 1) + 1)
+    local id, m = v[pos], v[pos + 1]
     if not (m and m >= 0 and m % 1 == 0 and pos + 1 + m <= len) then
       return 0
     end
@@ -40,23 +41,20 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
       if m % 2 ~= 0 or m > 2 * MAX_CONCURRENT or pos + 1 + m ~= len then
         return 0
       end
-      t = {}
-      for j = 1, m, 2 do
-        local d, k = unpack_('<dd', raw, 8 * (pos + j) + 1)
-        t[#t + 1], t[#t + 2] = d, k
-      end
+      at = pos + 1
       break
     end
     pos = pos + 2 + m
   end
-  if not t then
+  if not at then
     return 0
   end
   -- Only the slot itself changes: the others, live or not, stay as they are (a check
-  -- drops those past their deadline when it writes).
+  -- drops those past their deadline when it writes). The slots are the values after
+  -- the marker and its count, to the state's end.
   local keep, live, latest = {}, false, 0
-  for j = 1, #t, 2 do
-    local d, k = t[j], t[j + 1]
+  for j = at + 1, len, 2 do
+    local d, k = v[j], v[j + 1]
     local this = k == number and d > now and not live
     if this then
       live = true
