@@ -15,10 +15,11 @@
 //!
 //! A command's state writes are replicated together when it ends, as one `EVAL` of a
 //! fixed script that runs `SET key value PXAT at` (or `KEEPTTL`, or no expiry) for each,
-//! in order ([`replicate_writes`]): the replicas and the AOF get the writes' effects, as
-//! with a `SET` each, and need no module. A `SET` replicated per write cost the server a
-//! lookup of the command by name and a new vector of arguments each time, about a
-//! quarter of a committed check (BENCHMARKS.md).
+//! in order ([`replicate_writes`]; a command's one write, as its `SET`): the replicas and
+//! the AOF get the writes' effects, as with a `SET` each, and need no module. A `SET`
+//! replicated per write cost the server a lookup of the command by name and a new vector
+//! of arguments each time, about a fifth of a committed check in a batch
+//! (BENCHMARKS.md).
 //!
 //! This is the module's one place of `unsafe` besides its registration: each block calls
 //! one function of Redis's module API on a key this type keeps open or a string its
@@ -306,12 +307,12 @@ fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
 }
 
 /// Replicates the state writes the running command made so far, in the order it made
-/// them, as one `EVAL` of [`WRITES_SCRIPT`]: where a `SET` each costs the server a
-/// lookup of the command by name and a vector of new strings per write (about a fifth
+/// them: several as one `EVAL` of [`WRITES_SCRIPT`], where a `SET` each costs the server
+/// a lookup of the command by name and a vector of new strings per write (about a fifth
 /// of a committed check, BENCHMARKS.md), these cost it one lookup and two strings per
-/// command. Called when a command ends, and before any other write is replicated, so
-/// that replicas apply every write in the primary's order. Where the server has no
-/// `EVAL` to replicate (renamed away), each write goes as its own `SET`.
+/// command; one as its `SET`. Called when a command ends, and before any other write is
+/// replicated, so that replicas apply every write in the primary's order. Where the
+/// server has no `EVAL` to replicate (renamed away), each write goes as its own `SET`.
 pub(crate) fn replicate_writes(ctx: &Context) {
     WRITES.with_borrow_mut(|writes| {
         if writes.keys.is_empty() {
@@ -324,28 +325,10 @@ pub(crate) fn replicate_writes(ctx: &Context) {
 }
 
 fn replicate_all(ctx: &Context, writes: &Writes) {
-    // SAFETY: as in `Held::of`.
-    let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
     let raw_ctx = ctx.get_raw();
     let keys: SmallVec<[_; 64]> = writes.keys.iter().map(|key| key.0).collect();
-    // SAFETY: the format `slvb` takes a RedisModuleString* (the script), a long long
-    // (the number of keys), a vector (a pointer to RedisModuleString*s and their count),
-    // then a buffer (a pointer and its length, copied into a new string); every string
-    // and the buffer are alive for the call, and Redis takes references of its own.
-    let status = SCRIPT.with(|script| unsafe {
-        replicate(
-            raw_ctx,
-            c"EVAL".as_ptr(),
-            c"slvb".as_ptr(),
-            script.inner,
-            c_longlong::try_from(keys.len()).unwrap_or(c_longlong::MAX),
-            keys.as_ptr(),
-            keys.len(),
-            writes.values.as_ptr().cast::<c_char>(),
-            writes.values.len(),
-        )
-    });
-    if status == raw::Status::Ok as i32 {
+    // One write goes as its `SET`: the same one lookup of a command, and fewer strings.
+    if keys.len() > 1 && replicate_eval(raw_ctx, &keys, &writes.values) {
         return;
     }
     let mut rest = writes.values.as_slice();
@@ -359,6 +342,36 @@ fn replicate_all(ctx: &Context, writes: &Writes) {
             ctx.log_warning("ratelimit: a state's write could not be replicated");
         }
     }
+}
+
+/// Replicates the writes of `keys`, their values and expiries `values` as
+/// [`WRITES_SCRIPT`] reads them, as one `EVAL` of it; `false` where the server has no
+/// `EVAL` to replicate.
+fn replicate_eval(
+    raw_ctx: *mut raw::RedisModuleCtx,
+    keys: &[*mut raw::RedisModuleString],
+    values: &[u8],
+) -> bool {
+    // SAFETY: as in `Held::of`.
+    let replicate = unsafe { raw::RedisModule_Replicate }.expect("RedisModule_Replicate");
+    // SAFETY: the format `slvb` takes a RedisModuleString* (the script), a long long
+    // (the number of keys), a vector (a pointer to RedisModuleString*s and their count),
+    // then a buffer (a pointer and its length, copied into a new string); every string
+    // and the buffer are alive for the call, and Redis takes references of its own.
+    let status = SCRIPT.with(|script| unsafe {
+        replicate(
+            raw_ctx,
+            c"EVAL".as_ptr(),
+            c"slvb".as_ptr(),
+            script.inner,
+            c_longlong::try_from(keys.len()).unwrap_or(c_longlong::MAX),
+            keys.as_ptr(),
+            keys.len(),
+            values.as_ptr().cast::<c_char>(),
+            values.len(),
+        )
+    });
+    status == raw::Status::Ok as i32
 }
 
 /// Replicates `SET name value` with `expiry`'s option: `PXAT expiry`, `KEEPTTL` for
