@@ -90,7 +90,8 @@
 //!
 //! The writes go through the key API and are replicated as their effects, never as the
 //! command, whose result depends on the clock: a command's state writes as one `EVAL` of
-//! a fixed script that sets each key as the primary did (`SET .. PXAT`, `KEEPTTL`), and
+//! a fixed script that sets each key as the primary did (`SET .. PXAT`, `KEEPTTL`; one
+//! write as its `SET`), and
 //! the rest as they happen (`DEL`, the sliding log's `LPUSH`/`LTRIM`/`PEXPIREAT`), in the
 //! primary's order. A replica and the AOF hold what the primary holds, and a replica
 //! needs no module to hold it (only `EVAL`, which every Redis and Valkey runs; a
