@@ -8,10 +8,10 @@
 //! `StringDMA` (a new key: an object and its buffer allocated, then copied into), sets a
 //! relative expiry only, and its `Context::replicate` copies every argument into a new
 //! Redis string and builds the argument vector by reallocation. Here a new value is one
-//! Redis string set on the key (`StringSet`), an
-//! existing value is rewritten in place (resized first when its length changes), and the
-//! expiry is the absolute one the replicas receive (`SetAbsExpire`: primary and
-//! replicas expire the key at the same millisecond).
+//! Redis string set on the key (`StringSet`), an existing value is rewritten in place
+//! (resized first when its length changes), and the expiry is the absolute one the
+//! replicas receive (`SetAbsExpire`: primary and replicas expire the key at the same
+//! millisecond).
 //!
 //! A command's state writes are replicated together when it ends, as one `EVAL` of a
 //! fixed script that runs `SET key value PXAT at` (or `KEEPTTL`, or no expiry) for each,
@@ -134,7 +134,7 @@ impl<'a> StateKey<'a> {
                 _ => return Ok(()),
             },
             Expiry::Never => {
-                // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+                // SAFETY: as in `Held::of` (the API's function pointers).
                 let set_expire =
                     unsafe { raw::RedisModule_SetExpire }.expect("RedisModule_SetExpire");
                 // SAFETY: `self.key` is open for writing and holds the string just written.
@@ -147,7 +147,7 @@ impl<'a> StateKey<'a> {
                 };
             }
         };
-        // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+        // SAFETY: as in `Held::of` (the API's function pointers).
         let set_abs_expire =
             unsafe { raw::RedisModule_SetAbsExpire }.expect("RedisModule_SetAbsExpire");
         // SAFETY: `self.key` is open for writing and holds the string just written.
@@ -159,7 +159,7 @@ impl<'a> StateKey<'a> {
 
     /// The key's expiry as an absolute time in ms, when it has one.
     fn abs_expire(&self) -> Option<c_longlong> {
-        // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+        // SAFETY: as in `Held::of` (the API's function pointers).
         let get_abs_expire =
             unsafe { raw::RedisModule_GetAbsExpire }.expect("RedisModule_GetAbsExpire");
         // SAFETY: `self.key` is open until `self` is dropped; RM_GetAbsExpire takes any
@@ -471,7 +471,7 @@ pub(crate) fn served(
     if stable.contains(slot) {
         return Ok(());
     }
-    // SAFETY: as for RedisModule_Replicate in `replicate_set`.
+    // SAFETY: as in `Held::of` (the API's function pointers).
     let call = unsafe { raw::RedisModule_Call }.expect("RedisModule_Call");
     // SAFETY: the format `sE` takes one RedisModuleString*, which follows it (`E`: errors
     // as replies); the reply, when there is one, is freed below and not used after.
@@ -505,25 +505,24 @@ pub(crate) fn served(
 /// key needs no [`served`] question. `false` where the server has no `KeyExists`
 /// (before Redis 7), so that the question is asked.
 pub(crate) fn exists_here(ctx: &Context, name: &RedisString) -> bool {
-    // SAFETY: as for RedisModule_Replicate in `replicate_set`.
-    let Some(key_exists) = (unsafe { raw::RedisModule_KeyExists }) else {
-        return false;
-    };
-    // SAFETY: `name` is a live Redis string; RM_KeyExists looks the key up without
-    // opening it or touching its access time.
-    unsafe { key_exists(ctx.get_raw(), name.inner) != 0 }
+    key_exists(ctx, name).unwrap_or(false)
 }
 
 /// Whether the key `name` may exist here: `false` only when the server says it does not
 /// (a live key), which costs a lookup and no open key; `true` where the server has no
 /// `KeyExists` (before Redis 7), so that the caller opens it.
 pub(crate) fn may_exist(ctx: &Context, name: &RedisString) -> bool {
-    // SAFETY: as for `exists_here`.
-    let Some(key_exists) = (unsafe { raw::RedisModule_KeyExists }) else {
-        return true;
-    };
-    // SAFETY: as for `exists_here`.
-    unsafe { key_exists(ctx.get_raw(), name.inner) != 0 }
+    key_exists(ctx, name).unwrap_or(true)
+}
+
+/// Whether the key `name` exists (a live one), as `RedisModule_KeyExists` says; `None`
+/// where the server has none (before Redis 7).
+fn key_exists(ctx: &Context, name: &RedisString) -> Option<bool> {
+    // SAFETY: as in `Held::of`.
+    let key_exists = unsafe { raw::RedisModule_KeyExists }?;
+    // SAFETY: `name` is a live Redis string; RM_KeyExists looks the key up without
+    // opening it or touching its access time.
+    Some(unsafe { key_exists(ctx.get_raw(), name.inner) != 0 })
 }
 
 /// A key's Cluster slot, as Redis computes it: CRC16 (XMODEM) of its hash tag, or of the
