@@ -62,7 +62,13 @@ end
 -- go back by release, and take no debt) with the latest of their deadlines. Nil for a
 -- value of any other layout.
 local function own_state(raw, packed, n, now, layout, width, shape)
-  local st = decode(string.sub(raw, 1, 8 * width), width, shape)
+  -- The fixed part, cut out only when a trailer follows it (a new string costs a copy
+  -- and Lua's interning of it).
+  local fixed = raw
+  if #raw > 8 * width then
+    fixed = string.sub(raw, 1, 8 * width)
+  end
+  local st = decode(fixed, width, shape)
   if st and st[1] == layout then
     if #raw == 8 * width then
       return st, nil, true, '', 0
