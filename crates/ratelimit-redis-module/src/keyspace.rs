@@ -285,6 +285,9 @@ fn defer_set(name: &RedisString, value: &[u8], expiry: Expiry) {
     WRITES.with_borrow_mut(|writes| {
         writes.keys.push(key);
         for part in [value, expiry] {
+            // No client's bytes reach here: every value the module writes is one it
+            // encoded (a state, at most `packed::MAX_STATE_BYTES`, or a block marker of
+            // at most 20 digits), and an expiry is at most 20 digits.
             let len = u32::try_from(part.len()).expect("a state is far below 4 GiB");
             writes.values.extend_from_slice(&len.to_le_bytes());
         }
@@ -298,7 +301,8 @@ fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
     let mut at = digits.len();
     loop {
         at -= 1;
-        digits[at] = b'0' + u8::try_from(n % 10).expect("a digit");
+        // Below 10.
+        digits[at] = b'0' + (n % 10) as u8;
         n /= 10;
         if n == 0 {
             return &digits[at..];
@@ -333,15 +337,24 @@ fn replicate_all(ctx: &Context, writes: &Writes) {
     }
     let mut rest = writes.values.as_slice();
     for key in &keys {
-        let len =
-            |bytes: &[u8]| u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")) as usize;
-        let (n, m) = (len(rest), len(&rest[4..]));
-        let (value, expiry) = rest[8..8 + n + m].split_at(n);
-        rest = &rest[8 + n + m..];
-        if replicate_set(raw_ctx, *key, value, expiry) != raw::Status::Ok as i32 {
+        let replicated = next_write(rest).is_some_and(|(value, expiry, after)| {
+            rest = after;
+            replicate_set(raw_ctx, *key, value, expiry) == raw::Status::Ok as i32
+        });
+        if !replicated {
             ctx.log_warning("ratelimit: a state's write could not be replicated");
         }
     }
+}
+
+/// The first write of `values` as [`defer_set`] lays them out (a value's and an
+/// expiry's lengths, then their bytes), and the writes after it.
+fn next_write(values: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
+    let (n, rest) = values.split_first_chunk::<4>()?;
+    let (m, rest) = rest.split_first_chunk::<4>()?;
+    let (value, rest) = rest.split_at_checked(usize::try_from(u32::from_le_bytes(*n)).ok()?)?;
+    let (expiry, rest) = rest.split_at_checked(usize::try_from(u32::from_le_bytes(*m)).ok()?)?;
+    Some((value, expiry, rest))
 }
 
 /// Replicates the writes of `keys`, their values and expiries `values` as

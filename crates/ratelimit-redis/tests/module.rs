@@ -22,6 +22,18 @@ fn alive(server: &RedisServer) {
     assert_eq!(pong, "PONG");
 }
 
+/// A store on the server at `url` (under `prefix`, or the default one), connected, with a
+/// timeout no test machine reaches.
+async fn connected(url: &str, prefix: Option<&str>) -> RedisStore {
+    let mut builder = RedisStore::builder().timeout(Duration::from_secs(5));
+    if let Some(prefix) = prefix {
+        builder = builder.prefix(prefix);
+    }
+    let store = builder.build(url).await.unwrap();
+    wait_connected(&store).await;
+    store
+}
+
 fn doubles(values: &[f64]) -> Vec<u8> {
     values.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -581,12 +593,7 @@ async fn sixty_four_kib_keys_are_decided() {
             expect
         );
     }
-    let store = RedisStore::builder()
-        .timeout(Duration::from_secs(5))
-        .build(&server.url())
-        .await
-        .unwrap();
-    wait_connected(&store).await;
+    let store = connected(&server.url(), None).await;
     assert!(store.uses_module());
     let client = vec![b'y'; 64 * 1024];
     assert!(store.check(&client, &rules, 1).await.unwrap().is_allowed());
@@ -724,13 +731,7 @@ async fn replica_holds_what_the_primary_decided(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let store = RedisStore::builder()
-        .prefix("rep")
-        .timeout(Duration::from_secs(5))
-        .build(&primary.url())
-        .await
-        .unwrap();
-    wait_connected(&store).await;
+    let store = connected(&primary.url(), Some("rep")).await;
     assert!(store.uses_module());
     let (rules, refunded) = decide_some(&store).await;
     let mut p = common::conn(&primary.url());
@@ -751,13 +752,7 @@ async fn replica_holds_what_the_primary_decided(
         .arg("ONE")
         .query(&mut r)
         .unwrap();
-    let promoted = RedisStore::builder()
-        .prefix("rep")
-        .timeout(Duration::from_secs(5))
-        .build(&replica.url())
-        .await
-        .unwrap();
-    wait_connected(&promoted).await;
+    let promoted = connected(&replica.url(), Some("rep")).await;
     assert_eq!(promoted.uses_module(), replica_module);
     assert!(!promoted.check(b"k", &rules, 1).await.unwrap().is_allowed());
     assert!(!promoted
@@ -792,13 +787,7 @@ async fn the_aof_holds_what_the_module_decided() {
                 "yes",
             ],
         );
-        let store = RedisStore::builder()
-            .prefix("aof")
-            .timeout(Duration::from_secs(5))
-            .build(&server.url())
-            .await
-            .unwrap();
-        wait_connected(&store).await;
+        let store = connected(&server.url(), Some("aof")).await;
         assert!(store.uses_module());
         decide_some(&store).await;
         let mut con = common::conn(&server.url());
