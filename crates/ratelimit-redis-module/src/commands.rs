@@ -121,6 +121,7 @@ fn entry_one(
             keys.log,
             &edits::read_edit(packed_value)?,
             None,
+            now,
             out,
         );
     }
@@ -348,6 +349,7 @@ fn compact_checks(
                     log.as_ref(),
                     read,
                     Some(number),
+                    now,
                     &mut out,
                 )
             });

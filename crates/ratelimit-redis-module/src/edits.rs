@@ -60,7 +60,9 @@ pub(crate) fn read_edit(packed_value: &[u8]) -> Result<ReadEdit<'_>, String> {
 /// an `Err` is the message of its failure entry, with nothing appended. `number` is the
 /// edit's own number as a compact batch's `refs` carry it (in place of a check's
 /// deadline), which replaces the packed value's: edits of one rule set share a packed
-/// value as checks do.
+/// value as checks do. `server_now` is the server's time as the call read it for all its
+/// entries, the edit's own time unless its header injects one.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn edit_one(
     ctx: &Context,
     block: Option<&RedisString>,
@@ -68,13 +70,14 @@ pub(crate) fn edit_one(
     log: Option<&RedisString>,
     read: &ReadEdit<'_>,
     number: Option<u64>,
+    server_now: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
     let edit = match number {
         Some(number) => read.edit.with_value(number),
         None => read.edit,
     };
-    let answer = run(ctx, block, state, log, edit, read)?;
+    let answer = run(ctx, block, state, log, edit, read, server_now)?;
     if edit == Edit::Take {
         packed::encode_edit_value(out, u64::try_from(answer).unwrap_or(0));
     } else {
@@ -90,9 +93,10 @@ fn run(
     log: Option<&RedisString>,
     edit: Edit,
     read: &ReadEdit<'_>,
+    server_now: u64,
 ) -> Result<i64, String> {
     let (header, rule_bytes) = (&read.header, read.rule_bytes);
-    let now = || header.now.unwrap_or_else(crate::check::server_now_us);
+    let now = || header.now.unwrap_or(server_now);
     let rules = || {
         read.rules
             .as_deref()
@@ -100,10 +104,10 @@ fn run(
     };
     match edit {
         Edit::GiveBack { charged_at } => {
-            crate::refund::give_back_parsed(ctx, state, log, header, rules()?, charged_at)
+            crate::refund::give_back_parsed(ctx, state, log, header, rules()?, charged_at, now())
         }
-        Edit::Debit => crate::refund::debit_parsed(ctx, state, log, header, rules()?),
-        Edit::Take => crate::refund::take_parsed(ctx, state, log, header, rules()?),
+        Edit::Debit => crate::refund::debit_parsed(ctx, state, log, header, rules()?, now()),
+        Edit::Take => crate::refund::take_parsed(ctx, state, log, header, rules()?, now()),
         Edit::Release { slot } => crate::slots::release_at(ctx, state, slot, now()),
         Edit::Renew { slot, timeout_us } => crate::slots::renew_at(
             ctx,

@@ -196,6 +196,21 @@ impl<'a> StateKey<'a> {
     }
 }
 
+/// Runs `fill` on the command thread's buffer for a value about to be written, emptied
+/// first: a state is encoded there and copied into the key, so that no write allocates
+/// a vector of its own (an allocation and its free cost about a twentieth of an edit in
+/// a batch). Nested calls get a buffer of their own.
+pub(crate) fn with_buffer<R>(fill: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    thread_local! {
+        static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+    let mut buffer = BUFFER.take();
+    buffer.clear();
+    let result = fill(&mut buffer);
+    BUFFER.set(buffer);
+    result
+}
+
 /// When a written key expires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Expiry {

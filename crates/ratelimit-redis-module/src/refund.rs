@@ -13,7 +13,7 @@ use ratelimit_core::{Algorithm, Rule};
 use redis_module::{Context, KeyType, RedisString};
 
 use crate::check::{args_error, expires_at_ms, read_log, replicated, rules_of, write_log, Log};
-use crate::keyspace::{Expiry, StateKey};
+use crate::keyspace::{with_buffer, Expiry, StateKey};
 
 /// A number argument: an integer in decimal.
 pub(crate) fn number(arg: &RedisString, what: &str) -> Result<u64, String> {
@@ -260,11 +260,13 @@ pub(crate) fn give_back(ctx: &Context, args: &[RedisString]) -> Result<i64, Stri
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
     let charged = number(charged, "the charge's time")?;
     let rules = rules_of(rule_bytes, &header)?;
-    give_back_parsed(ctx, state_name, log_name, &header, &rules, charged)
+    let now = header.now.unwrap_or_else(crate::check::server_now_us);
+    give_back_parsed(ctx, state_name, log_name, &header, &rules, charged, now)
 }
 
-/// [`give_back`] of a check whose header and rules are read (`header`, `rules`): as its
-/// command and as an edit of a batch.
+/// [`give_back`] of a check whose header and rules are read (`header`, `rules`) at
+/// `now` (the header's injected time, else the server's): as its command and as an edit
+/// of a batch.
 pub(crate) fn give_back_parsed(
     ctx: &Context,
     state_name: &RedisString,
@@ -272,23 +274,35 @@ pub(crate) fn give_back_parsed(
     header: &Header,
     rules: &packed::PackedRules,
     charged: u64,
+    now: u64,
 ) -> Result<i64, String> {
     let header = *header;
     if header.cost < 1 {
         return Ok(0);
     }
-    let now = header.now.unwrap_or_else(crate::check::server_now_us);
     let mut key = StateKey::open(ctx, state_name);
-    let Some(raw) = key.string().map(<[u8]>::to_vec) else {
-        return Ok(0);
-    };
-    // Only a state written under the check's rules: another's usage cannot be told
-    // apart from the charge's.
-    let Some(stored) = own_states(&raw, &header, rules, now) else {
-        return Ok(0);
+    // Read in place: the value is decoded (and its log marker's time taken, under rules
+    // with a sliding log) before the key is written.
+    let (stored, stored_log_until) = {
+        let Some(raw) = key.string() else {
+            return Ok(0);
+        };
+        // Only a state written under the check's rules: another's usage cannot be told
+        // apart from the charge's.
+        let Some(stored) = own_states(raw, &header, rules, now) else {
+            return Ok(0);
+        };
+        let log_until = if rules.rules().log_limit() == 0 {
+            0
+        } else {
+            entries(raw)
+                .and_then(|at| at.iter().find(|(id, _)| *id == packed::LOG_MARKER).copied())
+                .and_then(|(_, o)| packed::value(raw, o))
+                .unwrap_or(0)
+        };
+        (stored, log_until)
     };
     let mut states = stored.states;
-    let before = states.clone();
     let log_slot = rules
         .rules()
         .rules()
@@ -304,7 +318,8 @@ pub(crate) fn give_back_parsed(
             states[slot] = RuleState::Log(Box::new(log));
         }
     }
-    algo::refund(rules.rules(), &mut states, header.cost, charged, now);
+    // Whether a state changed (the log's entries included: they are a state's too).
+    let refunded = algo::refund(rules.rules(), &mut states, header.cost, charged, now);
     let mut changed = false;
     // The log marker's new time, when entries left the log.
     let mut marker = None;
@@ -332,20 +347,13 @@ pub(crate) fn give_back_parsed(
         }
         states[slot] = RuleState::Fresh;
     }
-    if states[..] != before[..] || marker.is_some() {
+    if refunded || marker.is_some() {
         // The log marker's time, where the state has one (rules with a sliding log).
-        let log_until = marker.unwrap_or_else(|| {
-            if rules.rules().log_limit() == 0 {
-                return 0;
-            }
-            entries(&raw)
-                .and_then(|at| at.iter().find(|(id, _)| *id == packed::LOG_MARKER).copied())
-                .and_then(|(_, o)| packed::value(&raw, o))
-                .unwrap_or(0)
-        });
-        let mut out = Vec::with_capacity(raw.len());
-        packed::encode_state(&mut out, &header, rules, &states, log_until);
-        key.write(state_name, &out, Expiry::Kept)?;
+        let log_until = marker.unwrap_or(stored_log_until);
+        with_buffer(|out| {
+            packed::encode_state(out, &header, rules, &states, log_until);
+            key.write(state_name, out, Expiry::Kept)
+        })?;
         changed = true;
         // The state is written in the rules' own layout, which vouches for the log: a
         // log the carried state did not vouch for is no one's (MemoryStore dropped it
@@ -377,19 +385,21 @@ pub(crate) fn debit(ctx: &Context, args: &[RedisString]) -> Result<i64, String> 
     let (header, rule_bytes) =
         Header::parse(packed_check.as_slice()).map_err(|e| args_error(&e))?;
     let rules = rules_of(rule_bytes, &header)?;
-    debit_parsed(ctx, state_name, log_name, &header, &rules)
+    let now = header.now.unwrap_or_else(crate::check::server_now_us);
+    debit_parsed(ctx, state_name, log_name, &header, &rules, now)
 }
 
-/// [`debit`] of a check whose header and rules are read (`header`, `rules`): as its
-/// command and as an edit of a batch.
+/// [`debit`] of a check whose header and rules are read (`header`, `rules`) at `now` (as
+/// [`give_back_parsed`]): as its command and as an edit of a batch.
 pub(crate) fn debit_parsed(
     ctx: &Context,
     state_name: &RedisString,
     log_name: Option<&RedisString>,
     header: &Header,
     rules: &packed::PackedRules,
+    now: u64,
 ) -> Result<i64, String> {
-    charge(ctx, state_name, log_name, header, rules, false)
+    charge(ctx, state_name, log_name, header, rules, false, now)
 }
 
 /// A batch's take (`packed::Edit::Take`): a slot of the rules' concurrency rule taken
@@ -402,12 +412,14 @@ pub(crate) fn take_parsed(
     log_name: Option<&RedisString>,
     header: &Header,
     rules: &packed::PackedRules,
+    now: u64,
 ) -> Result<i64, String> {
-    charge(ctx, state_name, log_name, header, rules, true)
+    charge(ctx, state_name, log_name, header, rules, true, now)
 }
 
 /// A debit of the header's cost, or with `take` a take (one unit and a slot): answers 1
-/// or the slot's number when it changed the state, else 0.
+/// or the slot's number when it changed the state, else 0; at `now`, as
+/// [`give_back_parsed`].
 fn charge(
     ctx: &Context,
     state_name: &RedisString,
@@ -415,6 +427,7 @@ fn charge(
     header: &Header,
     rules: &packed::PackedRules,
     take: bool,
+    now: u64,
 ) -> Result<i64, String> {
     let mut header = *header;
     if (header.log_limit > 0) != log_name.is_some() {
@@ -436,7 +449,6 @@ fn charge(
     } else if header.cost < 1 {
         return Ok(0);
     }
-    let now = header.now.unwrap_or_else(crate::check::server_now_us);
     let mut key = StateKey::open(ctx, state_name);
     let (mut states, unvouched) = match key.key_type() {
         KeyType::Empty => (
@@ -490,14 +502,15 @@ fn charge(
         })
         .unwrap_or(now);
     let log_until = log_now + header.log_period_us;
-    let mut out = Vec::with_capacity(8 * header.width);
-    packed::encode_state(&mut out, &header, rules, &states, log_until);
     let expires = algo::expires_at_for(rules.rules(), &states);
-    key.write(
-        state_name,
-        &out,
-        Expiry::At(expires_at_ms(&header, now, expires)),
-    )?;
+    with_buffer(|out| {
+        packed::encode_state(out, &header, rules, &states, log_until);
+        key.write(
+            state_name,
+            out,
+            Expiry::At(expires_at_ms(&header, now, expires)),
+        )
+    })?;
     drop(key);
     if let Some(log_name) = log_name {
         write_log(
