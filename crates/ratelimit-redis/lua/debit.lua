@@ -106,8 +106,10 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
     return redis.error_reply('RLARGS debit: a value of the header is out of range'
       .. VERSION_SKEW)
   end
-  -- Every rule is checked before anything is read or written.
-  local rules = {}
+  -- Every rule is checked before anything is read or written. Its six values are kept
+  -- in the library's reply table, unused by a debit (a table per rule, or per debit,
+  -- costs more than the debit's arithmetic): rule i's at 6i - 5 to 6i.
+  local rules = OUT
   for i = 1, n do
     local code, limit, period, a, b, id
     code, limit, period, a, b, id, pos = struct.unpack(RULE_FORMAT, packed, pos)
@@ -117,12 +119,14 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
       return redis.error_reply(string.format('RLARGS debit: rule %d is out of range', i - 1)
         .. VERSION_SKEW)
     end
-    rules[i] = {code, limit, period, a, b, id}
+    local at = 6 * i
+    rules[at - 5], rules[at - 4], rules[at - 3], rules[at - 2], rules[at - 1], rules[at] =
+      code, limit, period, a, b, id
   end
   if taking then
     local has = false
     for i = 1, n do
-      if rules[i][1] == CONCURRENT then
+      if rules[6 * i - 5] == CONCURRENT then
         has = true
       end
     end
@@ -178,12 +182,17 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
     end
   end
 
-  local new = {layout}
+  -- The next state, in the library's table of a check's next state (see check_one);
+  -- every one of its `width` values is written below.
+  local new = NEXT
+  new[1] = layout
   local off, expires, changed, logged = 1, 0, false, false
   -- A take's slot, numbered as the core's concurrent::commit numbers it.
   local taken = 0
   for i = 1, n do
-    local code, limit, period, a, b, id = unpack(rules[i])
+    local at = 6 * i
+    local code, limit, period, a, b, id =
+      rules[at - 5], rules[at - 4], rules[at - 3], rules[at - 2], rules[at - 1], rules[at]
     local cap = limit
     if code >= TOKEN_BUCKET then
       local most = divmod(2251799813685248, period)
