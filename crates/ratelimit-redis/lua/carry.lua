@@ -139,9 +139,10 @@ local function expire_log(key3, injected, now, ttl_floor, at)
   end
 end
 
--- The slots trailer of `held` ({deadline, number, ...}), '' when it holds none.
-local function slots_value(held)
-  local m = #held
+-- The slots trailer of `held` ({deadline, number, ...}), '' when it holds none; of its
+-- first `m` values when given (a reused table holds more).
+local function slots_value(held, m)
+  m = m or #held
   if m == 0 then
     return ''
   end

@@ -22,7 +22,7 @@ local function check_one(key1, key2, key3, packed, redis_now, got, at)
     deadline, pos = unpack_(HEADER_FORMAT, packed)
   if injected > 1 then
     return edit_one(key1, key2, key3, packed, injected, deadline, redis_now,
-      at and got[at + 1])
+      at and got[at + 1], injected_now, ttl_floor)
   end
   if not (n >= 0 and n <= MAX_RULES and len == 8 * (HEADER + PER_RULE * n)) then
     return redis.error_reply(fmt('RLARGS check.lua expects %d packed values for %d rules of '

@@ -68,9 +68,11 @@ local function lease_refund(state, packed, injected, start, redis_now, pre)
 end
 
 -- `first` and `number` are the packed value's first and last header values, as
--- check_one read them (`first` above 1); `redis_now` the batch's Redis time, when read;
--- `pre` the state as the batch read it, when it did (else false or nil: read here).
-edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
+-- check_one read them (`first` above 1), and `injected_now` and `ttl_floor` its second
+-- and fourth (unchecked); `redis_now` the batch's Redis time, when read; `pre` the state
+-- as the batch read it, when it did (else false or nil: read here).
+edit_one = function(marker, state, log, packed, first, number, redis_now, pre, injected_now,
+    ttl_floor)
   local fmt = string.format
   local op = (first - first % 2) / 2
   local injected = first % 2
@@ -88,7 +90,6 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
       return redis.error_reply(fmt('RLARGS a block takes %d bytes, got %d', 8 * HEADER + 8,
         len) .. VERSION_SKEW)
     end
-    local _, injected_now, _, ttl_floor = struct.unpack('<dddd', packed)
     local without_end = struct.unpack('<d', packed, 8 * HEADER + 1)
     if not (injected_now >= 0 and injected_now < TOP and injected_now % 1 == 0
         and ttl_floor >= 0 and ttl_floor < TOP and ttl_floor % 1 == 0
@@ -127,7 +128,6 @@ edit_one = function(marker, state, log, packed, first, number, redis_now, pre)
       return redis.error_reply(fmt('RLARGS a slot\'s edit takes %d bytes, got %d', want, len)
         .. VERSION_SKEW)
     end
-    local _, injected_now, _, ttl_floor = struct.unpack('<dddd', packed)
     if not (injected_now >= 0 and injected_now < TOP and injected_now % 1 == 0
         and ttl_floor >= 0 and ttl_floor < TOP and ttl_floor % 1 == 0) then
       return redis.error_reply('RLARGS a value of the header is out of range' .. VERSION_SKEW)

@@ -30,7 +30,7 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
   -- The trailer ends the state: walk the entries to it, on the state's values read in
   -- one unpack (`raw` is a state's length: slot_state).
   local len = #raw / 8
-  local v = {struct.unpack(doubles(len), raw)}
+  local v = {struct.unpack(FORMATS[len] or doubles(len), raw)}
   local pos, at = 2, nil
   while pos <= len do
     local id, m = v[pos], v[pos + 1]
@@ -52,7 +52,9 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
   -- Only the slot itself changes: the others, live or not, stay as they are (a check
   -- drops those past their deadline when it writes). The slots are the values after
   -- the marker and its count, to the state's end.
-  local keep, live, latest = {}, false, 0
+  -- The slots kept go to the library's reply table, which no edit uses (a table made
+  -- here, and grown pair by pair, costs as much as the walk): `kept` values.
+  local keep, kept, live, latest = OUT, 0, false, 0
   for j = at + 1, len, 2 do
     local d, k = v[j], v[j + 1]
     local this = k == number and d > now and not live
@@ -66,7 +68,7 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
       end
     end
     if not this or timeout then
-      keep[#keep + 1], keep[#keep + 2] = d, k
+      keep[kept + 1], keep[kept + 2], kept = d, k, kept + 2
       if d > latest then
         latest = d
       end
@@ -75,7 +77,7 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
   if not live then
     return 0
   end
-  local value = string.sub(raw, 1, 8 * (pos - 1)) .. slots_value(keep)
+  local value = string.sub(raw, 1, 8 * (pos - 1)) .. slots_value(keep, kept)
   if not timeout then
     redis.call('SET', key, value, 'KEEPTTL')
     return 1
