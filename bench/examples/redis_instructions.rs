@@ -38,13 +38,18 @@
 //! callgrind_annotate --inclusive=yes /tmp/profiles/3-RATELIMIT.CHECK_MANY.out | head -60
 //! ```
 //!
+//! Then what an entry of a Lua batch costs before any work of its own, part by part (its
+//! strings passed into Lua, its share of the batch's `MGET`, a `pcall` and its reply,
+//! the header unpacked, one `SET` through `redis.call`), on test functions shaped as
+//! `check_many`.
+//!
 //! Then edits riding a batch, as a store sends settles and releases (batch protocol 5):
 //! a batch of 64 checks, then one of 64 edits of the same keys (a slot released, a unit
 //! given back, a unit of debt), through `check_many` and `RATELIMIT.CHECK_STATES`; each
 //! edit's cost as the difference from the checks alone, and its ratio to a check's,
 //! both without the server's timer and the rehashing of its growing keyspace, which
 //! land on whichever row runs when they do (`ONLY=edits`: the `PING` floor and these
-//! rows alone).
+//! rows alone, after the Lua entry's parts).
 //!
 //! Last, a peer's design: a GCRA limiter as one Lua script per decision, the algorithm of
 //! go-redis/redis_rate's `allowN` (`bench/redis_rate_gcra.lua`), by `EVALSHA`, one
@@ -89,6 +94,50 @@ end
 redis.register_function('ratelimit_floor', floor)
 "#;
 
+/// What `check_many` does for each entry of a batch before the entry's own work, in
+/// growing parts (see [`stage_rows`]): an entry's strings passed into Lua (`stage_args`,
+/// which does nothing), its share of the batch's `MGET` (`stage_mget`), a `pcall` of a
+/// function answering a reply, and its share of the replies' concatenation
+/// (`stage_entries`), the packed value's header unpacked (`stage_header`), and one
+/// `redis.call('SET', .., 'KEEPTTL')` (`stage_set`).
+const STAGES_LIBRARY: &str = r#"#!lua name=ratelimit_stages
+local HEADER_FORMAT = '<dddddddddd'
+local function reply(packed)
+  return struct.pack('<dd', 4, 1)
+end
+local function header(packed)
+  local injected, injected_now, cost, ttl_floor, n, width, log_limit, log_period, layout,
+    deadline, pos = struct.unpack(HEADER_FORMAT, packed)
+  return struct.pack('<dd', 4, 1)
+end
+local function entries(KEYS, ARGV, each, set)
+  local got = redis.call('MGET', unpack(KEYS))
+  local out = {}
+  for i = 1, #ARGV - 1 do
+    local ok, r = pcall(each, ARGV[i + 1])
+    if set then
+      redis.call('SET', KEYS[2 * i], got[2 * i], 'KEEPTTL')
+    end
+    out[i] = r
+  end
+  return table.concat(out)
+end
+redis.register_function('stage_args', function(KEYS, ARGV) return '' end)
+redis.register_function('stage_mget', function(KEYS, ARGV)
+  redis.call('MGET', unpack(KEYS))
+  return ''
+end)
+redis.register_function('stage_entries', function(KEYS, ARGV)
+  return entries(KEYS, ARGV, reply, false)
+end)
+redis.register_function('stage_header', function(KEYS, ARGV)
+  return entries(KEYS, ARGV, header, false)
+end)
+redis.register_function('stage_set', function(KEYS, ARGV)
+  return entries(KEYS, ARGV, header, true)
+end)
+"#;
+
 struct Server {
     child: Child,
     dir: PathBuf,
@@ -115,7 +164,7 @@ fn main() {
     let server = start(module.as_deref(), false);
     let mut con = connect(&server);
     let script = check_script();
-    for library in [script.library, FLOOR_LIBRARY] {
+    for library in [script.library, FLOOR_LIBRARY, STAGES_LIBRARY] {
         let _: String = redis::cmd("FUNCTION")
             .arg("LOAD")
             .arg(library)
@@ -138,6 +187,7 @@ fn main() {
         return redis_rate_rows(&server, &mut con, rounds, ping);
     }
     if std::env::var("ONLY").is_ok_and(|only| only == "edits") {
+        stage_rows(&server, &mut con, rounds);
         return edit_rows(&server, &mut con, rounds, module.is_some());
     }
     let floor = count(&server, "floor", &mut con, rounds, |con, round| {
@@ -260,6 +310,7 @@ fn main() {
     }
     settle_rows(&server, &mut con, rounds, module.is_some(), &script, ping);
     concurrency_rows(&server, &mut con, rounds, ping, module.is_some());
+    stage_rows(&server, &mut con, rounds);
     edit_rows(&server, &mut con, rounds, module.is_some());
     redis_rate_rows(&server, &mut con, rounds, ping);
 }
@@ -396,6 +447,61 @@ fn settle_rows(
                 cost / ping
             );
         }
+    }
+}
+
+/// What an entry of a Lua batch costs before its own work, stage by stage
+/// ([`STAGES_LIBRARY`]): `FCALL`s of 64 entries as `check_many` takes them (a block
+/// marker's and a state's key, the state 48 bytes, and a check's packed value each), on
+/// the same 64 keys every round. Each row is the instructions per entry with one more
+/// part of the work, and what that part adds.
+fn stage_rows(server: &Server, con: &mut Connection, rounds: usize) {
+    let rules: RuleSet = "100/s gcra burst=100; 4 concurrent".parse().expect("rules");
+    let packed = check_script_args(&rules, 2).remove(0);
+    let keys: Vec<String> = (0..BATCH)
+        .flat_map(|i| [format!("stage:{{{i}}}:b"), format!("stage:{{{i}}}:s")])
+        .collect();
+    for state in keys.iter().skip(1).step_by(2) {
+        let _: () = redis::cmd("SET")
+            .arg(state)
+            .arg(vec![1u8; 48])
+            .query(con)
+            .unwrap();
+    }
+    let mut before = 0.0;
+    for (function, what) in [
+        (
+            "stage_args",
+            "its two keys and packed value passed into Lua",
+        ),
+        ("stage_mget", "+ its share of the batch's `MGET`"),
+        (
+            "stage_entries",
+            "+ a `pcall` answering a reply, and its share of the replies' concatenation",
+        ),
+        (
+            "stage_header",
+            "+ the packed value's header unpacked (10 values)",
+        ),
+        (
+            "stage_set",
+            "+ one `redis.call('SET', state, value, 'KEEPTTL')`",
+        ),
+    ] {
+        let cost = count(server, function, con, rounds, |con, _| {
+            let mut cmd = redis::cmd("FCALL");
+            cmd.arg(function).arg(2 * BATCH).arg(&keys);
+            cmd.arg(vec![b'2'; BATCH]);
+            for _ in 0..BATCH {
+                cmd.arg(&packed[..]);
+            }
+            let _: Vec<u8> = cmd.query(con).unwrap();
+        });
+        println!(
+            "| a Lua batch's entry (`FCALL` of {BATCH}, as `check_many`'s): {what} | {cost:.0} | +{:.0} |",
+            cost - before
+        );
+        before = cost;
     }
 }
 
