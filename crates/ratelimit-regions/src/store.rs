@@ -1206,6 +1206,14 @@ impl<S: Store> Store for RegionStore<S> {
         self.inner.local.now_us()
     }
 
+    /// When the local region's store last came back after a loss: every check goes there
+    /// first, and only its failures reach the caller (a link to another region that
+    /// fails costs a transfer, never a decision), so its recovery is the one after
+    /// which the tower layer's grace applies.
+    fn recovered_at_us(&self) -> u64 {
+        self.inner.local.recovered_at_us()
+    }
+
     /// Always: the state lives in the regions' stores.
     fn is_shared(&self) -> bool {
         true

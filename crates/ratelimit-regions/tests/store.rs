@@ -276,6 +276,72 @@ async fn the_tower_layer_works_on_it_unchanged() {
     assert_eq!(statuses[2], StatusCode::TOO_MANY_REQUESTS);
 }
 
+/// A store that answers `recovered` for when its connection last came back.
+struct Recovering {
+    inner: Mem,
+    recovered: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Store for Recovering {
+    type Error = <Mem as Store>::Error;
+
+    async fn check(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Result<Decision, Self::Error> {
+        self.inner.check(key, rules, cost).await
+    }
+
+    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), Self::Error> {
+        self.inner.block(key, duration).await
+    }
+
+    async fn unblock(&self, key: &[u8]) -> Result<(), Self::Error> {
+        self.inner.unblock(key).await
+    }
+
+    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), Self::Error> {
+        self.inner.reset(key, rules).await
+    }
+
+    fn now_us(&self) -> u64 {
+        self.inner.now_us()
+    }
+
+    fn recovered_at_us(&self) -> u64 {
+        self.recovered.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The tower layer's grace after an outage starts from the store's last recovery: a
+/// region store answers its own region's store's (where its checks fail), not a link's.
+#[tokio::test]
+async fn its_recovery_is_the_local_stores() {
+    let clock = ManualClock::new(1_000_000);
+    let (eu, us) = (mem(&clock), mem(&clock));
+    let recovering = |store: &Mem| Recovering {
+        inner: Arc::clone(store),
+        recovered: Arc::default(),
+    };
+    let local = recovering(&eu);
+    let local_recovered = Arc::clone(&local.recovered);
+    let far = recovering(&us);
+    let far_recovered = Arc::clone(&far.recovered);
+    let store = RegionStore::builder(two_regions(Duration::from_secs(1)))
+        .region("eu")
+        .local(local)
+        .link("eu", recovering(&eu))
+        .link("us", far)
+        .build()
+        .unwrap();
+    assert_eq!(store.recovered_at_us(), 0, "no loss yet");
+    far_recovered.store(7_000_000, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        store.recovered_at_us(),
+        0,
+        "a link's recovery is not the region's"
+    );
+    local_recovered.store(5_000_000, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(store.recovered_at_us(), 5_000_000);
+}
+
 /// A store that remembers the keys it was asked about.
 struct Recording {
     keys: std::sync::Mutex<Vec<Vec<u8>>>,
