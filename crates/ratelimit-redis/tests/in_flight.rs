@@ -51,6 +51,23 @@ fn timed_out(e: &RedisStoreError) -> bool {
     matches!(e, RedisStoreError::Timeout(_))
 }
 
+/// A check of cost 0 of key `k` after a run under kills: the last kill may have cut a
+/// connection the store finds broken only now, and a loaded machine may make a peek
+/// outlast its timeout; it reads only, so it goes again.
+async fn peek(store: &RedisStore, k: usize, rules: &RuleSet) -> ratelimit_core::Decision {
+    let mut tries = 0;
+    loop {
+        match store.check(&key(k), rules, 0).await {
+            Ok(d) => return d,
+            Err(e) if e.is_unavailable() && tries < 10 => {
+                tries += 1;
+                wait_connected(store).await;
+            }
+            Err(e) => panic!("peek: {e}"),
+        }
+    }
+}
+
 /// Adds one task's tally to the whole.
 fn add(tally: &mut Tally, task: Tally) {
     for (k, (admitted, failed)) in task {
@@ -116,16 +133,7 @@ async fn kills_charge_nothing_unreported(store: RedisStore, kill: impl Fn() + Se
     }
     wait_connected(&store).await;
     for (k, (admitted, failed)) in &tally {
-        // A check of cost 0 reads without charging: sent again when a loaded machine
-        // makes it outlast the store's 500 ms.
-        let mut tries = 0;
-        let d = loop {
-            match store.check(&key(*k), &rules(), 0).await {
-                Ok(d) => break d,
-                Err(e) if timed_out(&e) && tries < 10 => tries += 1,
-                Err(e) => panic!("peek: {e}"),
-            }
-        };
+        let d = peek(&store, *k, &rules()).await;
         let charged = LIMIT - d.rules()[0].remaining;
         assert!(
             *admitted <= charged && charged <= admitted + failed,
@@ -294,20 +302,7 @@ async fn back_to_back_under_kills(store: RedisStore, port: u16) -> (u64, u64) {
     wait_connected(&store).await;
     let mut twice = 0;
     for (k, (admitted, lost)) in &tally {
-        // The last kill may have cut a connection the store finds broken only now, and a
-        // loaded machine may make a peek outlast its timeout: it reads only, so it goes
-        // again.
-        let mut tries = 0;
-        let d = loop {
-            match store.check(&key(*k), &rules(), 0).await {
-                Ok(d) => break d,
-                Err(e) if e.is_unavailable() && tries < 10 => {
-                    tries += 1;
-                    wait_connected(&store).await;
-                }
-                Err(e) => panic!("peek: {e}"),
-            }
-        };
+        let d = peek(&store, *k, &rules()).await;
         let charged = LIMIT - d.rules()[0].remaining;
         assert!(
             *admitted <= charged,
@@ -467,7 +462,7 @@ async fn gateway_under_kills(server: &RedisServer, module: bool, detached: bool)
         unsure.len()
     );
     for (k, units) in settled.iter().filter(|(k, _)| !unsure.contains(*k)) {
-        let d = store.check(&key(*k), &rules, 0).await.expect("peek");
+        let d = peek(&store, *k, &rules).await;
         let charged = LIMIT - d.rules()[0].remaining;
         assert_eq!(charged, *units, "key {k}: charged against settled");
         assert_eq!(d.rules()[1].remaining, 4, "key {k}: a slot is still held");
@@ -578,7 +573,7 @@ async fn failover_under_load(force_lua: bool) {
             *admitted <= PER_KEY,
             "key {k}: {admitted} admitted over {PER_KEY}"
         );
-        let d = store.check(&key(*k), &rules, 0).await.expect("peek");
+        let d = peek(&store, *k, &rules).await;
         let charged = PER_KEY - d.rules()[0].remaining;
         assert!(
             *admitted <= charged && charged <= (admitted + lost).min(PER_KEY),
