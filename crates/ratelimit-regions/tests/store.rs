@@ -276,58 +276,18 @@ async fn the_tower_layer_works_on_it_unchanged() {
     assert_eq!(statuses[2], StatusCode::TOO_MANY_REQUESTS);
 }
 
-/// A store that answers `recovered` for when its connection last came back.
-struct Recovering {
-    inner: Mem,
-    recovered: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Store for Recovering {
-    type Error = <Mem as Store>::Error;
-
-    async fn check(&self, key: &[u8], rules: &RuleSet, cost: u64) -> Result<Decision, Self::Error> {
-        self.inner.check(key, rules, cost).await
-    }
-
-    async fn block(&self, key: &[u8], duration: Option<Duration>) -> Result<(), Self::Error> {
-        self.inner.block(key, duration).await
-    }
-
-    async fn unblock(&self, key: &[u8]) -> Result<(), Self::Error> {
-        self.inner.unblock(key).await
-    }
-
-    async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), Self::Error> {
-        self.inner.reset(key, rules).await
-    }
-
-    fn now_us(&self) -> u64 {
-        self.inner.now_us()
-    }
-
-    fn recovered_at_us(&self) -> u64 {
-        self.recovered.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
 /// The tower layer's grace after an outage starts from the store's last recovery: a
 /// region store answers its own region's store's (where its checks fail), not a link's.
 #[tokio::test]
 async fn its_recovery_is_the_local_stores() {
-    let clock = ManualClock::new(1_000_000);
-    let (eu, us) = (mem(&clock), mem(&clock));
-    let recovering = |store: &Mem| Recovering {
-        inner: Arc::clone(store),
-        recovered: Arc::default(),
-    };
-    let local = recovering(&eu);
+    let local = Recording::new();
     let local_recovered = Arc::clone(&local.recovered);
-    let far = recovering(&us);
+    let far = Recording::new();
     let far_recovered = Arc::clone(&far.recovered);
     let store = RegionStore::builder(two_regions(Duration::from_secs(1)))
         .region("eu")
         .local(local)
-        .link("eu", recovering(&eu))
+        .link("eu", Recording::new())
         .link("us", far)
         .build()
         .unwrap();
@@ -342,10 +302,22 @@ async fn its_recovery_is_the_local_stores() {
     assert_eq!(store.recovered_at_us(), 5_000_000);
 }
 
-/// A store that remembers the keys it was asked about.
+/// A store that remembers the keys it was asked about, and answers `recovered` for when
+/// its connection last came back.
 struct Recording {
     keys: std::sync::Mutex<Vec<Vec<u8>>>,
     inner: MemoryStore,
+    recovered: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Recording {
+    fn new() -> Self {
+        Self {
+            keys: std::sync::Mutex::default(),
+            inner: MemoryStore::new(),
+            recovered: Arc::default(),
+        }
+    }
 }
 
 impl Store for Recording {
@@ -367,6 +339,10 @@ impl Store for Recording {
     async fn reset(&self, key: &[u8], rules: &RuleSet) -> Result<(), Self::Error> {
         self.inner.reset(key, rules).await
     }
+
+    fn recovered_at_us(&self) -> u64 {
+        self.recovered.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 /// `home_by_tier` reads the tier out of the key as the layer composes it.
@@ -382,10 +358,7 @@ async fn a_tier_pinned_to_a_region_is_homed_there() {
         .unwrap()
         .home_by_tier([("gold", "ap"), ("silver", "us")])
         .unwrap();
-    let store = Arc::new(Recording {
-        keys: std::sync::Mutex::default(),
-        inner: MemoryStore::new(),
-    });
+    let store = Arc::new(Recording::new());
     let rules: RuleSet = "60/min gcra".parse().unwrap();
     let layer = RateLimitLayer::builder(Arc::clone(&store), HeaderKey::new("x-api-key"))
         .namespace("api")
