@@ -11,7 +11,7 @@ use ratelimit_core::algo::{self, RuleState};
 use ratelimit_core::packed::{self, Header, PackedRules};
 use redis_module::key::KeyFlags;
 
-use crate::keyspace::{may_exist, with_buffer, Expiry, StateKey};
+use crate::keyspace::{may_exist, Expiry, StateKey};
 use redis_module::{CallOptionsBuilder, CallReply, CallResult, Context, KeyType, RedisString};
 
 /// The rule sets seen lately, by their packed bytes: building one (validation, the
@@ -256,10 +256,14 @@ pub(crate) fn decide_one(
         };
         let log_until = log_now + header.log_period_us;
         let expiry = expires_at_ms(&header, now, transition.expires_at_us);
-        with_buffer(|raw| {
-            packed::encode_state(raw, &header, rules, &states, log_until);
-            state_key.write(keys.state, raw, Expiry::At(expiry))
-        })?;
+        state_key.write_state(
+            keys.state,
+            &header,
+            rules,
+            &states,
+            log_until,
+            Expiry::At(expiry),
+        )?;
         drop(state_key);
         if let Some(log_key) = keys.log {
             write_log(

@@ -30,6 +30,8 @@
 use std::os::raw::{c_char, c_longlong};
 use std::ptr;
 
+use ratelimit_core::algo::RuleState;
+use ratelimit_core::packed::{self, Header, PackedRules};
 use redis_module::{raw, Context, KeyType, RedisString};
 use smallvec::SmallVec;
 
@@ -157,6 +159,34 @@ impl<'a> StateKey<'a> {
         Ok(())
     }
 
+    /// Writes `states` (after a commit, a refund or a debt under `rules`) as [`write`]
+    /// does, encoded by [`packed::encode_state`] with the log marker's time `log_until`.
+    /// The encoding goes through the command thread's one buffer, so that no write
+    /// allocates a vector of its own (an allocation and its free cost about a twentieth
+    /// of an edit in a batch).
+    ///
+    /// [`write`]: Self::write
+    pub(crate) fn write_state(
+        &mut self,
+        name: &RedisString,
+        header: &Header,
+        rules: &PackedRules,
+        states: &[RuleState],
+        log_until: u64,
+        expiry: Expiry,
+    ) -> Result<(), String> {
+        thread_local! {
+            static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+        }
+        // Taken, not borrowed: nothing below can find it in use.
+        let mut buffer = BUFFER.take();
+        buffer.clear();
+        packed::encode_state(&mut buffer, header, rules, states, log_until);
+        let written = self.write(name, &buffer, expiry);
+        BUFFER.set(buffer);
+        written
+    }
+
     /// The key's expiry as an absolute time in ms, when it has one.
     fn abs_expire(&self) -> Option<c_longlong> {
         // SAFETY: as in `Held::of` (the API's function pointers).
@@ -194,21 +224,6 @@ impl<'a> StateKey<'a> {
         // `self` ensures both.
         Some(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) })
     }
-}
-
-/// Runs `fill` on the command thread's buffer for a value about to be written, emptied
-/// first: a state is encoded there and copied into the key, so that no write allocates
-/// a vector of its own (an allocation and its free cost about a twentieth of an edit in
-/// a batch). Nested calls get a buffer of their own.
-pub(crate) fn with_buffer<R>(fill: impl FnOnce(&mut Vec<u8>) -> R) -> R {
-    thread_local! {
-        static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
-    }
-    let mut buffer = BUFFER.take();
-    buffer.clear();
-    let result = fill(&mut buffer);
-    BUFFER.set(buffer);
-    result
 }
 
 /// When a written key expires.

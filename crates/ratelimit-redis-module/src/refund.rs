@@ -13,7 +13,7 @@ use ratelimit_core::{Algorithm, Rule};
 use redis_module::{Context, KeyType, RedisString};
 
 use crate::check::{args_error, expires_at_ms, read_log, replicated, rules_of, write_log, Log};
-use crate::keyspace::{with_buffer, Expiry, StateKey};
+use crate::keyspace::{Expiry, StateKey};
 
 /// A number argument: an integer in decimal.
 pub(crate) fn number(arg: &RedisString, what: &str) -> Result<u64, String> {
@@ -350,10 +350,7 @@ pub(crate) fn give_back_parsed(
     if refunded || marker.is_some() {
         // The log marker's time, where the state has one (rules with a sliding log).
         let log_until = marker.unwrap_or(stored_log_until);
-        with_buffer(|out| {
-            packed::encode_state(out, &header, rules, &states, log_until);
-            key.write(state_name, out, Expiry::Kept)
-        })?;
+        key.write_state(state_name, &header, rules, &states, log_until, Expiry::Kept)?;
         changed = true;
         // The state is written in the rules' own layout, which vouches for the log: a
         // log the carried state did not vouch for is no one's (MemoryStore dropped it
@@ -503,14 +500,14 @@ fn charge(
         .unwrap_or(now);
     let log_until = log_now + header.log_period_us;
     let expires = algo::expires_at_for(rules.rules(), &states);
-    with_buffer(|out| {
-        packed::encode_state(out, &header, rules, &states, log_until);
-        key.write(
-            state_name,
-            out,
-            Expiry::At(expires_at_ms(&header, now, expires)),
-        )
-    })?;
+    key.write_state(
+        state_name,
+        &header,
+        rules,
+        &states,
+        log_until,
+        Expiry::At(expires_at_ms(&header, now, expires)),
+    )?;
     drop(key);
     if let Some(log_name) = log_name {
         write_log(
