@@ -107,8 +107,9 @@ local function debit_at(KEYS, packed, injected, batch_now, pre, arguments, takin
       .. VERSION_SKEW)
   end
   -- Every rule is checked before anything is read or written. Its six values are kept
-  -- in the library's reply table, unused by a debit (a table per rule, or per debit,
-  -- costs more than the debit's arithmetic): rule i's at 6i - 5 to 6i.
+  -- in the library's table of a check's reply, which holds no reply while a debit runs
+  -- (a table per rule, or per debit, costs more than the debit's arithmetic): rule i's
+  -- at 6i - 5 to 6i.
   local rules = OUT
   for i = 1, n do
     local code, limit, period, a, b, id

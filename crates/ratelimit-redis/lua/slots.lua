@@ -52,8 +52,9 @@ local function edit_slot_at(key, raw, injected, now, number, timeout, ttl_floor)
   -- Only the slot itself changes: the others, live or not, stay as they are (a check
   -- drops those past their deadline when it writes). The slots are the values after
   -- the marker and its count, to the state's end.
-  -- The slots kept go to the library's reply table, which no edit uses (a table made
-  -- here, and grown pair by pair, costs as much as the walk): `kept` values.
+  -- The slots kept go to the library's table of a check's reply, which holds no reply
+  -- while a release or a renewal runs (a table made here, and grown pair by pair, costs
+  -- as much as the walk): `kept` values.
   local keep, kept, live, latest = OUT, 0, false, 0
   for j = at + 1, len, 2 do
     local d, k = v[j], v[j + 1]
